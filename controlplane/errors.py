@@ -1,0 +1,184 @@
+"""Every error the control plane and its workers report, as one small tree.
+
+Each error has a stable machine-readable ``code`` (an :class:`ErrorCode`) that travels in acks,
+and says whether retrying the same thing could succeed. No I/O here.
+
+    ControlPlaneError
+    ├── ProtocolError             untrusted bytes did not decode into our wire models
+    ├── CommandRejected           a well-formed command this worker refuses before touching anything
+    ├── RunnerError               the model runner refused or failed a command
+    │   └── WeightsCorrupted      copying began and did not finish: the worker is degraded
+    ├── BusError                  Kafka could not be reached or disagrees with us (translated once, in bus.py)
+    │   └── TopicMismatch         an existing topic's partitions or configs differ from topics.py
+    └── BrokerError               the local Apache Kafka broker could not be provisioned or started
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    """Stable codes. Never rename one: CI scripts and dashboards match on them."""
+
+    # Decoding untrusted bytes (protocol.py).
+    MALFORMED_JSON = "MALFORMED_JSON"
+    SCHEMA_INVALID = "SCHEMA_INVALID"
+    UNSUPPORTED_SCHEMA_VERSION = "UNSUPPORTED_SCHEMA_VERSION"
+    MESSAGE_TOO_LARGE = "MESSAGE_TOO_LARGE"
+    # Refused by the agent before the runner sees it.
+    EXPIRED = "EXPIRED"
+    SIGNATURE_INVALID = "SIGNATURE_INVALID"
+    PATH_NOT_ALLOWED = "PATH_NOT_ALLOWED"
+    UNSUPPORTED_COMMAND = "UNSUPPORTED_COMMAND"
+    # Refused by the runner after validation, before any weight or setting changed.
+    MODEL_NOT_LOADED = "MODEL_NOT_LOADED"
+    WEIGHTS_UNREADABLE = "WEIGHTS_UNREADABLE"
+    WEIGHTS_MISSING = "WEIGHTS_MISSING"
+    WEIGHTS_UNEXPECTED = "WEIGHTS_UNEXPECTED"
+    WEIGHTS_SHAPE_MISMATCH = "WEIGHTS_SHAPE_MISMATCH"
+    WEIGHTS_DTYPE_MISMATCH = "WEIGHTS_DTYPE_MISMATCH"
+    CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"
+    CONFIG_KEY_REJECTED = "CONFIG_KEY_REJECTED"
+    CONFIG_VALUE_INVALID = "CONFIG_VALUE_INVALID"
+    # Failed while applying.
+    WEIGHTS_CORRUPTED = "WEIGHTS_CORRUPTED"
+    COMMAND_TIMEOUT = "COMMAND_TIMEOUT"
+    RUNNER_FAILED = "RUNNER_FAILED"
+    WORKER_SHUTTING_DOWN = "WORKER_SHUTTING_DOWN"
+    INTERNAL = "INTERNAL"
+    # Kafka.
+    BROKER_UNAVAILABLE = "BROKER_UNAVAILABLE"
+    TOPIC_MISMATCH = "TOPIC_MISMATCH"
+    KAFKA_ERROR = "KAFKA_ERROR"
+    # Local broker provisioning.
+    JAVA_NOT_FOUND = "JAVA_NOT_FOUND"
+    JAVA_TOO_OLD = "JAVA_TOO_OLD"
+    MAVEN_NOT_FOUND = "MAVEN_NOT_FOUND"
+    JARS_UNRESOLVABLE = "JARS_UNRESOLVABLE"
+    PORT_IN_USE = "PORT_IN_USE"
+    BROKER_DIED = "BROKER_DIED"
+    BROKER_START_TIMEOUT = "BROKER_START_TIMEOUT"
+
+
+#: Codes for which the same command may succeed later without being changed.
+RETRYABLE_CODES: frozenset[ErrorCode] = frozenset(
+    {
+        ErrorCode.WEIGHTS_UNREADABLE,
+        ErrorCode.COMMAND_TIMEOUT,
+        ErrorCode.WORKER_SHUTTING_DOWN,
+        ErrorCode.BROKER_UNAVAILABLE,
+        ErrorCode.KAFKA_ERROR,
+        ErrorCode.PORT_IN_USE,
+        ErrorCode.BROKER_START_TIMEOUT,
+    }
+)
+
+#: Codes meaning "refused before anything changed" (ack state ``rejected``, an xDS NACK);
+#: every other code on an ack means the command was attempted and ``failed``.
+REJECTION_CODES: frozenset[ErrorCode] = frozenset(
+    {
+        ErrorCode.MALFORMED_JSON,
+        ErrorCode.SCHEMA_INVALID,
+        ErrorCode.UNSUPPORTED_SCHEMA_VERSION,
+        ErrorCode.MESSAGE_TOO_LARGE,
+        ErrorCode.EXPIRED,
+        ErrorCode.SIGNATURE_INVALID,
+        ErrorCode.PATH_NOT_ALLOWED,
+        ErrorCode.UNSUPPORTED_COMMAND,
+        ErrorCode.MODEL_NOT_LOADED,
+        ErrorCode.WEIGHTS_UNREADABLE,
+        ErrorCode.WEIGHTS_MISSING,
+        ErrorCode.WEIGHTS_UNEXPECTED,
+        ErrorCode.WEIGHTS_SHAPE_MISMATCH,
+        ErrorCode.WEIGHTS_DTYPE_MISMATCH,
+        ErrorCode.CHECKSUM_MISMATCH,
+        ErrorCode.CONFIG_KEY_REJECTED,
+        ErrorCode.CONFIG_VALUE_INVALID,
+    }
+)
+
+
+class ControlPlaneError(Exception):
+    """Base of every error we raise on purpose."""
+
+    default_code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str, *, code: ErrorCode | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code: ErrorCode = code if code is not None else self.default_code
+
+    @property
+    def retryable(self) -> bool:
+        return self.code in RETRYABLE_CODES
+
+    @property
+    def is_rejection(self) -> bool:
+        """True when nothing was changed: the ack state is ``rejected`` rather than ``failed``."""
+        return self.code in REJECTION_CODES
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(code={self.code.value!r}, message={self.message!r})"
+
+
+class ProtocolError(ControlPlaneError):
+    """Bytes from the wire are not one of our messages."""
+
+    default_code = ErrorCode.SCHEMA_INVALID
+
+    def __init__(
+        self, message: str, *, code: ErrorCode | None = None, command_id: str | None = None
+    ) -> None:
+        super().__init__(message, code=code)
+        #: The command id, when it could be read from the broken message (so it can be NACKed).
+        self.command_id = command_id
+        self.rollout_id: str | None = None
+
+
+class CommandRejected(ControlPlaneError):
+    """A valid command this worker refuses: expired, unsigned, outside the allowed roots."""
+
+    default_code = ErrorCode.UNSUPPORTED_COMMAND
+
+
+class RunnerError(ControlPlaneError):
+    """The model runner refused (validation) or failed (application) a command."""
+
+    default_code = ErrorCode.RUNNER_FAILED
+
+
+class WeightsCorrupted(RunnerError):
+    """A reload failed after copying began: parameters are a mix of two checkpoints."""
+
+    default_code = ErrorCode.WEIGHTS_CORRUPTED
+
+    def __init__(self, message: str, *, from_version: str | None, to_version: str) -> None:
+        super().__init__(message)
+        self.from_version = from_version
+        self.to_version = to_version
+
+
+class BusError(ControlPlaneError):
+    """Kafka failed us; raised only by bus.py, which translates aiokafka's errors."""
+
+    default_code = ErrorCode.KAFKA_ERROR
+
+
+class TopicMismatch(BusError):
+    """An existing topic does not have the partitions or configs that topics.py declares."""
+
+    default_code = ErrorCode.TOPIC_MISMATCH
+
+    def __init__(self, message: str, *, differences: list[str]) -> None:
+        super().__init__(message)
+        self.differences = differences
+
+
+class BrokerError(ControlPlaneError):
+    """The local Apache Kafka broker (broker.py) could not be provisioned or started."""
+
+    default_code = ErrorCode.BROKER_DIED

@@ -1,0 +1,37 @@
+"""Settings shared by every process that talks to Kafka; each process has its own model with an env prefix.
+
+No I/O. Security settings pass straight through to aiokafka (TLS and SASL).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, SecretStr
+
+from controlplane.topics import DEFAULT_PREFIX, Topics
+
+DEFAULT_BOOTSTRAP = "127.0.0.1:19092"
+
+
+class KafkaSettings(BaseModel):
+    """How to reach the cluster. Nested in each process's settings (env ``<PREFIX>KAFKA__...``)."""
+
+    bootstrap_servers: str = Field(
+        default=DEFAULT_BOOTSTRAP, description="Comma-separated host:port list."
+    )
+    topic_prefix: str = DEFAULT_PREFIX
+    replication_factor: int = Field(default=1, ge=1)
+    client_id: str = "fleet-controlplane"
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    request_timeout_ms: int = Field(default=30_000, ge=1000)
+
+    @property
+    def topics(self) -> Topics:
+        return Topics(prefix=self.topic_prefix, replication_factor=self.replication_factor)
