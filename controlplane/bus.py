@@ -1,0 +1,386 @@
+"""The Kafka seam: the only module that imports aiokafka.
+
+Producers, consumers and topic administration over our own types (:class:`Record`,
+:class:`~controlplane.topics.Topics`) and our own errors: every aiokafka exception is translated
+here, once, into a :class:`~controlplane.errors.BusError`. Nothing above this module sees aiokafka.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal, Self
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError
+from aiokafka.helpers import create_ssl_context
+from aiokafka.structs import OffsetAndMetadata
+
+from controlplane.errors import BusError, ErrorCode, TopicMismatch
+from controlplane.settings import KafkaSettings
+from controlplane.topics import Topics, TopicSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    timestamp_ms: int
+
+
+@dataclass(frozen=True)
+class EnsureReport:
+    created: list[str]
+    existing: list[str]
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    bootstrap: str
+    brokers: int
+    controller_id: int | None
+    cluster_id: str | None
+
+
+@contextlib.contextmanager
+def translate(what: str) -> Iterator[None]:
+    """Turn aiokafka's exceptions into ours. ``what`` says what we were doing."""
+    try:
+        yield
+    except BusError:
+        raise
+    except (KafkaConnectionError, KafkaTimeoutError) as exc:
+        raise BusError(f"{what}: Kafka unreachable: {exc}", code=ErrorCode.BROKER_UNAVAILABLE) from exc
+    except KafkaError as exc:
+        retryable = bool(getattr(exc, "retriable", False))
+        code = ErrorCode.BROKER_UNAVAILABLE if retryable else ErrorCode.KAFKA_ERROR
+        raise BusError(f"{what}: {type(exc).__name__}: {exc}", code=code) from exc
+    except TimeoutError as exc:
+        raise BusError(f"{what}: timed out", code=ErrorCode.BROKER_UNAVAILABLE) from exc
+
+
+def client_options(settings: KafkaSettings) -> dict[str, Any]:
+    """Connection and security options shared by every aiokafka client (TLS/SASL pass through)."""
+    opts: dict[str, Any] = {
+        "bootstrap_servers": settings.bootstrap_servers,
+        "client_id": settings.client_id,
+        "request_timeout_ms": settings.request_timeout_ms,
+        "security_protocol": settings.security_protocol,
+    }
+    if settings.security_protocol in ("SSL", "SASL_SSL"):
+        opts["ssl_context"] = create_ssl_context(
+            cafile=settings.ssl_cafile, certfile=settings.ssl_certfile, keyfile=settings.ssl_keyfile
+        )
+    if settings.sasl_mechanism is not None:
+        opts["sasl_mechanism"] = settings.sasl_mechanism
+        opts["sasl_plain_username"] = settings.sasl_username
+        if settings.sasl_password is not None:
+            opts["sasl_plain_password"] = settings.sasl_password.get_secret_value()
+    return opts
+
+
+class _Lifecycle:
+    """start()/stop() with a null state: stop() works after a failed start() and twice."""
+
+    _started = False
+    _closed = False
+
+    async def start(self) -> None:
+        if self._closed:
+            raise BusError(f"{type(self).__name__} was stopped and cannot be reused")
+        if self._started:
+            return
+        await self._start()
+        self._started = True
+
+    async def stop(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            await self._stop()
+
+    async def _start(self) -> None:
+        raise NotImplementedError
+
+    async def _stop(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+
+class Producer(_Lifecycle):
+    """An idempotent producer with acks=all: commands and acks must not be lost or duplicated."""
+
+    def __init__(self, settings: KafkaSettings, *, linger_ms: int = 0) -> None:
+        self._producer = AIOKafkaProducer(
+            **client_options(settings),
+            acks="all",
+            enable_idempotence=True,
+            linger_ms=linger_ms,
+            max_request_size=2 * 1024 * 1024,
+        )
+
+    async def _start(self) -> None:
+        with translate("starting the producer"):
+            await self._producer.start()
+
+    async def _stop(self) -> None:
+        await self._producer.stop()
+
+    async def send(self, topic: str, value: bytes | None, *, key: bytes | None = None) -> Record:
+        """Publish one record and wait until the cluster has it. Returns where it landed."""
+        with translate(f"publishing to {topic}"):
+            meta = await self._producer.send_and_wait(topic, value=value, key=key)
+        return Record(topic, meta.partition, meta.offset, key, value, meta.timestamp)
+
+    async def send_many(
+        self, topic: str, items: Sequence[tuple[bytes | None, bytes | None]]
+    ) -> None:
+        """Publish (key, value) pairs concurrently and wait for all; for bulk writers."""
+        with translate(f"publishing to {topic}"):
+            futures = [await self._producer.send(topic, value=v, key=k) for k, v in items]
+            await asyncio.gather(*futures)
+
+    async def flush(self) -> None:
+        with translate("flushing the producer"):
+            await self._producer.flush()
+
+
+class Consumer(_Lifecycle):
+    """A consumer with manual assignment and manual commits (never auto-commit).
+
+    With ``group_id`` the consumer stores its positions in Kafka under that group without
+    joining it: no rebalances, no session to lose during a long reload.
+    """
+
+    def __init__(
+        self,
+        settings: KafkaSettings,
+        *,
+        group_id: str | None = None,
+        max_partition_fetch_bytes: int = 2 * 1024 * 1024,
+        fetch_max_wait_ms: int = 100,
+    ) -> None:
+        self._consumer = AIOKafkaConsumer(
+            **client_options(settings),
+            group_id=group_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            max_partition_fetch_bytes=max_partition_fetch_bytes,
+            fetch_max_wait_ms=fetch_max_wait_ms,
+            isolation_level="read_committed",
+        )
+        self.group_id = group_id
+
+    async def _start(self) -> None:
+        with translate("starting the consumer"):
+            await self._consumer.start()
+
+    async def _stop(self) -> None:
+        await self._consumer.stop()
+
+    async def partitions(self, topic: str) -> list[int]:
+        with translate(f"reading metadata of {topic}"):
+            parts = self._consumer.partitions_for_topic(topic)
+            if parts is None:
+                await self._consumer._client.force_metadata_update()  # noqa: SLF001
+                parts = self._consumer.partitions_for_topic(topic)
+        if not parts:
+            raise BusError(f"topic {topic} does not exist; run `controlplane topics ensure`")
+        return sorted(parts)
+
+    async def assign(self, topic: str, partitions: Sequence[int] | None = None) -> list[int]:
+        parts = list(partitions) if partitions is not None else await self.partitions(topic)
+        with translate(f"assigning {topic}"):
+            self._consumer.assign([TopicPartition(topic, p) for p in parts])
+        return parts
+
+    async def assign_many(self, topics: Sequence[str]) -> None:
+        tps = [TopicPartition(t, p) for t in topics for p in await self.partitions(t)]
+        with translate("assigning topics"):
+            self._consumer.assign(tps)
+
+    async def seek_to_beginning(self) -> None:
+        with translate("seeking to the beginning"):
+            await self._consumer.seek_to_beginning()
+
+    def seek(self, topic: str, partition: int, offset: int) -> None:
+        with translate(f"seeking {topic}[{partition}]"):
+            self._consumer.seek(TopicPartition(topic, partition), offset)
+
+    async def position(self, topic: str, partition: int) -> int:
+        with translate(f"reading position of {topic}[{partition}]"):
+            return await self._consumer.position(TopicPartition(topic, partition))
+
+    async def committed(self, topic: str, partition: int) -> int | None:
+        with translate(f"reading committed offset of {topic}[{partition}]"):
+            off = await self._consumer.committed(TopicPartition(topic, partition))
+        return None if off is None or off < 0 else int(off)
+
+    async def commit(self, topic: str, partition: int, next_offset: int) -> None:
+        """Store ``next_offset`` (the offset of the next record to read) for the group."""
+        with translate(f"committing {topic}[{partition}]@{next_offset}"):
+            await self._consumer.commit(
+                {TopicPartition(topic, partition): OffsetAndMetadata(next_offset, "")}
+            )
+
+    async def end_offsets(self, topic: str) -> dict[int, int]:
+        parts = await self.partitions(topic)
+        with translate(f"reading end offsets of {topic}"):
+            res = await self._consumer.end_offsets([TopicPartition(topic, p) for p in parts])
+        return {tp.partition: off for tp, off in res.items()}
+
+    async def beginning_offsets(self, topic: str) -> dict[int, int]:
+        parts = await self.partitions(topic)
+        with translate(f"reading beginning offsets of {topic}"):
+            res = await self._consumer.beginning_offsets([TopicPartition(topic, p) for p in parts])
+        return {tp.partition: off for tp, off in res.items()}
+
+    async def fetch(self, *, timeout_s: float = 1.0, max_records: int | None = None) -> list[Record]:
+        """Up to ``max_records`` records (possibly none), in order within each partition."""
+        with translate("fetching"):
+            batches = await self._consumer.getmany(
+                timeout_ms=int(timeout_s * 1000), max_records=max_records
+            )
+        out: list[Record] = []
+        for tp, msgs in batches.items():
+            out.extend(
+                Record(tp.topic, tp.partition, m.offset, m.key, m.value, m.timestamp) for m in msgs
+            )
+        return out
+
+    async def records(self, *, timeout_s: float = 1.0) -> AsyncIterator[list[Record]]:
+        """Batches forever (empty batches included, so callers can check deadlines)."""
+        while True:
+            yield await self.fetch(timeout_s=timeout_s)
+
+
+class Admin(_Lifecycle):
+    def __init__(self, settings: KafkaSettings) -> None:
+        self._admin = AIOKafkaAdminClient(**client_options(settings))
+
+    async def _start(self) -> None:
+        with translate("connecting the admin client"):
+            await self._admin.start()
+
+    async def _stop(self) -> None:
+        await self._admin.close()
+
+    async def ensure_topics(self, topics: Topics) -> EnsureReport:
+        """Create missing topics; verify existing ones. Idempotent; raises TopicMismatch."""
+        specs = topics.all()
+        with translate("listing topics"):
+            existing = set(await self._admin.list_topics())
+        missing = [s for s in specs if s.name not in existing]
+        if missing:
+            with translate("creating topics"):
+                resp = await self._admin.create_topics(
+                    [
+                        NewTopic(
+                            s.name,
+                            num_partitions=s.partitions,
+                            replication_factor=topics.replication_factor,
+                            topic_configs=dict(s.config),
+                        )
+                        for s in missing
+                    ]
+                )
+            for name, code, message in _topic_errors(resp):
+                if code not in (0, 36):  # 36: TOPIC_ALREADY_EXISTS (a concurrent creator won)
+                    raise BusError(f"creating topic {name} failed: error {code} {message or ''}")
+        present = [s for s in specs if s.name in existing]
+        differences = await self._differences(present) if present else []
+        if differences:
+            raise TopicMismatch(
+                "existing topics differ from what this version needs:\n  " + "\n  ".join(differences),
+                differences=differences,
+            )
+        return EnsureReport(created=[s.name for s in missing], existing=[s.name for s in present])
+
+    async def _differences(self, specs: list[TopicSpec]) -> list[str]:
+        diffs: list[str] = []
+        with translate("describing topics"):
+            described = await self._admin.describe_topics([s.name for s in specs])
+            configs = await self._admin.describe_configs(
+                [ConfigResource(ConfigResourceType.TOPIC, s.name) for s in specs]
+            )
+        partitions = {d["topic"]: len(d["partitions"]) for d in described}
+        actual_cfg: dict[str, dict[str, str]] = {}
+        for resp in configs:
+            for resource in resp.resources:
+                # (error_code, error_message, resource_type, resource_name, config_entries)
+                name, entries = resource[3], resource[4]
+                actual_cfg[name] = {e[0]: e[1] for e in entries}
+        for s in specs:
+            have = partitions.get(s.name)
+            if have is not None and have != s.partitions:
+                diffs.append(f"{s.name}: {have} partitions, expected {s.partitions}")
+            for key, want in s.config.items():
+                got = actual_cfg.get(s.name, {}).get(key)
+                if got != want:
+                    diffs.append(f"{s.name}: {key}={got}, expected {want}")
+        return diffs
+
+    async def delete_topics(self, names: Sequence[str]) -> None:
+        with translate("deleting topics"):
+            await self._admin.delete_topics(list(names))
+
+
+def _topic_errors(resp: Any) -> list[tuple[str, int, str | None]]:
+    out = []
+    for item in resp.topic_errors:
+        name, code = item[0], item[1]
+        message = item[2] if len(item) > 2 else None
+        out.append((name, code, message))
+    return out
+
+
+async def probe(bootstrap: str, *, timeout: float = 10.0) -> ClusterInfo:
+    """Ask the cluster for its metadata: proof that it is up and serving."""
+    settings = KafkaSettings(bootstrap_servers=bootstrap, request_timeout_ms=max(1000, int(timeout * 1000)))
+    admin = Admin(settings)
+    try:
+        async with asyncio.timeout(timeout):
+            await admin.start()
+            with translate("describing the cluster"):
+                info = await admin._admin.describe_cluster()  # noqa: SLF001
+    except TimeoutError:
+        raise BusError(f"no metadata from {bootstrap} within {timeout}s", code=ErrorCode.BROKER_UNAVAILABLE) from None
+    finally:
+        await admin.stop()
+    return ClusterInfo(
+        bootstrap=bootstrap,
+        brokers=len(info.get("brokers", [])),
+        controller_id=info.get("controller_id"),
+        cluster_id=info.get("cluster_id"),
+    )
+
+
+def probe_sync(bootstrap: str, *, timeout: float = 10.0) -> ClusterInfo:
+    return asyncio.run(probe(bootstrap, timeout=timeout))
+
+
+Offset = Literal["earliest", "latest"]

@@ -1,0 +1,200 @@
+"""The `controlplane` command line: broker, topics, schemas (this module); rollouts and services in cli_*.
+
+Entry point only: parses arguments, runs coroutines, maps our errors to exit codes and one
+readable line on stderr. No business logic here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Coroutine
+from enum import IntEnum
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from controlplane.broker import DEFAULT_CONTROLLER_PORT, DEFAULT_PORT, BrokerConfig, LocalBroker
+from controlplane.errors import BusError, ControlPlaneError, ErrorCode
+from controlplane.settings import DEFAULT_BOOTSTRAP, KafkaSettings
+
+T = TypeVar("T")
+
+
+class Exit(IntEnum):
+    """Process exit codes, stable for CI."""
+
+    OK = 0
+    FAILED = 1
+    TIMED_OUT = 2
+    INVALID = 3
+    UNREACHABLE = 4
+    INTERNAL = 5
+
+
+app = typer.Typer(
+    name="controlplane",
+    help="Kafka-driven control plane for model-serving fleets.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+broker_app = typer.Typer(help="A local Apache Kafka 4.x broker (KRaft) for development and tests.")
+topics_app = typer.Typer(help="The commands, acks and workers topics.")
+schema_app = typer.Typer(help="The JSON Schemas of the wire protocol.")
+app.add_typer(broker_app, name="broker")
+app.add_typer(topics_app, name="topics")
+app.add_typer(schema_app, name="schema")
+
+BootstrapOpt = Annotated[
+    str,
+    typer.Option("--bootstrap", "-b", envvar="FLEET_KAFKA_BOOTSTRAP", help="Kafka bootstrap servers."),
+]
+PrefixOpt = Annotated[
+    str, typer.Option("--topic-prefix", envvar="FLEET_TOPIC_PREFIX", help="Topic name prefix.")
+]
+
+
+def fail(error: ControlPlaneError) -> typer.Exit:
+    """Print one readable error line and pick the exit code for its class."""
+    typer.echo(f"error: {error.code}: {error.message}", err=True)
+    if isinstance(error, BusError) and error.code is ErrorCode.BROKER_UNAVAILABLE:
+        return typer.Exit(Exit.UNREACHABLE)
+    if error.code in (ErrorCode.SCHEMA_INVALID, ErrorCode.PATH_NOT_ALLOWED):
+        return typer.Exit(Exit.INVALID)
+    return typer.Exit(Exit.FAILED)
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    try:
+        return asyncio.run(coro)
+    except ControlPlaneError as exc:
+        raise fail(exc) from None
+
+
+def kafka_settings(bootstrap: str, prefix: str) -> KafkaSettings:
+    return KafkaSettings(bootstrap_servers=bootstrap, topic_prefix=prefix)
+
+
+# --------------------------------------------------------------------------- broker
+
+
+def _broker(
+    port: int, controller_port: int, data_dir: Path, java: str = "java", heap_mb: int = 512
+) -> LocalBroker:
+    return LocalBroker(
+        BrokerConfig(
+            port=port, controller_port=controller_port, data_dir=data_dir, java=java, heap_mb=heap_mb
+        )
+    )
+
+
+PortOpt = Annotated[int, typer.Option("--port", help="Client port on 127.0.0.1.")]
+CPortOpt = Annotated[int, typer.Option("--controller-port", help="KRaft controller port.")]
+DataOpt = Annotated[Path, typer.Option("--data-dir", help="Broker data and log directory.")]
+
+
+@broker_app.command("start")
+def broker_start(
+    port: PortOpt = DEFAULT_PORT,
+    controller_port: CPortOpt = DEFAULT_CONTROLLER_PORT,
+    data_dir: DataOpt = Path(".fleet/broker"),
+    java: Annotated[str, typer.Option(help="Java executable (17+).")] = "java",
+    heap_mb: Annotated[int, typer.Option(help="Broker JVM heap in MB.")] = 512,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for readiness.")] = 90.0,
+) -> None:
+    """Resolve Kafka's jars (cached), format KRaft storage, start, wait until it serves."""
+    broker = _broker(port, controller_port, data_dir, java, heap_mb)
+    try:
+        status = broker.start(timeout=timeout)
+    except ControlPlaneError as exc:
+        raise fail(exc) from None
+    typer.echo(
+        f"Apache Kafka {status.kafka_version} running at {status.bootstrap} "
+        f"(pid {status.pid}, data {status.data_dir}, log {status.log_file})"
+    )
+
+
+@broker_app.command("stop")
+def broker_stop(
+    port: PortOpt = DEFAULT_PORT,
+    controller_port: CPortOpt = DEFAULT_CONTROLLER_PORT,
+    data_dir: DataOpt = Path(".fleet/broker"),
+) -> None:
+    """Stop the broker: SIGTERM, wait, then SIGKILL."""
+    stopped = _broker(port, controller_port, data_dir).stop()
+    typer.echo("stopped" if stopped else "not running")
+
+
+@broker_app.command("status")
+def broker_status(
+    port: PortOpt = DEFAULT_PORT,
+    controller_port: CPortOpt = DEFAULT_CONTROLLER_PORT,
+    data_dir: DataOpt = Path(".fleet/broker"),
+) -> None:
+    """Say whether the broker runs; exit 1 when it does not."""
+    status = _broker(port, controller_port, data_dir).status()
+    if status.running:
+        typer.echo(f"running: Apache Kafka {status.kafka_version} at {status.bootstrap} (pid {status.pid})")
+    else:
+        typer.echo("not running")
+        raise typer.Exit(Exit.FAILED)
+
+
+# --------------------------------------------------------------------------- topics
+
+
+@topics_app.command("ensure")
+def topics_ensure(bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP, prefix: PrefixOpt = "fleet") -> None:
+    """Create the topics, or check that existing ones match (exit 1 listing differences)."""
+    from controlplane.bus import Admin
+
+    async def go() -> None:
+        async with Admin(kafka_settings(bootstrap, prefix)) as admin:
+            report = await admin.ensure_topics(kafka_settings(bootstrap, prefix).topics)
+        for name in report.created:
+            typer.echo(f"created  {name}")
+        for name in report.existing:
+            typer.echo(f"ok       {name}")
+
+    run(go())
+
+
+# --------------------------------------------------------------------------- schemas
+
+
+@schema_app.command("export")
+def schema_export(
+    directory: Annotated[
+        Path | None, typer.Option("--dir", help="Where to write; default: the package's schemas/.")
+    ] = None,
+    check: Annotated[bool, typer.Option("--check", help="Exit 1 if the files are stale.")] = False,
+    stdout: Annotated[bool, typer.Option("--stdout", help="Print the schemas as one JSON.")] = False,
+) -> None:
+    """Write the JSON Schemas of command, ack and heartbeat (for producers in any language)."""
+    from controlplane import schema_export as export
+    from controlplane.protocol import json_schemas
+
+    if stdout:
+        typer.echo(json.dumps(json_schemas(), indent=2, sort_keys=True))
+        return
+    target = directory or Path(__file__).parent / "schemas"
+    if check:
+        stale = export.check_schemas(target)
+        if stale:
+            typer.echo(f"stale: {', '.join(stale)}; run `controlplane schema export`", err=True)
+            raise typer.Exit(Exit.FAILED)
+        typer.echo("schemas are up to date")
+        return
+    for path in export.write_schemas(target):
+        typer.echo(f"wrote {path}")
+
+
+def main() -> None:
+    try:
+        app()
+    except ControlPlaneError as exc:  # a last net: one line, never a traceback
+        typer.echo(f"error: {exc.code}: {exc.message}", err=True)
+        sys.exit(Exit.FAILED)

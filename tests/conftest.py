@@ -1,0 +1,76 @@
+"""Shared fixtures: a real Apache Kafka broker for the session, and isolated topics per test.
+
+Set KAFKA_BOOTSTRAP=host:port to run the Kafka tests against an existing cluster instead.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from controlplane.broker import BrokerConfig, LocalBroker
+from controlplane.bus import Admin, probe_sync
+from controlplane.settings import KafkaSettings
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _say(config: pytest.Config, line: str) -> None:
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """The bootstrap address of a real broker: $KAFKA_BOOTSTRAP, or one this session starts."""
+    external = os.environ.get("KAFKA_BOOTSTRAP")
+    if external:
+        info = probe_sync(external, timeout=20)
+        _say(request.config, f"\n[kafka] external cluster {external}: {info.brokers} broker(s)")
+        yield external
+        return
+    broker = LocalBroker(
+        BrokerConfig(
+            port=free_port(),
+            controller_port=free_port(),
+            data_dir=tmp_path_factory.mktemp("kafka"),
+        )
+    )
+    status = broker.start(timeout=120)
+    _say(
+        request.config,
+        f"\n[kafka] started Apache Kafka {status.kafka_version} (KRaft, pid {status.pid}) "
+        f"at {status.bootstrap}",
+    )
+    try:
+        yield broker.bootstrap
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+async def kafka(kafka_bootstrap: str) -> AsyncIterator[KafkaSettings]:
+    """Settings for a fresh set of topics (a unique prefix) on the session's broker."""
+    settings = KafkaSettings(
+        bootstrap_servers=kafka_bootstrap, topic_prefix=f"t{uuid.uuid4().hex[:10]}"
+    )
+    async with Admin(settings) as admin:
+        await admin.ensure_topics(settings.topics)
+    yield settings
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
