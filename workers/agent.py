@@ -1,0 +1,454 @@
+"""The worker agent: consume commands, filter, dedupe, dispatch to the runner off the loop, ack, commit.
+
+One command at a time, in log order. The position is committed only after the terminal ack is
+published; application is idempotent by command id (journal in state.py). Heartbeats run beside
+the command loop and never wait for the runner. No signals or asyncio.run here (see cli.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from controlplane.bus import Consumer, Producer, Record
+from controlplane.errors import BusError, CommandRejected, ControlPlaneError, ErrorCode, ProtocolError
+from controlplane.protocol import (
+    Ack,
+    AckError,
+    AckState,
+    Command,
+    CommandKind,
+    Degraded,
+    Heartbeat,
+    InFlight,
+    ReloadWeightsSpec,
+    Timings,
+    UpdateConfigSpec,
+    WorkerStatus,
+    decode_command,
+    encode,
+    utcnow,
+)
+from controlplane.topics import worker_key
+from workers import failpoints
+from workers.paths import resolve_weights_path
+from workers.runner import Runner, RunnerDescription
+from workers.settings import WorkerSettings
+from workers.state import WorkerState
+
+log = logging.getLogger("workers.agent")
+
+AGENT_VERSION = "0.1.0"
+#: After a runner ignores cancellation this long past its deadline, we stop waiting for it.
+_CANCEL_GRACE_S = 30.0
+
+
+@dataclass
+class _Outcome:
+    state: AckState
+    error: AckError | None = None
+    result: dict[str, Any] | None = None
+    started_at: datetime | None = None
+
+
+class Agent:
+    """One worker agent. ``await agent.run()`` until ``agent.request_stop()`` (or burst mode)."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        runner: Runner,
+        *,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.settings = settings
+        self.runner = runner
+        self.clock = clock
+        self.topics = settings.kafka.topics
+        self.worker_id = settings.worker_id
+        self.ready = asyncio.Event()
+        self.outcomes: Counter[str] = Counter()
+        self._stop = asyncio.Event()
+        self._stopped_at: float | None = None
+        self._hb_wakeup = asyncio.Event()
+        self._hb_done = asyncio.Event()
+        self._status = WorkerStatus.STARTING
+        self._in_flight: InFlight | None = None
+        self._describe: RunnerDescription | None = None
+        self._started_at = self.clock()
+        self._seq = 0
+        self._producer: Producer | None = None
+        self._consumer: Consumer | None = None
+        self._state: WorkerState | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def request_stop(self) -> None:
+        """Stop taking commands; the one in flight may finish within ``drain_timeout_s``."""
+        if not self._stop.is_set():
+            self._stopped_at = time.monotonic()
+            self._stop.set()
+            self._hb_wakeup.set()
+
+    async def run(self) -> None:
+        """Run until stopped. Drains on stop: in-flight command acked, last heartbeat sent."""
+        self._state = WorkerState.open(self.settings.worker_state_dir)
+        try:
+            async with (
+                Producer(self.settings.kafka) as producer,
+                Consumer(self.settings.kafka, group_id=self.topics.worker_group(self.worker_id)) as consumer,
+            ):
+                self._producer, self._consumer = producer, consumer
+                await self._establish_position()
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(self._heartbeat_loop())
+                    try:
+                        await self._load_runner()
+                        self.ready.set()
+                        self._log(logging.INFO, "ready: runner %s on %s", self.runner.name, self._device())
+                        await self._command_loop()
+                    finally:
+                        self._status = WorkerStatus.STOPPED
+                        self._hb_done.set()
+                        self._hb_wakeup.set()
+        finally:
+            self._state.close()
+            await asyncio.to_thread(self.runner.close)
+            self._log(logging.INFO, "stopped")
+
+    # ------------------------------------------------------------------ start-up
+
+    async def _establish_position(self) -> None:
+        """Where to read from: Kafka's committed offset, else ours, else the head of the log.
+
+        A worker never seen before starts at the head: history is not replayed onto it. The
+        position is fixed before the first heartbeat, so a command published after a worker
+        is visible as live is always seen by it.
+        """
+        assert self._consumer is not None and self._state is not None
+        topic = self.topics.commands.name
+        await self._consumer.assign(topic, [0])
+        committed = await self._consumer.committed(topic, 0)
+        begin = (await self._consumer.beginning_offsets(topic))[0]
+        end = (await self._consumer.end_offsets(topic))[0]
+        if committed is not None:
+            start, source = committed, "committed offset"
+        elif self._state.next_offset is not None:
+            start, source = self._state.next_offset, "local state (committed offset expired)"
+        else:
+            start, source = end, "head of the log (new worker)"
+        if start < begin:
+            self._log(logging.WARNING, "offset %d was deleted by retention; reading from %d", start, begin)
+            start = begin
+        self._consumer.seek(topic, 0, start)
+        self._log(logging.INFO, "reading %s from offset %d (%s)", topic, start, source)
+
+    async def _load_runner(self) -> None:
+        assert self._state is not None
+        try:
+            await asyncio.to_thread(self.runner.load)
+        except Exception as exc:  # the worker keeps running: reloads will say MODEL_NOT_LOADED
+            self._log(logging.ERROR, "runner failed to load its model: %s", exc)
+        if self.settings.restore_on_start:
+            await self._restore()
+        await self._refresh()
+        self._status = WorkerStatus.READY
+
+    async def _restore(self) -> None:
+        """Re-apply what this worker had applied before a restart (level, not events)."""
+        assert self._state is not None
+        if self._state.config_overrides:
+            try:
+                await asyncio.to_thread(self.runner.update_config, dict(self._state.config_overrides))
+            except Exception as exc:
+                self._log(logging.ERROR, "could not restore config overrides: %s", exc)
+        spec = self._state.weights
+        if spec is not None:
+            try:
+                path = resolve_weights_path(spec.path, self.settings.allowed_roots)
+                await asyncio.to_thread(self.runner.reload_weights, spec, path)
+                self._log(logging.INFO, "restored weights %s from %s", spec.version, spec.path)
+            except Exception as exc:
+                self._log(logging.ERROR, "could not restore weights %s: %s", spec.version, exc)
+
+    # ------------------------------------------------------------------ commands
+
+    async def _command_loop(self) -> None:
+        assert self._consumer is not None
+        topic = self.topics.commands.name
+        while not self._stop.is_set():
+            try:
+                records = await self._consumer.fetch(timeout_s=0.5, max_records=16)
+            except BusError as exc:
+                self._log(logging.WARNING, "fetch failed, retrying: %s", exc)
+                await self._sleep_unless_stopped(1.0)
+                continue
+            for record in records:
+                if self._stop.is_set():
+                    break  # not committed: seen again after a restart
+                await self._handle(record)
+                await self._commit(topic, record.offset + 1)
+
+    async def _commit(self, topic: str, next_offset: int) -> None:
+        assert self._consumer is not None and self._state is not None
+        self._state.set_offset(next_offset)
+        try:
+            await self._consumer.commit(topic, 0, next_offset)
+        except BusError as exc:  # the local state still has it; Kafka catches up at the next one
+            self._log(logging.WARNING, "commit of offset %d failed: %s", next_offset, exc)
+
+    async def _handle(self, record: Record) -> None:
+        received = self.clock()
+        try:
+            command = decode_command(record.value or b"", max_bytes=self.settings.max_message_bytes)
+        except ProtocolError as exc:
+            await self._handle_garbage(record, exc, received)
+            return
+        if not command.selector.matches(self.worker_id, self.settings.labels):
+            return
+        if await self._replay_outcome(command.command_id):
+            return
+        log_ctx = {"command_id": command.command_id, "rollout_id": command.rollout_id}
+        rejected = self._precheck(command, received)
+        if isinstance(rejected, ControlPlaneError):
+            await self._finish(command.command_id, command.rollout_id, command.kind, received,
+                               _Outcome(AckState.REJECTED, _ack_error(rejected)))
+            return
+        path = rejected
+        await self._publish(self._ack(command.command_id, command.rollout_id, command.kind,
+                                      AckState.ACCEPTED, received))
+        started = self.clock()
+        self._in_flight = InFlight(command_id=command.command_id, rollout_id=command.rollout_id,
+                                   kind=command.kind, since=started)
+        self._status = WorkerStatus.BUSY
+        self._hb_wakeup.set()
+        await self._publish(self._ack(command.command_id, command.rollout_id, command.kind,
+                                      AckState.RUNNING, received, started_at=started))
+        self._log(logging.INFO, "applying %s", command.kind.value, **log_ctx)
+        outcome = await self._execute(command, path)
+        outcome.started_at = started
+        self._in_flight = None
+        await self._refresh()
+        self._status = self._idle_status()
+        await self._finish(command.command_id, command.rollout_id, command.kind, received, outcome)
+
+    async def _handle_garbage(self, record: Record, exc: ProtocolError, received: datetime) -> None:
+        self._log(logging.WARNING, "unreadable command at offset %d: %s", record.offset, exc)
+        if exc.command_id is None or await self._replay_outcome(exc.command_id):
+            return
+        await self._finish(exc.command_id, exc.rollout_id or "unknown", None, received,
+                           _Outcome(AckState.REJECTED, _ack_error(exc)))
+
+    def _precheck(self, command: Command, now: datetime) -> Path | None | ControlPlaneError:
+        """Checks before anything is touched: expiry and weights path. Returns the resolved path."""
+        if command.is_expired(now):
+            return CommandRejected(
+                f"command expired at {command.expires_at.isoformat()} (worker clock {now.isoformat()})",
+                code=ErrorCode.EXPIRED,
+            )
+        if isinstance(command.spec, ReloadWeightsSpec):
+            try:
+                return resolve_weights_path(command.spec.path, self.settings.allowed_roots)
+            except ControlPlaneError as exc:
+                return exc
+        return None
+
+    async def _replay_outcome(self, command_id: str) -> bool:
+        """Already ended here (redelivery after a crash)? Then re-publish its ack if needed."""
+        assert self._state is not None
+        prior = self._state.outcome(command_id)
+        if prior is None:
+            return False
+        if not prior.published:
+            ack = prior.ack.model_copy(
+                update={"attempt": prior.ack.attempt + 1, "sent_at": self.clock(),
+                        "result": {**prior.ack.result, "replayed": True}}
+            )
+            self._log(logging.INFO, "re-publishing the %s ack of an applied command",
+                      ack.state.value, command_id=command_id, rollout_id=ack.rollout_id)
+            await self._publish(ack)
+            self._state.mark_published(command_id)
+        else:
+            self._log(logging.INFO, "duplicate delivery ignored (already %s)", prior.ack.state.value,
+                      command_id=command_id, rollout_id=prior.ack.rollout_id)
+        return True
+
+    async def _execute(self, command: Command, path: Path | None) -> _Outcome:
+        """Run the command in a thread under its timeout and the drain deadline."""
+        assert self._state is not None
+        spec = command.spec
+        cancel = threading.Event()
+        call: Callable[[], Any]
+        if isinstance(spec, ReloadWeightsSpec):
+            assert path is not None
+            call = lambda: self.runner.reload_weights(spec, path, cancel=cancel)  # noqa: E731
+        elif isinstance(spec, UpdateConfigSpec):
+            call = lambda: self.runner.update_config(dict(spec.overrides))  # noqa: E731
+        else:  # pragma: no cover - the discriminated union has no other member
+            return _Outcome(AckState.REJECTED, AckError(code=ErrorCode.UNSUPPORTED_COMMAND,
+                                                        message=f"unknown kind {spec.kind}"))
+        timeout = command.timeout_s or self.settings.command_timeout_s
+        task = asyncio.ensure_future(asyncio.to_thread(call))
+        deadline = time.monotonic() + timeout
+        reason: ErrorCode | None = None
+        while not task.done():
+            limit = deadline
+            if self._stopped_at is not None:
+                limit = min(limit, self._stopped_at + self.settings.drain_timeout_s)
+            if time.monotonic() >= limit:
+                reason = ErrorCode.WORKER_SHUTTING_DOWN if limit < deadline else ErrorCode.COMMAND_TIMEOUT
+                cancel.set()
+                self._log(logging.WARNING, "cancelling (%s)", reason.value,
+                          command_id=command.command_id, rollout_id=command.rollout_id)
+                await asyncio.wait({task}, timeout=_CANCEL_GRACE_S)
+                break
+            await asyncio.wait({task}, timeout=min(0.2, max(0.0, limit - time.monotonic())))
+        if not task.done():
+            return _Outcome(AckState.FAILED, AckError(
+                code=reason or ErrorCode.COMMAND_TIMEOUT, retryable=True,
+                message=f"runner did not stop within {_CANCEL_GRACE_S:.0f}s of cancellation"))
+        try:
+            value = task.result()
+        except ControlPlaneError as exc:
+            error = _ack_error(exc)
+            if reason is not None and exc.code is ErrorCode.COMMAND_TIMEOUT:
+                error = AckError(code=reason, message=exc.message, retryable=True)
+            elif reason is not None:
+                error = AckError(code=exc.code, retryable=exc.retryable,
+                                 message=f"{exc.message} (after cancellation: {reason.value})")
+            return _Outcome(AckState.REJECTED if exc.is_rejection else AckState.FAILED, error)
+        except Exception as exc:  # a runner bug must not kill the agent
+            self._log(logging.ERROR, "runner raised %r", exc, command_id=command.command_id)
+            return _Outcome(AckState.FAILED, AckError(code=ErrorCode.INTERNAL,
+                                                      message=f"{type(exc).__name__}: {exc}"))
+        if isinstance(spec, ReloadWeightsSpec):
+            self._state.set_weights(spec)
+            return _Outcome(AckState.SUCCEEDED, result=value.as_dict())
+        self._state.add_config(dict(spec.overrides))
+        return _Outcome(AckState.SUCCEEDED, result={"overrides": sorted(spec.overrides)})
+
+    async def _finish(self, command_id: str, rollout_id: str, kind: CommandKind | None,
+                      received: datetime, outcome: _Outcome) -> None:
+        """Record the terminal ack durably, publish it, then mark it published."""
+        assert self._state is not None
+        ack = self._ack(command_id, rollout_id, kind, outcome.state, received,
+                        started_at=outcome.started_at, finished_at=self.clock(),
+                        error=outcome.error, result=outcome.result)
+        self._state.record(ack, published=False)
+        failpoints.hit("after_apply")
+        await self._publish(ack)
+        self._state.mark_published(command_id)
+        failpoints.hit("after_ack")
+        self.outcomes[outcome.error.code if outcome.error else "OK"] += 1
+        level = logging.INFO if outcome.state is AckState.SUCCEEDED else logging.WARNING
+        self._log(level, "%s%s", outcome.state.value,
+                  f" {outcome.error.code}: {outcome.error.message}" if outcome.error else "",
+                  command_id=command_id, rollout_id=rollout_id)
+        self._hb_wakeup.set()
+
+    def _ack(self, command_id: str, rollout_id: str, kind: CommandKind | None, state: AckState,
+             received: datetime, *, started_at: datetime | None = None,
+             finished_at: datetime | None = None, error: AckError | None = None,
+             result: dict[str, Any] | None = None) -> Ack:
+        desc = self._describe
+        return Ack(
+            command_id=command_id, rollout_id=rollout_id, worker_id=self.worker_id, kind=kind,
+            state=state, weights_version=desc.weights_version if desc else None,
+            config_digest=desc.config_digest if desc else None, error=error,
+            timings=Timings(received_at=received, started_at=started_at, finished_at=finished_at),
+            sent_at=self.clock(), result=result or {},
+        )
+
+    async def _publish(self, ack: Ack) -> None:
+        """Publish an ack, retrying while Kafka is away (commands wait; nothing is dropped)."""
+        assert self._producer is not None
+        delay = 0.5
+        while True:
+            try:
+                await self._producer.send(self.topics.acks.name, encode(ack), key=worker_key(self.worker_id))
+                return
+            except BusError as exc:
+                self._log(logging.WARNING, "ack publish failed, retrying in %.1fs: %s", delay, exc,
+                          command_id=ack.command_id)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    # ------------------------------------------------------------------ heartbeats
+
+    async def _heartbeat_loop(self) -> None:
+        assert self._producer is not None
+        while True:
+            final = self._hb_done.is_set()
+            if final:
+                self._status = WorkerStatus.STOPPED
+            elif self._stop.is_set():
+                self._status = WorkerStatus.STOPPING
+            hb = self._heartbeat()
+            try:
+                await self._producer.send(self.topics.workers.name, encode(hb), key=worker_key(self.worker_id))
+            except BusError as exc:
+                self._log(logging.WARNING, "heartbeat failed: %s", exc)
+            if final:
+                return
+            self._hb_wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._hb_wakeup.wait(), self.settings.heartbeat_interval_s)
+
+    def _heartbeat(self) -> Heartbeat:
+        desc = self._describe
+        degraded = None
+        if desc is not None and desc.degraded is not None:
+            d = desc.degraded
+            degraded = Degraded(code=d.code, message=d.message[:4096], from_version=d.from_version,
+                                to_version=d.to_version, since=d.since)
+        self._seq += 1
+        return Heartbeat(
+            worker_id=self.worker_id, labels=self.settings.labels, runner=self.runner.name,
+            device=desc.device if desc else "unknown", status=self._status,
+            weights_version=desc.weights_version if desc else None,
+            config_digest=desc.config_digest if desc else None, in_flight=self._in_flight,
+            degraded=degraded, seq=self._seq, sent_at=self.clock(), started_at=self._started_at,
+            interval_s=self.settings.heartbeat_interval_s, agent_version=AGENT_VERSION,
+        )
+
+    # ------------------------------------------------------------------ helpers
+
+    async def _refresh(self) -> None:
+        try:
+            self._describe = await asyncio.to_thread(self.runner.describe)
+        except Exception as exc:
+            self._log(logging.ERROR, "runner.describe() failed: %s", exc)
+
+    def _idle_status(self) -> WorkerStatus:
+        if self._describe is not None and self._describe.degraded is not None:
+            return WorkerStatus.DEGRADED
+        return WorkerStatus.STOPPING if self._stop.is_set() else WorkerStatus.READY
+
+    def _device(self) -> str:
+        return self._describe.device if self._describe else "unknown"
+
+    async def _sleep_unless_stopped(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
+
+    def _log(self, level: int, msg: str, *args: Any, command_id: str | None = None,
+             rollout_id: str | None = None) -> None:
+        ctx = f"worker={self.worker_id}"
+        if command_id:
+            ctx += f" command={command_id}"
+        if rollout_id:
+            ctx += f" rollout={rollout_id}"
+        log.log(level, f"[{ctx}] {msg}", *args)
+
+
+def _ack_error(exc: ControlPlaneError) -> AckError:
+    return AckError(code=exc.code.value, message=exc.message[:4096], retryable=exc.retryable)
