@@ -9,6 +9,7 @@ answers a metadata request, stops it with SIGTERM then SIGKILL. Every failure is
 from __future__ import annotations
 
 import base64
+import hashlib
 import contextlib
 import os
 import re
@@ -153,7 +154,10 @@ class LocalBroker:
         """Resolve Kafka's jars into the cache with Maven, once; return the libs directory."""
         libs = self.config.jars_dir
         stamp = libs.parent / "RESOLVED"
-        if stamp.exists() and any(libs.glob("kafka_2.13-*.jar")):
+        pom = resources.files("controlplane") / "kafka" / "pom.xml"
+        # The stamp names the pom it came from: editing the pom re-resolves once.
+        fingerprint = hashlib.sha256(pom.read_bytes()).hexdigest()[:16]
+        if _read(stamp) == fingerprint and any(libs.glob("kafka_2.13-*.jar")):
             return libs
         mvn = shutil.which(self.config.mvn)
         if mvn is None:
@@ -162,7 +166,6 @@ class LocalBroker:
                 "jars from Maven Central. Install it, e.g. `apt-get install maven`.",
                 code=ErrorCode.MAVEN_NOT_FOUND,
             )
-        pom = resources.files("controlplane") / "kafka" / "pom.xml"
         staging = libs.parent / "libs.partial"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True, exist_ok=True)
@@ -192,7 +195,7 @@ class LocalBroker:
             )
         shutil.rmtree(libs, ignore_errors=True)
         staging.rename(libs)
-        stamp.write_text(self.config.kafka_version + "\n")
+        stamp.write_text(fingerprint)
         return libs
 
     def check_ports(self) -> None:
@@ -427,6 +430,13 @@ def _port_open(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.settimeout(0.5)
         return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
 
 
 def _tail(lines: list[str], n: int) -> str:

@@ -117,6 +117,24 @@ def broker_start(
     )
 
 
+@broker_app.command("install")
+def broker_install(
+    java: Annotated[str, typer.Option(help="Java executable (17+).")] = "java",
+) -> None:
+    """Check Java and resolve Apache Kafka's jars into the cache (once; later runs download nothing)."""
+    broker = LocalBroker(BrokerConfig(java=java))
+    try:
+        major = broker.check_java()
+        libs = broker.ensure_jars()
+    except ControlPlaneError as exc:
+        raise fail(exc) from None
+    size = sum(p.stat().st_size for p in libs.glob("*.jar"))
+    typer.echo(
+        f"Apache Kafka {broker.config.kafka_version} jars in {libs} "
+        f"({len(list(libs.glob('*.jar')))} jars, {size / 1e6:.1f} MB); Java {major}"
+    )
+
+
 @broker_app.command("stop")
 def broker_stop(
     port: PortOpt = DEFAULT_PORT,
