@@ -1,0 +1,274 @@
+"""The torch and XLA runners on real checkpoints: reloads, refusals, corruption, config.
+
+Every test runs on both runners (XLA through PJRT on the CPU, marked ``xla``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from controlplane.errors import ErrorCode, RunnerError, WeightsCorrupted
+from controlplane.protocol import ReloadWeightsSpec
+from tests.component.conftest import TINY, MakeCheckpoint, MakeRunner
+from workers.checkpoints import (
+    BrokenKind,
+    model_tensors,
+    sha256_manifest,
+    write_broken,
+    write_safetensors,
+)
+from workers.models import tiny_lm
+from workers.runner import Runner
+from workers.torch_runner import TorchRunner
+
+IDS = [72, 101, 108, 108, 111, 44, 32, 119]  # "Hello, w"
+
+
+def spec(path: Path, version: str, **kw: Any) -> ReloadWeightsSpec:
+    return ReloadWeightsSpec(path=str(path), version=version, **kw)
+
+
+def reference(seed: int, model_kwargs: dict[str, Any] | None = None) -> torch.Tensor:
+    """Logits of a fresh CPU model built with ``seed``: what a reload must reproduce."""
+    model = tiny_lm(**{**TINY, **(model_kwargs or {})}, seed=seed)
+    with torch.no_grad():
+        out: torch.Tensor = model(torch.tensor([IDS]))[0]
+    return out
+
+
+def assert_same_model(runner: TorchRunner, seed: int, **kw: Any) -> None:
+    got = runner.forward_logits(IDS)
+    want = reference(seed, **kw)
+    if runner.name == "torch":
+        assert torch.equal(got, want)
+    else:  # a different backend: same weights, float rounding may differ
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_reload_equals_a_fresh_model_from_the_new_seed(
+    make_runner: MakeRunner, make_checkpoint: MakeCheckpoint
+) -> None:
+    runner = make_runner()
+    assert isinstance(runner, Runner)
+    assert_same_model(runner, 0)
+    assert not torch.equal(reference(0), reference(1))
+    path = make_checkpoint(1)
+    result = runner.reload_weights(spec(path, "v1"), path)
+    assert_same_model(runner, 1)
+    described = runner.describe()
+    assert (described.weights_version, described.degraded) == ("v1", None)
+    assert result.version == "v1" and result.files == 1
+    assert result.tensors == len(model_tensors(model_kwargs=TINY))
+    assert result.bytes == sum(
+        t.numel() * t.element_size() for t in model_tensors(model_kwargs=TINY).values()
+    )
+    assert described.extra["last_reload"] == result.as_dict()
+
+
+def test_sharded_checkpoint_by_index_and_by_directory(
+    make_runner: MakeRunner, make_checkpoint: MakeCheckpoint
+) -> None:
+    runner = make_runner()
+    index = make_checkpoint(2, shards=3)
+    assert index.name == "model.safetensors.index.json"
+    result = runner.reload_weights(spec(index, "v2"), index)
+    assert result.files == 3
+    assert_same_model(runner, 2)
+    other = make_checkpoint(3, shards=2)
+    runner.reload_weights(spec(other.parent, "v3"), other.parent)
+    assert_same_model(runner, 3)
+
+
+def test_sha256_manifest_ok_and_mismatch(
+    make_runner: MakeRunner, make_checkpoint: MakeCheckpoint
+) -> None:
+    runner = make_runner()
+    index = make_checkpoint(4, shards=2)
+    manifest = sha256_manifest(index)
+    assert len(manifest) == 2
+    runner.reload_weights(spec(index, "v4", sha256=manifest), index)
+    assert_same_model(runner, 4)
+    tampered = dict(manifest)
+    first = sorted(tampered)[0]
+    tampered[first] = "f" * 64
+    other = make_checkpoint(5, shards=2)
+    before = runner.forward_logits(IDS)
+    with pytest.raises(RunnerError) as info:
+        runner.reload_weights(spec(other, "v5", sha256=tampered), other)
+    assert info.value.code is ErrorCode.CHECKSUM_MISMATCH
+    assert torch.equal(runner.forward_logits(IDS), before)
+    assert runner.describe().weights_version == "v4"
+
+
+@pytest.mark.parametrize("kind", list(BrokenKind), ids=[k.value for k in BrokenKind])
+def test_broken_checkpoints_are_refused_and_change_nothing(
+    make_runner: MakeRunner, tmp_path: Path, kind: BrokenKind
+) -> None:
+    runner = make_runner()
+    before = runner.forward_logits(IDS)
+    broken = write_broken(kind, tmp_path / kind.value, model_kwargs=TINY, seed=9)
+    with pytest.raises(RunnerError) as info:
+        runner.reload_weights(spec(broken.path, "bad", sha256=broken.sha256), broken.path)
+    assert not isinstance(info.value, WeightsCorrupted)
+    assert info.value.code is broken.code
+    assert info.value.is_rejection
+    assert torch.equal(runner.forward_logits(IDS), before)  # bit for bit
+    described = runner.describe()
+    assert (described.weights_version, described.degraded) == ("init", None)
+
+
+def test_non_strict_partial_reload(make_runner: MakeRunner, tmp_path: Path) -> None:
+    runner = make_runner()
+    head = {
+        k: v
+        for k, v in model_tensors(model_kwargs=TINY, seed=6).items()
+        if k.startswith(("lm_head", "ln_f"))
+    }
+    path = tmp_path / "head.safetensors"
+    write_safetensors(path, head)
+    with pytest.raises(RunnerError) as info:
+        runner.reload_weights(spec(path, "head"), path)
+    assert info.value.code is ErrorCode.WEIGHTS_MISSING
+    result = runner.reload_weights(spec(path, "head", strict=False), path)
+    assert result.tensors == len(head) == 3
+    want = tiny_lm(**TINY, seed=0)
+    want.load_state_dict(head, strict=False)
+    with torch.no_grad():
+        expected = want(torch.tensor([IDS]))[0]
+    got = runner.forward_logits(IDS)
+    if runner.name == "torch":
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_tied_model_reloads_through_the_alias(
+    make_runner: MakeRunner, make_checkpoint: MakeCheckpoint
+) -> None:
+    runner = make_runner(model_kwargs={"tied": True})
+    assert runner.describe().extra["tensors"] == len(
+        model_tensors(model_kwargs={**TINY, "tied": True})
+    )
+    path = make_checkpoint(7, model_kwargs={"tied": True})
+    runner.reload_weights(spec(path, "v7"), path)
+    assert_same_model(runner, 7, model_kwargs={"tied": True})
+
+
+def test_update_config_is_all_or_nothing_and_observable(make_runner: MakeRunner) -> None:
+    runner = make_runner(config={"max_new_tokens": 2})
+    assert len(runner.generate("Hi")) == 2
+    digest = runner.describe().config_digest
+    described = runner.update_config({"max_new_tokens": 3})
+    assert described.config["max_new_tokens"] == 3 and described.config_digest != digest
+    assert len(runner.generate("Hi")) == 3
+    assert described.accepts == {
+        "max_new_tokens": "integer",
+        "temperature": "number",
+        "top_k": "integer",
+        "sampling_seed": "integer",
+    }
+    for bad, code in [
+        ({"max_new_tokens": 5, "max_tokens": 5}, ErrorCode.CONFIG_KEY_REJECTED),
+        ({"max_new_tokens": 5, "temperature": -1.0}, ErrorCode.CONFIG_VALUE_INVALID),
+        ({"max_new_tokens": True}, ErrorCode.CONFIG_VALUE_INVALID),
+        ({"max_new_tokens": 0}, ErrorCode.CONFIG_VALUE_INVALID),
+    ]:
+        with pytest.raises(RunnerError) as info:
+            runner.update_config(bad)
+        assert info.value.code is code
+    assert len(runner.generate("Hi")) == 3
+    assert runner.describe().config_digest == described.config_digest
+
+
+def test_sampling_config_changes_output(make_runner: MakeRunner) -> None:
+    runner = make_runner(config={"max_new_tokens": 4})
+    greedy = runner.generate(IDS)
+    assert greedy == runner.generate(IDS)  # deterministic
+    runner.update_config({"temperature": 5.0, "sampling_seed": 1})
+    sampled = runner.generate(IDS)
+    assert sampled == runner.generate(IDS)  # seeded
+    assert sampled != greedy
+
+
+def test_model_not_loaded(make_runner: MakeRunner, make_checkpoint: MakeCheckpoint) -> None:
+    runner = make_runner(load=False)
+    described = runner.describe()
+    assert not described.model_loaded and described.weights_version is None
+    path = make_checkpoint(1)
+    with pytest.raises(RunnerError) as info:
+        runner.reload_weights(spec(path, "v1"), path)
+    assert info.value.code is ErrorCode.MODEL_NOT_LOADED and info.value.is_rejection
+    runner.load()
+    assert runner.describe().weights_version == "init"
+    runner.close()
+    with pytest.raises(RunnerError) as info:
+        runner.reload_weights(spec(path, "v1"), path)
+    assert info.value.code is ErrorCode.MODEL_NOT_LOADED
+    runner.close()  # idempotent
+
+
+def test_initial_checkpoint_option(
+    make_runner: MakeRunner, make_checkpoint: MakeCheckpoint
+) -> None:
+    path = make_checkpoint(8)
+    runner = make_runner(initial_checkpoint=str(path), initial_version="boot-8")
+    assert runner.describe().weights_version == "boot-8"
+    assert_same_model(runner, 8)
+
+
+def test_describe_reports_device(make_runner: MakeRunner) -> None:
+    described = make_runner().describe()
+    assert described.runner in ("torch", "xla") and described.model_loaded
+    if described.runner == "xla":
+        assert described.device.startswith("xla:") and "(CPU)" in described.device
+    else:
+        assert described.device == "cpu"
+    assert described.extra["phase"] == "idle"
+
+
+def test_truncated_during_a_slow_reload_degrades_then_recovers(
+    make_runner: MakeRunner, make_checkpoint: MakeCheckpoint
+) -> None:
+    runner = make_runner(slow_copy_s=0.05)
+    path = make_checkpoint(11)
+    errors: list[BaseException] = []
+
+    def reload() -> None:
+        try:
+            runner.reload_weights(spec(path, "v11"), path)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=reload)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while runner.describe().extra["progress"][0] < 1:  # describe never waits for the reload
+        assert time.monotonic() < deadline and thread.is_alive(), "copying never began"
+        time.sleep(0.005)
+    os.truncate(path, path.stat().st_size // 2)
+    thread.join(30)
+    assert len(errors) == 1 and isinstance(errors[0], WeightsCorrupted), errors
+    error = errors[0]
+    assert (error.from_version, error.to_version) == ("init", "v11")
+    assert not error.is_rejection
+    described = runner.describe()
+    assert described.degraded is not None and described.degraded.code == "WEIGHTS_CORRUPTED"
+    assert (described.degraded.from_version, described.degraded.to_version) == ("init", "v11")
+    assert described.weights_version == "init"  # never advanced by a failure
+    with pytest.raises(RunnerError) as info:
+        runner.generate(IDS)  # a half-written model does not serve
+    assert info.value.code is ErrorCode.WEIGHTS_CORRUPTED
+
+    good = make_checkpoint(12)
+    runner.reload_weights(spec(good, "v12"), good)
+    described = runner.describe()
+    assert (described.weights_version, described.degraded) == ("v12", None)
+    assert_same_model(runner, 12)
+    assert len(runner.generate(IDS)) == described.config["max_new_tokens"]

@@ -1,0 +1,87 @@
+"""The fake runner: scripted outcomes, recorded history, the same errors as real runners."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from controlplane.errors import ErrorCode, RunnerError, WeightsCorrupted
+from controlplane.protocol import ReloadWeightsSpec
+from workers.fake_runner import FakeRunner
+
+
+def spec(version: str, path: Path) -> ReloadWeightsSpec:
+    return ReloadWeightsSpec(path=str(path), version=version)
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"\0" * 100)
+    return path
+
+
+def test_reload_records_versions_and_bytes(ckpt: Path) -> None:
+    runner = FakeRunner({})
+    assert runner.describe().weights_version is None
+    runner.load()
+    result = runner.reload_weights(spec("v1", ckpt), ckpt)
+    assert (result.version, result.bytes, result.files) == ("v1", 100, 1)
+    dir_result = runner.reload_weights(spec("v2", ckpt.parent), ckpt.parent)
+    assert dir_result.files == 1
+    assert runner.history == ["init", "v1", "v2"]
+    assert runner.describe().weights_version == "v2"
+
+
+def test_model_not_loaded_and_missing_path(ckpt: Path) -> None:
+    runner = FakeRunner({})
+    with pytest.raises(RunnerError) as info:
+        runner.reload_weights(spec("v1", ckpt), ckpt)
+    assert info.value.code is ErrorCode.MODEL_NOT_LOADED
+    runner.load()
+    with pytest.raises(RunnerError) as info:
+        runner.reload_weights(spec("v1", ckpt.parent / "nope"), ckpt.parent / "nope")
+    assert info.value.code is ErrorCode.WEIGHTS_UNREADABLE
+
+
+def test_scripted_failure_and_corruption(ckpt: Path) -> None:
+    runner = FakeRunner({})
+    runner.load()
+    with pytest.raises(RunnerError) as info:
+        runner.reload_weights(spec("fail-1", ckpt), ckpt)
+    assert info.value.code is ErrorCode.RUNNER_FAILED
+    assert runner.describe().degraded is None
+    with pytest.raises(WeightsCorrupted) as corrupted:
+        runner.reload_weights(spec("corrupt-2", ckpt), ckpt)
+    assert (corrupted.value.from_version, corrupted.value.to_version) == ("init", "corrupt-2")
+    degraded = runner.describe().degraded
+    assert degraded is not None and degraded.code == "WEIGHTS_CORRUPTED"
+    assert runner.describe().weights_version == "init"
+    runner.reload_weights(spec("v3", ckpt), ckpt)
+    assert runner.describe().degraded is None and runner.history == ["init", "v3"]
+
+
+def test_delay_is_cancellable(ckpt: Path) -> None:
+    runner = FakeRunner({"reload_delay_s": 30})
+    runner.load()
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(RunnerError) as info:
+        runner.reload_weights(spec("v1", ckpt), ckpt, cancel=cancel)
+    assert info.value.code is ErrorCode.COMMAND_TIMEOUT
+    assert runner.describe().weights_version == "init"
+
+
+def test_update_config_is_validated(ckpt: Path) -> None:
+    runner = FakeRunner({"config": {"max_new_tokens": 4}})
+    before = runner.describe()
+    assert before.config["max_new_tokens"] == 4
+    assert before.accepts["temperature"] == "number"
+    after = runner.update_config({"max_new_tokens": 8})
+    assert after.config["max_new_tokens"] == 8 and after.config_digest != before.config_digest
+    with pytest.raises(RunnerError) as info:
+        runner.update_config({"max_new_tokens": 9, "nope": 1})
+    assert info.value.code is ErrorCode.CONFIG_KEY_REJECTED
+    assert runner.describe().config["max_new_tokens"] == 8

@@ -1,0 +1,465 @@
+"""Reload tensors in place from safetensors files: validate everything, then copy.
+
+No destination tensor is written before every header, name, shape, dtype and checksum is checked,
+and no second copy of the model is ever held (one tensor, or a bounded staging buffer, at most).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import math
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from controlplane.errors import ErrorCode, RunnerError, WeightsCorrupted
+from workers.paths import CheckpointFiles, checkpoint_files, relative_member
+from workers.runner import ReloadResult
+
+#: safetensors dtype -> (torch dtype name, bytes per element).
+DTYPES: dict[str, tuple[str, int]] = {
+    "BOOL": ("bool", 1),
+    "U8": ("uint8", 1),
+    "I8": ("int8", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+    "I16": ("int16", 2),
+    "U16": ("uint16", 2),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I32": ("int32", 4),
+    "U32": ("uint32", 4),
+    "F32": ("float32", 4),
+    "I64": ("int64", 8),
+    "U64": ("uint64", 8),
+    "F64": ("float64", 8),
+}
+TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {
+    getattr(torch, name): code for code, (name, _) in DTYPES.items() if hasattr(torch, name)
+}
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself applies
+DEFAULT_STAGING_BYTES = 64 * 1024 * 1024
+_HASH_CHUNK = 8 * 1024 * 1024
+
+#: Called with (tensors copied, tensors to copy): once when copying begins, then after each tensor.
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor in a safetensors file: where its bytes are and what they mean."""
+
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute, from the start of the file
+    nbytes: int
+
+
+@dataclass
+class OpenCheckpoint:
+    """A checkpoint whose headers were read and checked; its files stay open until closed.
+
+    Hashing and copying read from these same descriptors, so a file replaced after validation
+    is never the one copied.
+    """
+
+    files: CheckpointFiles
+    entries: dict[str, TensorEntry]
+    fds: dict[Path, int]
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def module_targets(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A module's parameters and persistent buffers by name, and its aliases (tied weights)."""
+    targets: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first_name: dict[int, str] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        canonical = first_name.setdefault(id(tensor), name)
+        if canonical == name:
+            targets[name] = tensor
+        else:
+            aliases[name] = canonical
+    return targets, aliases
+
+
+@contextlib.contextmanager
+def open_checkpoint(path: Path) -> Iterator[OpenCheckpoint]:
+    """Open every file of the checkpoint at ``path`` and read and check its header."""
+    files = checkpoint_files(path)
+    ckpt = OpenCheckpoint(files=files, entries={}, fds={})
+    try:
+        for file in files.files:
+            try:
+                fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError as exc:
+                raise _unreadable(f"cannot open {file.name!r}: {exc}") from None
+            ckpt.fds[file] = fd
+            for name, entry in _read_header(fd, file).items():
+                if name in ckpt.entries:
+                    raise _unreadable(
+                        f"tensor {name!r} is in both {ckpt.entries[name].file.name!r} and {file.name!r}"
+                    )
+                ckpt.entries[name] = entry
+        if files.weight_map is not None:
+            _check_index(files.weight_map, ckpt.entries)
+        yield ckpt
+    finally:
+        ckpt.close()
+
+
+def load_checkpoint(
+    path: Path,
+    targets: Mapping[str, torch.Tensor],
+    *,
+    version: str,
+    from_version: str | None,
+    strict: bool = True,
+    sha256: Mapping[str, str] | None = None,
+    aliases: Mapping[str, str] | None = None,
+    cancel: threading.Event | None = None,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    progress: Progress | None = None,
+    sync: Callable[[], None] | None = None,
+) -> ReloadResult:
+    """Validate the checkpoint at ``path`` against ``targets``, then copy it into them in place.
+
+    Before copying: RunnerError (WEIGHTS_*, CHECKSUM_MISMATCH, COMMAND_TIMEOUT when cancelled),
+    targets untouched. Once copying began, any failure or cancel raises WeightsCorrupted.
+    ``sync`` runs after the last copy (an XLA runner flushes its lazy graph there).
+    """
+    started = time.perf_counter()
+    with open_checkpoint(path) as ckpt:
+        plan = plan_copy(ckpt.entries, targets, strict=strict, aliases=aliases or {})
+        if sha256:
+            verify_sha256(ckpt, sha256, cancel)
+        if cancel is not None and cancel.is_set():
+            raise RunnerError(
+                "reload cancelled before copying began", code=ErrorCode.COMMAND_TIMEOUT
+            )
+        copy_started = time.perf_counter()
+        total = sum(entry.nbytes for entry, _ in plan)
+        _copy(ckpt, plan, version, from_version, cancel, staging_bytes, progress, sync)
+        finished = time.perf_counter()
+    copy_s = finished - copy_started
+    return ReloadResult(
+        version=version,
+        files=len(ckpt.files.files),
+        tensors=len(plan),
+        bytes=total,
+        validate_s=copy_started - started,
+        copy_s=copy_s,
+        duration_s=finished - started,
+        gbps=total / copy_s / 1e9 if copy_s > 0 else 0.0,
+    )
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _read_header(fd: int, file: Path) -> dict[str, TensorEntry]:
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        raise _unreadable(f"{file.name!r} is too short to be a safetensors file ({size} bytes)")
+    (length,) = struct.unpack("<Q", head)
+    if length > MAX_HEADER_BYTES or 8 + length > size:
+        raise _unreadable(f"{file.name!r}: header length {length} is impossible for {size} bytes")
+    try:
+        raw = json.loads(os.pread(fd, length, 8))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise _unreadable(f"{file.name!r}: header is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise _unreadable(f"{file.name!r}: header is not a JSON object")
+    data_start = 8 + length
+    entries: dict[str, TensorEntry] = {}
+    for name, info in raw.items():
+        if name == "__metadata__":
+            continue
+        entries[name] = _parse_entry(file, name, info, data_start, size)
+    spans = sorted((e.offset, e.offset + e.nbytes, e.name) for e in entries.values() if e.nbytes)
+    for (_, end, first), (begin, _, second) in itertools.pairwise(spans):
+        if begin < end:
+            raise _unreadable(f"{file.name!r}: tensors {first!r} and {second!r} overlap")
+    return entries
+
+
+def _parse_entry(file: Path, name: str, info: object, data_start: int, size: int) -> TensorEntry:
+    where = f"{file.name!r}, tensor {name!r}"
+    if not isinstance(info, dict):
+        raise _unreadable(f"{where}: entry is not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise _unreadable(f"{where}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise _unreadable(f"{where}: bad shape {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_count(o) for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise _unreadable(f"{where}: bad data_offsets {offsets!r}")
+    begin, end = offsets
+    expected = math.prod(shape) * DTYPES[dtype][1]
+    if end - begin != expected:
+        raise _unreadable(f"{where}: {end - begin} bytes for {dtype}{shape} (needs {expected})")
+    if data_start + end > size:
+        raise _unreadable(f"{where}: data ends at byte {data_start + end}, file has {size}")
+    return TensorEntry(name, file, dtype, tuple(shape), data_start + begin, expected)
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _check_index(weight_map: Mapping[str, Path], entries: Mapping[str, TensorEntry]) -> None:
+    wrong = [
+        name
+        for name, file in weight_map.items()
+        if name not in entries or entries[name].file != file
+    ]
+    if wrong:
+        raise _unreadable(f"index and shard headers disagree about {_names(wrong)}")
+    unindexed = [name for name in entries if name not in weight_map]
+    if unindexed:
+        raise _unreadable(f"shards hold tensors the index does not list: {_names(unindexed)}")
+
+
+def plan_copy(
+    entries: Mapping[str, TensorEntry],
+    targets: Mapping[str, torch.Tensor],
+    *,
+    strict: bool,
+    aliases: Mapping[str, str],
+) -> list[tuple[TensorEntry, torch.Tensor]]:
+    """Match checkpoint tensors to targets, or raise the first class of mismatch found.
+
+    An alias (the second name of a tied weight) counts as its canonical tensor; when both names
+    are present the canonical one is copied and both are checked.
+    """
+    chosen: dict[str, TensorEntry] = {}
+    checked: list[tuple[TensorEntry, str]] = []
+    unexpected: list[str] = []
+    for name, entry in entries.items():
+        canonical = aliases.get(name, name)
+        if canonical not in targets:
+            unexpected.append(name)
+            continue
+        checked.append((entry, canonical))
+        if name == canonical or canonical not in chosen:
+            chosen[canonical] = entry
+    if unexpected:
+        raise RunnerError(
+            f"checkpoint has tensors the model lacks: {_names(sorted(unexpected))}",
+            code=ErrorCode.WEIGHTS_UNEXPECTED,
+        )
+    missing = [name for name in targets if name not in chosen]
+    if (strict and missing) or not chosen:
+        raise RunnerError(
+            f"checkpoint lacks {len(missing)} of the model's {len(targets)} tensors: {_names(missing)}",
+            code=ErrorCode.WEIGHTS_MISSING,
+        )
+    shapes = [
+        f"{e.name} {list(e.shape)} vs {list(targets[c].shape)}"
+        for e, c in checked
+        if e.shape != tuple(targets[c].shape)
+    ]
+    if shapes:
+        raise RunnerError(
+            f"shape mismatch (checkpoint vs model): {_names(shapes)}",
+            code=ErrorCode.WEIGHTS_SHAPE_MISMATCH,
+        )
+    dtypes = [
+        f"{e.name} {e.dtype} vs {targets[c].dtype}"
+        for e, c in checked
+        if getattr(torch, DTYPES[e.dtype][0], None) != targets[c].dtype
+    ]
+    if dtypes:
+        raise RunnerError(
+            f"dtype mismatch (checkpoint vs model): {_names(dtypes)}",
+            code=ErrorCode.WEIGHTS_DTYPE_MISMATCH,
+        )
+    plan = [(entry, targets[canonical]) for canonical, entry in chosen.items()]
+    plan.sort(key=lambda item: (str(item[0].file), item[0].offset))
+    return plan
+
+
+def verify_sha256(
+    ckpt: OpenCheckpoint, expected: Mapping[str, str], cancel: threading.Event | None = None
+) -> None:
+    """Hash the manifest's files (relative names); every data file must be listed in it."""
+    base = ckpt.files.base_dir
+    wanted = {
+        relative_member(base, name, "sha256 manifest entry"): hexd
+        for name, hexd in expected.items()
+    }
+    uncovered = [f.name for f in ckpt.files.files if f not in wanted]
+    if uncovered:
+        raise RunnerError(
+            f"sha256 manifest does not cover checkpoint file(s) {_names(uncovered)}",
+            code=ErrorCode.CHECKSUM_MISMATCH,
+        )
+    wrong: list[str] = []
+    for file, hexd in sorted(wanted.items()):
+        if file in ckpt.fds:
+            digest = _sha256_fd(ckpt.fds[file], cancel)
+        else:
+            try:
+                fd = os.open(file, os.O_RDONLY)
+            except OSError as exc:
+                raise _unreadable(f"sha256 manifest lists {file.name!r}: {exc}") from None
+            try:
+                digest = _sha256_fd(fd, cancel)
+            finally:
+                os.close(fd)
+        if digest != hexd.lower():
+            wrong.append(f"{file.relative_to(base)} (got {digest[:12]}, want {hexd[:12]})")
+    if wrong:
+        raise RunnerError(f"sha256 mismatch: {_names(wrong)}", code=ErrorCode.CHECKSUM_MISMATCH)
+
+
+def _sha256_fd(fd: int, cancel: threading.Event | None) -> str:
+    digest = hashlib.sha256()
+    buf = bytearray(_HASH_CHUNK)
+    view = memoryview(buf)
+    offset = 0
+    while n := os.preadv(fd, [view], offset):
+        if cancel is not None and cancel.is_set():
+            raise RunnerError("reload cancelled while hashing", code=ErrorCode.COMMAND_TIMEOUT)
+        digest.update(view[:n])
+        offset += n
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- copy
+
+
+class _ShortRead(OSError):
+    pass
+
+
+def _copy(
+    ckpt: OpenCheckpoint,
+    plan: list[tuple[TensorEntry, torch.Tensor]],
+    version: str,
+    from_version: str | None,
+    cancel: threading.Event | None,
+    staging_bytes: int,
+    progress: Progress | None,
+    sync: Callable[[], None] | None,
+) -> None:
+    copier = _Copier(staging_bytes)
+    done = 0
+    try:
+        if progress is not None:
+            progress(0, len(plan))
+        with torch.no_grad():
+            for entry, dst in plan:
+                if cancel is not None and cancel.is_set():
+                    raise RunnerError("cancelled", code=ErrorCode.COMMAND_TIMEOUT)
+                copier.copy(ckpt.fds[entry.file], entry, dst)
+                done += 1
+                if progress is not None:
+                    progress(done, len(plan))
+            copier.finish()
+            if sync is not None:
+                sync()
+    except Exception as exc:
+        reason = exc.message if isinstance(exc, RunnerError) else f"{type(exc).__name__}: {exc}"
+        raise WeightsCorrupted(
+            f"reload to {version!r} failed after {done} of {len(plan)} tensors were written "
+            f"({reason}); the model mixes {from_version!r} and {version!r}",
+            from_version=from_version,
+            to_version=version,
+        ) from exc
+
+
+class _Copier:
+    """Moves one tensor's bytes from a file into its destination without a second model copy."""
+
+    def __init__(self, staging_bytes: int) -> None:
+        self._chunk = max(1024 * 1024, staging_bytes // 2)
+        self._staging: list[torch.Tensor] = []
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def copy(self, fd: int, entry: TensorEntry, dst: torch.Tensor) -> None:
+        if entry.nbytes == 0:
+            return
+        if dst.device.type == "cpu" and dst.is_contiguous():
+            # Page cache -> parameter memory: one read syscall per tensor, no mmap, no temporary.
+            _read_exact(fd, _byte_view(dst.detach()), entry)
+        elif dst.device.type == "cuda" and dst.is_contiguous():
+            self._copy_staged(fd, entry, dst)
+        else:
+            # XLA and other devices (or strided tensors): one host tensor at a time.
+            host = torch.empty(entry.shape, dtype=dst.dtype)
+            _read_exact(fd, _byte_view(host), entry)
+            dst.copy_(host)
+
+    def _copy_staged(self, fd: int, entry: TensorEntry, dst: torch.Tensor) -> None:
+        if not self._staging:
+            self._staging = [
+                torch.empty(self._chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)
+            ]
+        dst_bytes = dst.detach().reshape(-1).view(torch.uint8)
+        for start in range(0, entry.nbytes, self._chunk):
+            n = min(self._chunk, entry.nbytes - start)
+            turn = self._turn
+            self._turn ^= 1
+            event = self._events[turn]
+            if event is not None:
+                event.synchronize()  # the previous copy out of this buffer has finished
+            buf = self._staging[turn]
+            _read_exact(fd, buf.numpy().data[:n], entry, start)
+            dst_bytes[start : start + n].copy_(buf[:n], non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(dst.device))  # type: ignore[no-untyped-call]
+            self._events[turn] = event
+
+    def finish(self) -> None:
+        for event in self._events:
+            if event is not None:
+                event.synchronize()
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
+
+
+def _read_exact(fd: int, buf: memoryview, entry: TensorEntry, start: int = 0) -> None:
+    done = 0
+    size = len(buf)
+    while done < size:
+        n = os.preadv(fd, [buf[done:]], entry.offset + start + done)
+        if n == 0:
+            raise _ShortRead(
+                f"{entry.file.name!r} ended inside tensor {entry.name!r} "
+                f"({start + done} of {entry.nbytes} bytes read)"
+            )
+        done += n
+
+
+def _names(items: list[str], limit: int = 5) -> str:
+    shown = ", ".join(items[:limit])
+    return shown if len(items) <= limit else f"{shown} and {len(items) - limit} more"
+
+
+def _unreadable(message: str) -> RunnerError:
+    return RunnerError(message, code=ErrorCode.WEIGHTS_UNREADABLE)
