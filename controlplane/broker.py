@@ -9,8 +9,8 @@ answers a metadata request, stops it with SIGTERM then SIGKILL. Every failure is
 from __future__ import annotations
 
 import base64
-import hashlib
 import contextlib
+import hashlib
 import os
 import re
 import shutil
@@ -131,7 +131,9 @@ class LocalBroker:
                 [java, "-version"], capture_output=True, text=True, timeout=30, check=False
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
-            raise BrokerError(f"could not run {java} -version: {exc}", code=ErrorCode.JAVA_NOT_FOUND)
+            raise BrokerError(
+                f"could not run {java} -version: {exc}", code=ErrorCode.JAVA_NOT_FOUND
+            ) from None
         text = out.stderr + out.stdout
         match = re.search(r'version "(\d+)(?:\.(\d+))?', text)
         if match is None:
@@ -370,7 +372,8 @@ class LocalBroker:
         )
         if proc.returncode != 0:
             raise BrokerError(
-                "formatting KRaft storage failed:\n" + _tail((proc.stdout + proc.stderr).splitlines(), 15),
+                "formatting KRaft storage failed:\n"
+                + _tail((proc.stdout + proc.stderr).splitlines(), 15),
                 code=ErrorCode.BROKER_DIED,
             )
 

@@ -58,7 +58,9 @@ def translate(what: str) -> Iterator[None]:
     except BusError:
         raise
     except (KafkaConnectionError, KafkaTimeoutError) as exc:
-        raise BusError(f"{what}: Kafka unreachable: {exc}", code=ErrorCode.BROKER_UNAVAILABLE) from exc
+        raise BusError(
+            f"{what}: Kafka unreachable: {exc}", code=ErrorCode.BROKER_UNAVAILABLE
+        ) from exc
     except KafkaError as exc:
         retryable = bool(getattr(exc, "retriable", False))
         code = ErrorCode.BROKER_UNAVAILABLE if retryable else ErrorCode.KAFKA_ERROR
@@ -206,7 +208,7 @@ class Consumer(_Lifecycle):
         with translate(f"reading metadata of {topic}"):
             parts = self._consumer.partitions_for_topic(topic)
             if parts is None:
-                await self._consumer._client.force_metadata_update()  # noqa: SLF001
+                await self._consumer._client.force_metadata_update()
                 parts = self._consumer.partitions_for_topic(topic)
         if not parts:
             raise BusError(f"topic {topic} does not exist; run `controlplane topics ensure`")
@@ -259,7 +261,9 @@ class Consumer(_Lifecycle):
             res = await self._consumer.beginning_offsets([TopicPartition(topic, p) for p in parts])
         return {tp.partition: off for tp, off in res.items()}
 
-    async def fetch(self, *, timeout_s: float = 1.0, max_records: int | None = None) -> list[Record]:
+    async def fetch(
+        self, *, timeout_s: float = 1.0, max_records: int | None = None
+    ) -> list[Record]:
         """Up to ``max_records`` records (possibly none), in order within each partition."""
         with translate("fetching"):
             batches = await self._consumer.getmany(
@@ -315,7 +319,8 @@ class Admin(_Lifecycle):
         differences = await self._differences(present) if present else []
         if differences:
             raise TopicMismatch(
-                "existing topics differ from what this version needs:\n  " + "\n  ".join(differences),
+                "existing topics differ from what this version needs:\n  "
+                + "\n  ".join(differences),
                 differences=differences,
             )
         return EnsureReport(created=[s.name for s in missing], existing=[s.name for s in present])
@@ -360,15 +365,19 @@ def _topic_errors(resp: Any) -> list[tuple[str, int, str | None]]:
 
 async def probe(bootstrap: str, *, timeout: float = 10.0) -> ClusterInfo:
     """Ask the cluster for its metadata: proof that it is up and serving."""
-    settings = KafkaSettings(bootstrap_servers=bootstrap, request_timeout_ms=max(1000, int(timeout * 1000)))
+    settings = KafkaSettings(
+        bootstrap_servers=bootstrap, request_timeout_ms=max(1000, int(timeout * 1000))
+    )
     admin = Admin(settings)
     try:
         async with asyncio.timeout(timeout):
             await admin.start()
             with translate("describing the cluster"):
-                info = await admin._admin.describe_cluster()  # noqa: SLF001
+                info = await admin._admin.describe_cluster()
     except TimeoutError:
-        raise BusError(f"no metadata from {bootstrap} within {timeout}s", code=ErrorCode.BROKER_UNAVAILABLE) from None
+        raise BusError(
+            f"no metadata from {bootstrap} within {timeout}s", code=ErrorCode.BROKER_UNAVAILABLE
+        ) from None
     finally:
         await admin.stop()
     return ClusterInfo(

@@ -50,7 +50,9 @@ app.add_typer(schema_app, name="schema")
 
 BootstrapOpt = Annotated[
     str,
-    typer.Option("--bootstrap", "-b", envvar="FLEET_KAFKA_BOOTSTRAP", help="Kafka bootstrap servers."),
+    typer.Option(
+        "--bootstrap", "-b", envvar="FLEET_KAFKA_BOOTSTRAP", help="Kafka bootstrap servers."
+    ),
 ]
 PrefixOpt = Annotated[
     str, typer.Option("--topic-prefix", envvar="FLEET_TOPIC_PREFIX", help="Topic name prefix.")
@@ -62,7 +64,11 @@ def fail(error: ControlPlaneError) -> typer.Exit:
     typer.echo(f"error: {error.code}: {error.message}", err=True)
     if isinstance(error, BusError) and error.code is ErrorCode.BROKER_UNAVAILABLE:
         return typer.Exit(Exit.UNREACHABLE)
-    if error.code in (ErrorCode.SCHEMA_INVALID, ErrorCode.PATH_NOT_ALLOWED):
+    if error.code in (
+        ErrorCode.SCHEMA_INVALID,
+        ErrorCode.PATH_NOT_ALLOWED,
+        ErrorCode.NO_MATCHING_WORKERS,
+    ):
         return typer.Exit(Exit.INVALID)
     return typer.Exit(Exit.FAILED)
 
@@ -86,7 +92,11 @@ def _broker(
 ) -> LocalBroker:
     return LocalBroker(
         BrokerConfig(
-            port=port, controller_port=controller_port, data_dir=data_dir, java=java, heap_mb=heap_mb
+            port=port,
+            controller_port=controller_port,
+            data_dir=data_dir,
+            java=java,
+            heap_mb=heap_mb,
         )
     )
 
@@ -155,7 +165,9 @@ def broker_status(
     """Say whether the broker runs; exit 1 when it does not."""
     status = _broker(port, controller_port, data_dir).status()
     if status.running:
-        typer.echo(f"running: Apache Kafka {status.kafka_version} at {status.bootstrap} (pid {status.pid})")
+        typer.echo(
+            f"running: Apache Kafka {status.kafka_version} at {status.bootstrap} (pid {status.pid})"
+        )
     else:
         typer.echo("not running")
         raise typer.Exit(Exit.FAILED)
@@ -189,7 +201,9 @@ def schema_export(
         Path | None, typer.Option("--dir", help="Where to write; default: the package's schemas/.")
     ] = None,
     check: Annotated[bool, typer.Option("--check", help="Exit 1 if the files are stale.")] = False,
-    stdout: Annotated[bool, typer.Option("--stdout", help="Print the schemas as one JSON.")] = False,
+    stdout: Annotated[
+        bool, typer.Option("--stdout", help="Print the schemas as one JSON.")
+    ] = False,
 ) -> None:
     """Write the JSON Schemas of command, ack and heartbeat (for producers in any language)."""
     from controlplane import schema_export as export
@@ -208,6 +222,11 @@ def schema_export(
         return
     for path in export.write_schemas(target):
         typer.echo(f"wrote {path}")
+
+
+# Sub-command modules register themselves on ``app`` (they import the names above).
+from controlplane import cli_rollout as _cli_rollout  # noqa: E402, F401
+from controlplane import cli_services as _cli_services  # noqa: E402, F401
 
 
 def main() -> None:

@@ -31,6 +31,7 @@ class ErrorCode(StrEnum):
     SIGNATURE_INVALID = "SIGNATURE_INVALID"
     PATH_NOT_ALLOWED = "PATH_NOT_ALLOWED"
     UNSUPPORTED_COMMAND = "UNSUPPORTED_COMMAND"
+    NO_MATCHING_WORKERS = "NO_MATCHING_WORKERS"
     # Refused by the runner after validation, before any weight or setting changed.
     MODEL_NOT_LOADED = "MODEL_NOT_LOADED"
     WEIGHTS_UNREADABLE = "WEIGHTS_UNREADABLE"
@@ -86,6 +87,7 @@ REJECTION_CODES: frozenset[ErrorCode] = frozenset(
         ErrorCode.SIGNATURE_INVALID,
         ErrorCode.PATH_NOT_ALLOWED,
         ErrorCode.UNSUPPORTED_COMMAND,
+        ErrorCode.NO_MATCHING_WORKERS,
         ErrorCode.MODEL_NOT_LOADED,
         ErrorCode.WEIGHTS_UNREADABLE,
         ErrorCode.WEIGHTS_MISSING,

@@ -75,11 +75,15 @@ class Tail:
     async def __aexit__(self, *exc: object) -> None:
         await self._consumer.stop()
 
-    async def until(self, predicate: Callable[[list[Any]], bool], timeout: float = 60.0) -> list[Any]:
+    async def until(
+        self, predicate: Callable[[list[Any]], bool], timeout: float = 60.0
+    ) -> list[Any]:
         deadline = time.monotonic() + timeout
         while not predicate(self.items):
             if time.monotonic() > deadline:
-                raise AssertionError(f"timed out on {self.topic}; have {len(self.items)}: {self.items[-5:]}")
+                raise AssertionError(
+                    f"timed out on {self.topic}; have {len(self.items)}: {self.items[-5:]}"
+                )
             for rec in await self._consumer.fetch(timeout_s=0.2):
                 if rec.value is not None:
                     self.items.append(self.decode(rec.value))

@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.bus import Consumer, Producer, Record
-from controlplane.errors import BusError, CommandRejected, ControlPlaneError, ErrorCode, ProtocolError
+from controlplane.errors import (
+    BusError,
+    CommandRejected,
+    ControlPlaneError,
+    ErrorCode,
+    ProtocolError,
+)
 from controlplane.protocol import (
     Ack,
     AckError,
@@ -105,7 +111,9 @@ class Agent:
         try:
             async with (
                 Producer(self.settings.kafka) as producer,
-                Consumer(self.settings.kafka, group_id=self.topics.worker_group(self.worker_id)) as consumer,
+                Consumer(
+                    self.settings.kafka, group_id=self.topics.worker_group(self.worker_id)
+                ) as consumer,
             ):
                 self._producer, self._consumer = producer, consumer
                 await self._establish_position()
@@ -114,7 +122,9 @@ class Agent:
                     try:
                         await self._load_runner()
                         self.ready.set()
-                        self._log(logging.INFO, "ready: runner %s on %s", self.runner.name, self._device())
+                        self._log(
+                            logging.INFO, "ready: runner %s on %s", self.runner.name, self._device()
+                        )
                         await self._command_loop()
                     finally:
                         self._status = WorkerStatus.STOPPED
@@ -147,7 +157,9 @@ class Agent:
         else:
             start, source = end, "head of the log (new worker)"
         if start < begin:
-            self._log(logging.WARNING, "offset %d was deleted by retention; reading from %d", start, begin)
+            self._log(
+                logging.WARNING, "offset %d was deleted by retention; reading from %d", start, begin
+            )
             start = begin
         self._consumer.seek(topic, 0, start)
         self._log(logging.INFO, "reading %s from offset %d (%s)", topic, start, source)
@@ -168,7 +180,9 @@ class Agent:
         assert self._state is not None
         if self._state.config_overrides:
             try:
-                await asyncio.to_thread(self.runner.update_config, dict(self._state.config_overrides))
+                await asyncio.to_thread(
+                    self.runner.update_config, dict(self._state.config_overrides)
+                )
             except Exception as exc:
                 self._log(logging.ERROR, "could not restore config overrides: %s", exc)
         spec = self._state.weights
@@ -220,19 +234,39 @@ class Agent:
         log_ctx = {"command_id": command.command_id, "rollout_id": command.rollout_id}
         rejected = self._precheck(command, received)
         if isinstance(rejected, ControlPlaneError):
-            await self._finish(command.command_id, command.rollout_id, command.kind, received,
-                               _Outcome(AckState.REJECTED, _ack_error(rejected)))
+            await self._finish(
+                command.command_id,
+                command.rollout_id,
+                command.kind,
+                received,
+                _Outcome(AckState.REJECTED, _ack_error(rejected)),
+            )
             return
         path = rejected
-        await self._publish(self._ack(command.command_id, command.rollout_id, command.kind,
-                                      AckState.ACCEPTED, received))
+        await self._publish(
+            self._ack(
+                command.command_id, command.rollout_id, command.kind, AckState.ACCEPTED, received
+            )
+        )
         started = self.clock()
-        self._in_flight = InFlight(command_id=command.command_id, rollout_id=command.rollout_id,
-                                   kind=command.kind, since=started)
+        self._in_flight = InFlight(
+            command_id=command.command_id,
+            rollout_id=command.rollout_id,
+            kind=command.kind,
+            since=started,
+        )
         self._status = WorkerStatus.BUSY
         self._hb_wakeup.set()
-        await self._publish(self._ack(command.command_id, command.rollout_id, command.kind,
-                                      AckState.RUNNING, received, started_at=started))
+        await self._publish(
+            self._ack(
+                command.command_id,
+                command.rollout_id,
+                command.kind,
+                AckState.RUNNING,
+                received,
+                started_at=started,
+            )
+        )
         self._log(logging.INFO, "applying %s", command.kind.value, **log_ctx)
         outcome = await self._execute(command, path)
         outcome.started_at = started
@@ -245,10 +279,15 @@ class Agent:
         self._log(logging.WARNING, "unreadable command at offset %d: %s", record.offset, exc)
         if exc.command_id is None or await self._replay_outcome(exc.command_id):
             return
-        await self._finish(exc.command_id, exc.rollout_id or "unknown", None, received,
-                           _Outcome(AckState.REJECTED, _ack_error(exc)))
+        await self._finish(
+            exc.command_id,
+            exc.rollout_id or "unknown",
+            None,
+            received,
+            _Outcome(AckState.REJECTED, _ack_error(exc)),
+        )
 
-    def _precheck(self, command: Command, now: datetime) -> Path | None | ControlPlaneError:
+    def _precheck(self, command: Command, now: datetime) -> Path | ControlPlaneError | None:
         """Checks before anything is touched: expiry and weights path. Returns the resolved path."""
         if command.is_expired(now):
             return CommandRejected(
@@ -270,16 +309,29 @@ class Agent:
             return False
         if not prior.published:
             ack = prior.ack.model_copy(
-                update={"attempt": prior.ack.attempt + 1, "sent_at": self.clock(),
-                        "result": {**prior.ack.result, "replayed": True}}
+                update={
+                    "attempt": prior.ack.attempt + 1,
+                    "sent_at": self.clock(),
+                    "result": {**prior.ack.result, "replayed": True},
+                }
             )
-            self._log(logging.INFO, "re-publishing the %s ack of an applied command",
-                      ack.state.value, command_id=command_id, rollout_id=ack.rollout_id)
+            self._log(
+                logging.INFO,
+                "re-publishing the %s ack of an applied command",
+                ack.state.value,
+                command_id=command_id,
+                rollout_id=ack.rollout_id,
+            )
             await self._publish(ack)
             self._state.mark_published(command_id)
         else:
-            self._log(logging.INFO, "duplicate delivery ignored (already %s)", prior.ack.state.value,
-                      command_id=command_id, rollout_id=prior.ack.rollout_id)
+            self._log(
+                logging.INFO,
+                "duplicate delivery ignored (already %s)",
+                prior.ack.state.value,
+                command_id=command_id,
+                rollout_id=prior.ack.rollout_id,
+            )
         return True
 
     async def _execute(self, command: Command, path: Path | None) -> _Outcome:
@@ -294,8 +346,10 @@ class Agent:
         elif isinstance(spec, UpdateConfigSpec):
             call = lambda: self.runner.update_config(dict(spec.overrides))  # noqa: E731
         else:  # pragma: no cover - the discriminated union has no other member
-            return _Outcome(AckState.REJECTED, AckError(code=ErrorCode.UNSUPPORTED_COMMAND,
-                                                        message=f"unknown kind {spec.kind}"))
+            return _Outcome(
+                AckState.REJECTED,
+                AckError(code=ErrorCode.UNSUPPORTED_COMMAND, message=f"unknown kind {spec.kind}"),
+            )
         timeout = command.timeout_s or self.settings.command_timeout_s
         task = asyncio.ensure_future(asyncio.to_thread(call))
         deadline = time.monotonic() + timeout
@@ -305,17 +359,31 @@ class Agent:
             if self._stopped_at is not None:
                 limit = min(limit, self._stopped_at + self.settings.drain_timeout_s)
             if time.monotonic() >= limit:
-                reason = ErrorCode.WORKER_SHUTTING_DOWN if limit < deadline else ErrorCode.COMMAND_TIMEOUT
+                reason = (
+                    ErrorCode.WORKER_SHUTTING_DOWN
+                    if limit < deadline
+                    else ErrorCode.COMMAND_TIMEOUT
+                )
                 cancel.set()
-                self._log(logging.WARNING, "cancelling (%s)", reason.value,
-                          command_id=command.command_id, rollout_id=command.rollout_id)
+                self._log(
+                    logging.WARNING,
+                    "cancelling (%s)",
+                    reason.value,
+                    command_id=command.command_id,
+                    rollout_id=command.rollout_id,
+                )
                 await asyncio.wait({task}, timeout=_CANCEL_GRACE_S)
                 break
             await asyncio.wait({task}, timeout=min(0.2, max(0.0, limit - time.monotonic())))
         if not task.done():
-            return _Outcome(AckState.FAILED, AckError(
-                code=reason or ErrorCode.COMMAND_TIMEOUT, retryable=True,
-                message=f"runner did not stop within {_CANCEL_GRACE_S:.0f}s of cancellation"))
+            return _Outcome(
+                AckState.FAILED,
+                AckError(
+                    code=reason or ErrorCode.COMMAND_TIMEOUT,
+                    retryable=True,
+                    message=f"runner did not stop within {_CANCEL_GRACE_S:.0f}s of cancellation",
+                ),
+            )
         try:
             value = task.result()
         except ControlPlaneError as exc:
@@ -323,26 +391,45 @@ class Agent:
             if reason is not None and exc.code is ErrorCode.COMMAND_TIMEOUT:
                 error = AckError(code=reason, message=exc.message, retryable=True)
             elif reason is not None:
-                error = AckError(code=exc.code, retryable=exc.retryable,
-                                 message=f"{exc.message} (after cancellation: {reason.value})")
+                error = AckError(
+                    code=exc.code,
+                    retryable=exc.retryable,
+                    message=f"{exc.message} (after cancellation: {reason.value})",
+                )
             return _Outcome(AckState.REJECTED if exc.is_rejection else AckState.FAILED, error)
         except Exception as exc:  # a runner bug must not kill the agent
             self._log(logging.ERROR, "runner raised %r", exc, command_id=command.command_id)
-            return _Outcome(AckState.FAILED, AckError(code=ErrorCode.INTERNAL,
-                                                      message=f"{type(exc).__name__}: {exc}"))
+            return _Outcome(
+                AckState.FAILED,
+                AckError(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}"),
+            )
         if isinstance(spec, ReloadWeightsSpec):
             self._state.set_weights(spec)
             return _Outcome(AckState.SUCCEEDED, result=value.as_dict())
         self._state.add_config(dict(spec.overrides))
         return _Outcome(AckState.SUCCEEDED, result={"overrides": sorted(spec.overrides)})
 
-    async def _finish(self, command_id: str, rollout_id: str, kind: CommandKind | None,
-                      received: datetime, outcome: _Outcome) -> None:
+    async def _finish(
+        self,
+        command_id: str,
+        rollout_id: str,
+        kind: CommandKind | None,
+        received: datetime,
+        outcome: _Outcome,
+    ) -> None:
         """Record the terminal ack durably, publish it, then mark it published."""
         assert self._state is not None
-        ack = self._ack(command_id, rollout_id, kind, outcome.state, received,
-                        started_at=outcome.started_at, finished_at=self.clock(),
-                        error=outcome.error, result=outcome.result)
+        ack = self._ack(
+            command_id,
+            rollout_id,
+            kind,
+            outcome.state,
+            received,
+            started_at=outcome.started_at,
+            finished_at=self.clock(),
+            error=outcome.error,
+            result=outcome.result,
+        )
         self._state.record(ack, published=False)
         failpoints.hit("after_apply")
         await self._publish(ack)
@@ -350,22 +437,42 @@ class Agent:
         failpoints.hit("after_ack")
         self.outcomes[outcome.error.code if outcome.error else "OK"] += 1
         level = logging.INFO if outcome.state is AckState.SUCCEEDED else logging.WARNING
-        self._log(level, "%s%s", outcome.state.value,
-                  f" {outcome.error.code}: {outcome.error.message}" if outcome.error else "",
-                  command_id=command_id, rollout_id=rollout_id)
+        self._log(
+            level,
+            "%s%s",
+            outcome.state.value,
+            f" {outcome.error.code}: {outcome.error.message}" if outcome.error else "",
+            command_id=command_id,
+            rollout_id=rollout_id,
+        )
         self._hb_wakeup.set()
 
-    def _ack(self, command_id: str, rollout_id: str, kind: CommandKind | None, state: AckState,
-             received: datetime, *, started_at: datetime | None = None,
-             finished_at: datetime | None = None, error: AckError | None = None,
-             result: dict[str, Any] | None = None) -> Ack:
+    def _ack(
+        self,
+        command_id: str,
+        rollout_id: str,
+        kind: CommandKind | None,
+        state: AckState,
+        received: datetime,
+        *,
+        started_at: datetime | None = None,
+        finished_at: datetime | None = None,
+        error: AckError | None = None,
+        result: dict[str, Any] | None = None,
+    ) -> Ack:
         desc = self._describe
         return Ack(
-            command_id=command_id, rollout_id=rollout_id, worker_id=self.worker_id, kind=kind,
-            state=state, weights_version=desc.weights_version if desc else None,
-            config_digest=desc.config_digest if desc else None, error=error,
+            command_id=command_id,
+            rollout_id=rollout_id,
+            worker_id=self.worker_id,
+            kind=kind,
+            state=state,
+            weights_version=desc.weights_version if desc else None,
+            config_digest=desc.config_digest if desc else None,
+            error=error,
             timings=Timings(received_at=received, started_at=started_at, finished_at=finished_at),
-            sent_at=self.clock(), result=result or {},
+            sent_at=self.clock(),
+            result=result or {},
         )
 
     async def _publish(self, ack: Ack) -> None:
@@ -374,11 +481,18 @@ class Agent:
         delay = 0.5
         while True:
             try:
-                await self._producer.send(self.topics.acks.name, encode(ack), key=worker_key(self.worker_id))
+                await self._producer.send(
+                    self.topics.acks.name, encode(ack), key=worker_key(self.worker_id)
+                )
                 return
             except BusError as exc:
-                self._log(logging.WARNING, "ack publish failed, retrying in %.1fs: %s", delay, exc,
-                          command_id=ack.command_id)
+                self._log(
+                    logging.WARNING,
+                    "ack publish failed, retrying in %.1fs: %s",
+                    delay,
+                    exc,
+                    command_id=ack.command_id,
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
@@ -394,7 +508,9 @@ class Agent:
                 self._status = WorkerStatus.STOPPING
             hb = self._heartbeat()
             try:
-                await self._producer.send(self.topics.workers.name, encode(hb), key=worker_key(self.worker_id))
+                await self._producer.send(
+                    self.topics.workers.name, encode(hb), key=worker_key(self.worker_id)
+                )
             except BusError as exc:
                 self._log(logging.WARNING, "heartbeat failed: %s", exc)
             if final:
@@ -408,16 +524,29 @@ class Agent:
         degraded = None
         if desc is not None and desc.degraded is not None:
             d = desc.degraded
-            degraded = Degraded(code=d.code, message=d.message[:4096], from_version=d.from_version,
-                                to_version=d.to_version, since=d.since)
+            degraded = Degraded(
+                code=d.code,
+                message=d.message[:4096],
+                from_version=d.from_version,
+                to_version=d.to_version,
+                since=d.since,
+            )
         self._seq += 1
         return Heartbeat(
-            worker_id=self.worker_id, labels=self.settings.labels, runner=self.runner.name,
-            device=desc.device if desc else "unknown", status=self._status,
+            worker_id=self.worker_id,
+            labels=self.settings.labels,
+            runner=self.runner.name,
+            device=desc.device if desc else "unknown",
+            status=self._status,
             weights_version=desc.weights_version if desc else None,
-            config_digest=desc.config_digest if desc else None, in_flight=self._in_flight,
-            degraded=degraded, seq=self._seq, sent_at=self.clock(), started_at=self._started_at,
-            interval_s=self.settings.heartbeat_interval_s, agent_version=AGENT_VERSION,
+            config_digest=desc.config_digest if desc else None,
+            in_flight=self._in_flight,
+            degraded=degraded,
+            seq=self._seq,
+            sent_at=self.clock(),
+            started_at=self._started_at,
+            interval_s=self.settings.heartbeat_interval_s,
+            agent_version=AGENT_VERSION,
         )
 
     # ------------------------------------------------------------------ helpers
@@ -440,8 +569,14 @@ class Agent:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stop.wait(), seconds)
 
-    def _log(self, level: int, msg: str, *args: Any, command_id: str | None = None,
-             rollout_id: str | None = None) -> None:
+    def _log(
+        self,
+        level: int,
+        msg: str,
+        *args: Any,
+        command_id: str | None = None,
+        rollout_id: str | None = None,
+    ) -> None:
         ctx = f"worker={self.worker_id}"
         if command_id:
             ctx += f" command={command_id}"

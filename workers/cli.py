@@ -59,13 +59,23 @@ def _labels(items: list[str] | None) -> dict[str, str] | None:
 
 @app.command("run")
 def run(
-    worker_id: Annotated[str | None, typer.Option("--id", help="Worker id (default: hostname).")] = None,
-    label: Annotated[list[str] | None, typer.Option("--label", "-l", help="key=value, repeatable.")] = None,
-    bootstrap: Annotated[str | None, typer.Option("--bootstrap", "-b", help="Kafka bootstrap servers.")] = None,
+    worker_id: Annotated[
+        str | None, typer.Option("--id", help="Worker id (default: hostname).")
+    ] = None,
+    label: Annotated[
+        list[str] | None, typer.Option("--label", "-l", help="key=value, repeatable.")
+    ] = None,
+    bootstrap: Annotated[
+        str | None, typer.Option("--bootstrap", "-b", help="Kafka bootstrap servers.")
+    ] = None,
     topic_prefix: Annotated[str | None, typer.Option(help="Topic name prefix.")] = None,
     runner: Annotated[str | None, typer.Option(help="torch | xla | vllm | fake")] = None,
-    runner_options: Annotated[str | None, typer.Option(help="Runner options as a JSON object.")] = None,
-    allow_root: Annotated[list[Path] | None, typer.Option("--allow-root", help="Allowed weights root, repeatable.")] = None,
+    runner_options: Annotated[
+        str | None, typer.Option(help="Runner options as a JSON object.")
+    ] = None,
+    allow_root: Annotated[
+        list[Path] | None, typer.Option("--allow-root", help="Allowed weights root, repeatable.")
+    ] = None,
     state_dir: Annotated[Path | None, typer.Option(help="Local state directory.")] = None,
     heartbeat_s: Annotated[float | None, typer.Option(help="Heartbeat interval.")] = None,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING.")] = "INFO",
@@ -76,7 +86,8 @@ def run(
     from workers.settings import WorkerSettings
 
     logging.basicConfig(
-        level=log_level.upper(), stream=sys.stderr,
+        level=log_level.upper(),
+        stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
@@ -93,7 +104,9 @@ def run(
     kafka_flags = {"bootstrap_servers": bootstrap, "topic_prefix": topic_prefix}
     kafka_flags = {k: v for k, v in kafka_flags.items() if v is not None}
     if kafka_flags:
-        settings = settings.model_copy(update={"kafka": settings.kafka.model_copy(update=kafka_flags)})
+        settings = settings.model_copy(
+            update={"kafka": settings.kafka.model_copy(update=kafka_flags)}
+        )
     try:
         agent = Agent(settings, create_runner(settings.runner, settings.runner_options))
     except ValueError as exc:

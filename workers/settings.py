@@ -29,20 +29,25 @@ class WorkerSettings(BaseSettings):
         env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid"
     )
 
-    worker_id: str = Field(default_factory=_default_worker_id, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
+    worker_id: str = Field(
+        default_factory=_default_worker_id, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$"
+    )
     labels: dict[str, str] = Field(default_factory=dict, description="JSON object in env.")
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     runner: str = "torch"
     runner_options: dict[str, Any] = Field(default_factory=dict, description="JSON object in env.")
     allowed_roots: list[Path] = Field(
-        default_factory=list, description="Weights may only be loaded from inside these directories."
+        default_factory=list,
+        description="Weights may only be loaded from inside these directories.",
     )
     state_dir: Path = Field(
         default=Path(".fleet/workers"),
         description="Local state (applied command ids, position, current weights); one subdir per worker.",
     )
     heartbeat_interval_s: float = Field(default=3.0, gt=0)
-    command_timeout_s: float = Field(default=900.0, gt=0, description="Default per-command timeout.")
+    command_timeout_s: float = Field(
+        default=900.0, gt=0, description="Default per-command timeout."
+    )
     drain_timeout_s: float = Field(
         default=60.0, ge=0, description="On SIGTERM, how long the command in flight may still run."
     )

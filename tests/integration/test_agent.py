@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -24,7 +24,15 @@ from controlplane.protocol import (
     utcnow,
 )
 from controlplane.settings import KafkaSettings
-from tests.fleet import acks_tail, has_terminal, heartbeats_tail, latest, make_command, publish, terminal
+from tests.fleet import (
+    acks_tail,
+    has_terminal,
+    heartbeats_tail,
+    latest,
+    make_command,
+    publish,
+    terminal,
+)
 from workers.agent import Agent
 from workers.runner import ReloadResult, RunnerDescription, config_digest
 from workers.settings import WorkerSettings
@@ -48,10 +56,14 @@ class RecordingRunner:
         self.loaded = True
         self.version = "init"
 
-    def reload_weights(self, spec: ReloadWeightsSpec, path: Path, *, cancel: threading.Event | None = None) -> ReloadResult:
+    def reload_weights(
+        self, spec: ReloadWeightsSpec, path: Path, *, cancel: threading.Event | None = None
+    ) -> ReloadResult:
         if spec.version.startswith("bad-"):
-            raise RunnerError("tensor w has shape [2] in the checkpoint, [3] in the model",
-                              code=ErrorCode.WEIGHTS_SHAPE_MISMATCH)
+            raise RunnerError(
+                "tensor w has shape [2] in the checkpoint, [3] in the model",
+                code=ErrorCode.WEIGHTS_SHAPE_MISMATCH,
+            )
         end = time.monotonic() + self.delay_s
         while time.monotonic() < end:
             if cancel is not None and cancel.is_set():
@@ -63,15 +75,22 @@ class RecordingRunner:
 
     def update_config(self, overrides: dict[str, Any]) -> RunnerDescription:
         if set(overrides) - {"max_new_tokens"}:
-            raise RunnerError(f"unknown keys {sorted(overrides)}", code=ErrorCode.CONFIG_KEY_REJECTED)
+            raise RunnerError(
+                f"unknown keys {sorted(overrides)}", code=ErrorCode.CONFIG_KEY_REJECTED
+            )
         self.config.update(overrides)
         return self.describe()
 
     def describe(self) -> RunnerDescription:
-        return RunnerDescription(runner=self.name, device="cpu", model_loaded=self.loaded,
-                                 weights_version=self.version, config=dict(self.config),
-                                 config_digest=config_digest(self.config),
-                                 accepts={"max_new_tokens": "integer"})
+        return RunnerDescription(
+            runner=self.name,
+            device="cpu",
+            model_loaded=self.loaded,
+            weights_version=self.version,
+            config=dict(self.config),
+            config_digest=config_digest(self.config),
+            accepts={"max_new_tokens": "integer"},
+        )
 
     def close(self) -> None:
         pass
@@ -86,11 +105,17 @@ def weights(tmp_path: Path) -> Path:
 
 
 @asynccontextmanager
-async def running_agent(kafka: KafkaSettings, tmp_path: Path, runner: Any, **kw: Any) -> AsyncIterator[Agent]:
+async def running_agent(
+    kafka: KafkaSettings, tmp_path: Path, runner: Any, **kw: Any
+) -> AsyncIterator[Agent]:
     settings = WorkerSettings(
-        worker_id=kw.pop("worker_id", "w1"), labels=kw.pop("labels", {"model": "tiny"}), kafka=kafka,
-        allowed_roots=[tmp_path / "ckpts"], state_dir=tmp_path / "state",
-        heartbeat_interval_s=kw.pop("heartbeat_interval_s", 0.5), **kw,
+        worker_id=kw.pop("worker_id", "w1"),
+        labels=kw.pop("labels", {"model": "tiny"}),
+        kafka=kafka,
+        allowed_roots=[tmp_path / "ckpts"],
+        state_dir=tmp_path / "state",
+        heartbeat_interval_s=kw.pop("heartbeat_interval_s", 0.5),
+        **kw,
     )
     agent = Agent(settings, runner)
     task = asyncio.create_task(agent.run())
@@ -103,10 +128,14 @@ async def running_agent(kafka: KafkaSettings, tmp_path: Path, runner: Any, **kw:
 
 
 def reload(weights: Path, version: str, **kw: Any) -> Any:
-    return make_command(ReloadWeightsSpec(path=str(weights / "model.safetensors"), version=version), **kw)
+    return make_command(
+        ReloadWeightsSpec(path=str(weights / "model.safetensors"), version=version), **kw
+    )
 
 
-async def test_reload_is_acked_through_every_state(kafka: KafkaSettings, tmp_path: Path, weights: Path) -> None:
+async def test_reload_is_acked_through_every_state(
+    kafka: KafkaSettings, tmp_path: Path, weights: Path
+) -> None:
     runner = RecordingRunner()
     async with running_agent(kafka, tmp_path, runner), acks_tail(kafka) as acks:
         cmd = reload(weights, "v2")
@@ -121,7 +150,9 @@ async def test_reload_is_acked_through_every_state(kafka: KafkaSettings, tmp_pat
     assert runner.applied == ["v2"]
 
 
-async def test_failed_reload_never_advances_the_version(kafka: KafkaSettings, tmp_path: Path, weights: Path) -> None:
+async def test_failed_reload_never_advances_the_version(
+    kafka: KafkaSettings, tmp_path: Path, weights: Path
+) -> None:
     runner = RecordingRunner()
     async with running_agent(kafka, tmp_path, runner), acks_tail(kafka) as acks:
         cmd = reload(weights, "bad-v3")
@@ -133,7 +164,9 @@ async def test_failed_reload_never_advances_the_version(kafka: KafkaSettings, tm
     assert final.weights_version == "init"
 
 
-async def test_selector_filters_and_expiry_and_roots_reject(kafka: KafkaSettings, tmp_path: Path, weights: Path) -> None:
+async def test_selector_filters_and_expiry_and_roots_reject(
+    kafka: KafkaSettings, tmp_path: Path, weights: Path
+) -> None:
     runner = RecordingRunner()
     outside = tmp_path / "elsewhere.safetensors"
     outside.write_bytes(b"\0" * 8)
@@ -141,10 +174,18 @@ async def test_selector_filters_and_expiry_and_roots_reject(kafka: KafkaSettings
         other = reload(weights, "v-other", selector=Selector(labels={"model": "llama"}))
         not_me = reload(weights, "v-not-me", selector=Selector(worker_ids=["w2"]))
         now = utcnow()
-        expired = reload(weights, "v-old", issued_at=now - timedelta(minutes=5),
-                         expires_at=now - timedelta(minutes=1))
-        escape = make_command(ReloadWeightsSpec(path=str(weights / ".." / "elsewhere.safetensors"), version="v-x"))
-        marker = reload(weights, "v-marker", selector=Selector(worker_ids=["w1"], labels={"model": "tiny"}))
+        expired = reload(
+            weights,
+            "v-old",
+            issued_at=now - timedelta(minutes=5),
+            expires_at=now - timedelta(minutes=1),
+        )
+        escape = make_command(
+            ReloadWeightsSpec(path=str(weights / ".." / "elsewhere.safetensors"), version="v-x")
+        )
+        marker = reload(
+            weights, "v-marker", selector=Selector(worker_ids=["w1"], labels={"model": "tiny"})
+        )
         await publish(kafka, other, not_me, expired, escape, marker)
         await acks.until(has_terminal(marker.command_id))
     assert not [a for a in acks.items if a.command_id in (other.command_id, not_me.command_id)]
@@ -155,16 +196,33 @@ async def test_selector_filters_and_expiry_and_roots_reject(kafka: KafkaSettings
     assert runner.applied == ["v-marker"]
 
 
-async def test_garbage_is_survived_and_next_command_applied(kafka: KafkaSettings, tmp_path: Path, weights: Path) -> None:
+async def test_garbage_is_survived_and_next_command_applied(
+    kafka: KafkaSettings, tmp_path: Path, weights: Path
+) -> None:
     runner = RecordingRunner()
-    async with running_agent(kafka, tmp_path, runner, max_message_bytes=64 * 1024), acks_tail(kafka) as acks:
-        nack_me = b'{"schema_version": 1, "command_id": "c-broken", "rollout_id": "r-broken", "spec": 42}'
+    async with (
+        running_agent(kafka, tmp_path, runner, max_message_bytes=64 * 1024),
+        acks_tail(kafka) as acks,
+    ):
+        nack_me = (
+            b'{"schema_version": 1, "command_id": "c-broken", "rollout_id": "r-broken", "spec": 42}'
+        )
         good = reload(weights, "v5")
-        await publish(kafka, b"\xff\xfe not json", b"[]", b'{"schema_version": 1, "command_id": "c-huge", "pad": "' + b"x" * 200_000 + b'"}', nack_me,
-                      b'{"schema_version": 99, "command_id": "c-future"}', good)
+        await publish(
+            kafka,
+            b"\xff\xfe not json",
+            b"[]",
+            b'{"schema_version": 1, "command_id": "c-huge", "pad": "' + b"x" * 200_000 + b'"}',
+            nack_me,
+            b'{"schema_version": 99, "command_id": "c-future"}',
+            good,
+        )
         await acks.until(has_terminal(good.command_id))
     by_id = {a.command_id: a for a in acks.items if a.state.terminal}
-    assert by_id["c-broken"].state is AckState.REJECTED and by_id["c-broken"].error.code == "SCHEMA_INVALID"
+    assert (
+        by_id["c-broken"].state is AckState.REJECTED
+        and by_id["c-broken"].error.code == "SCHEMA_INVALID"
+    )
     assert by_id["c-broken"].rollout_id == "r-broken"
     assert by_id["c-future"].error.code == "UNSUPPORTED_SCHEMA_VERSION"
     assert by_id["c-huge"].error.code == "MESSAGE_TOO_LARGE"
@@ -172,7 +230,9 @@ async def test_garbage_is_survived_and_next_command_applied(kafka: KafkaSettings
     assert runner.applied == ["v5"]
 
 
-async def test_duplicate_delivery_and_restart_apply_once(kafka: KafkaSettings, tmp_path: Path, weights: Path) -> None:
+async def test_duplicate_delivery_and_restart_apply_once(
+    kafka: KafkaSettings, tmp_path: Path, weights: Path
+) -> None:
     runner = RecordingRunner()
     cmd = reload(weights, "v7")
     async with acks_tail(kafka) as acks:
@@ -187,11 +247,16 @@ async def test_duplicate_delivery_and_restart_apply_once(kafka: KafkaSettings, t
             await publish(kafka, cmd, marker)
             await acks.until(has_terminal(marker.command_id))
     assert runner.applied == ["v7"]
-    assert second.applied == ["v7", "v8"]  # v7 restored at start-up (level), not re-applied as a command
+    assert second.applied == [
+        "v7",
+        "v8",
+    ]  # v7 restored at start-up (level), not re-applied as a command
     assert len(terminal(acks.items, cmd.command_id)) == 1
 
 
-async def test_update_config_acks_and_rejects_unknown_keys(kafka: KafkaSettings, tmp_path: Path, weights: Path) -> None:
+async def test_update_config_acks_and_rejects_unknown_keys(
+    kafka: KafkaSettings, tmp_path: Path, weights: Path
+) -> None:
     runner = RecordingRunner()
     async with running_agent(kafka, tmp_path, runner), acks_tail(kafka) as acks:
         ok = make_command(UpdateConfigSpec(overrides={"max_new_tokens": 4}))
@@ -209,12 +274,18 @@ async def test_heartbeats_continue_during_a_slow_reload_and_timeout_cancels(
     kafka: KafkaSettings, tmp_path: Path, weights: Path
 ) -> None:
     runner = RecordingRunner(delay_s=4.0)
-    async with running_agent(kafka, tmp_path, runner), acks_tail(kafka) as acks, heartbeats_tail(kafka) as hbs:
+    async with (
+        running_agent(kafka, tmp_path, runner),
+        acks_tail(kafka) as acks,
+        heartbeats_tail(kafka) as hbs,
+    ):
         slow = reload(weights, "v-slow")
         await publish(kafka, slow)
         await acks.until(lambda items: any(a.state is AckState.RUNNING for a in items))
         t0 = time.monotonic()
-        await hbs.until(lambda items: sum(1 for h in items if h.in_flight is not None) >= 4, timeout=10)
+        await hbs.until(
+            lambda items: sum(1 for h in items if h.in_flight is not None) >= 4, timeout=10
+        )
         assert time.monotonic() - t0 < 4.0, "heartbeats stalled behind the reload"
         busy = [h for h in hbs.items if h.in_flight is not None]
         assert {h.status for h in busy} == {WorkerStatus.BUSY}
@@ -241,12 +312,20 @@ async def test_stop_drains_in_flight_and_sends_a_last_heartbeat(
             await acks.until(lambda items: any(a.state is AckState.RUNNING for a in items))
         # running_agent's exit requested the stop while the reload ran; run() returned.
         await acks.until(has_terminal(cmd.command_id), timeout=5)
-        await hbs.until(lambda items: latest(items, "w1") is not None and latest(items, "w1").status is WorkerStatus.STOPPED, timeout=5)
+        await hbs.until(
+            lambda items: (
+                latest(items, "w1") is not None
+                and latest(items, "w1").status is WorkerStatus.STOPPED
+            ),
+            timeout=5,
+        )
     assert terminal(acks.items, cmd.command_id)[0].state is AckState.SUCCEEDED
     assert runner.applied == ["v-drain"]
 
 
-async def test_commits_position_only_after_terminal_ack(kafka: KafkaSettings, tmp_path: Path, weights: Path) -> None:
+async def test_commits_position_only_after_terminal_ack(
+    kafka: KafkaSettings, tmp_path: Path, weights: Path
+) -> None:
     runner = RecordingRunner()
     async with running_agent(kafka, tmp_path, runner), acks_tail(kafka) as acks:
         cmd = reload(weights, "v9")

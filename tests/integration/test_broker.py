@@ -41,7 +41,7 @@ def test_no_java(tmp_path: Path) -> None:
 
 
 def test_java_too_old(tmp_path: Path) -> None:
-    java = _fake_exe(tmp_path, "java", 'echo \'openjdk version "11.0.22" 2024-01-16\' >&2\n')
+    java = _fake_exe(tmp_path, "java", "echo 'openjdk version \"11.0.22\" 2024-01-16' >&2\n")
     broker = LocalBroker(_config(tmp_path, java=java))
     with pytest.raises(BrokerError) as info:
         broker.start()
@@ -50,7 +50,7 @@ def test_java_too_old(tmp_path: Path) -> None:
 
 
 def test_java_8_style_version_is_too_old(tmp_path: Path) -> None:
-    java = _fake_exe(tmp_path, "java", 'echo \'java version "1.8.0_392"\' >&2\n')
+    java = _fake_exe(tmp_path, "java", "echo 'java version \"1.8.0_392\"' >&2\n")
     with pytest.raises(BrokerError) as info:
         LocalBroker(_config(tmp_path, java=java)).check_java()
     assert info.value.code is ErrorCode.JAVA_TOO_OLD
@@ -137,9 +137,21 @@ def test_cli_style_module_runs_without_traceback_on_error(tmp_path: Path) -> Non
     import subprocess
 
     out = subprocess.run(
-        [sys.executable, "-m", "controlplane", "broker", "start", "--java", "no-such-java",
-         "--data-dir", str(tmp_path / "d")],
-        capture_output=True, text=True, timeout=60, check=False,
+        [
+            sys.executable,
+            "-m",
+            "controlplane",
+            "broker",
+            "start",
+            "--java",
+            "no-such-java",
+            "--data-dir",
+            str(tmp_path / "d"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert out.returncode != 0
     assert "JAVA_NOT_FOUND" in out.stderr

@@ -1,0 +1,345 @@
+"""CLI commands for CI and people: publish rollouts, wait for them, show status and workers.
+
+Works without a coordinator: status is computed from the topics with the same pure module the
+coordinator uses (Follower + Fleet). Exit codes: 0 succeeded, 1 failed, 2 timed out, 3 invalid
+input (including no matching worker), 4 Kafka unreachable.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from pydantic import JsonValue
+
+from controlplane.cli import BootstrapOpt, Exit, PrefixOpt, app, kafka_settings, run
+from controlplane.errors import CommandRejected, ErrorCode
+from controlplane.follower import Follower
+from controlplane.protocol import (
+    CommandSpec,
+    ReloadWeightsSpec,
+    Selector,
+    UpdateConfigSpec,
+    utcnow,
+)
+from controlplane.publisher import build_command, publish, resolve_selector
+from controlplane.render import console, progress_line, rollout_table, rollouts_table, workers_table
+from controlplane.rollout_models import RolloutStatus
+from controlplane.settings import DEFAULT_BOOTSTRAP, KafkaSettings
+
+SelectorOpt = Annotated[
+    list[str] | None, typer.Option("--selector", "-s", help="Label match key=value, repeatable.")
+]
+WorkerOpt = Annotated[
+    list[str] | None, typer.Option("--worker", "-w", help="Worker id, repeatable.")
+]
+AllOpt = Annotated[bool, typer.Option("--all", help="Every live worker (an explicit choice).")]
+WaitOpt = Annotated[
+    bool, typer.Option("--wait", help="Follow until the rollout ends; exit with its outcome.")
+]
+WaitTimeoutOpt = Annotated[
+    float | None,
+    typer.Option("--wait-timeout", help="Give up waiting after this many seconds (exit 2)."),
+]
+TtlOpt = Annotated[
+    float, typer.Option("--ttl", help="Seconds until the command expires (rollout deadline).")
+]
+TimeoutOpt = Annotated[
+    float | None, typer.Option("--timeout", help="Per-worker seconds to apply the command.")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+RolloutIdOpt = Annotated[str | None, typer.Option("--rollout-id", help="Choose the rollout id.")]
+
+
+def _selector(labels: list[str] | None, workers: list[str] | None, everyone: bool) -> Selector:
+    if not labels and not workers and not everyone:
+        raise typer.BadParameter("choose workers: --selector key=value, --worker ID, or --all")
+    pairs: dict[str, str] = {}
+    for item in labels or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"selector {item!r} must look like key=value")
+        pairs[key] = value
+    return Selector(worker_ids=sorted(workers) if workers else None, labels=pairs)
+
+
+async def _publish_and_maybe_wait(
+    settings: KafkaSettings,
+    spec: CommandSpec,
+    selector: Selector,
+    *,
+    ttl: float,
+    timeout: float | None,
+    rollout_id: str | None,
+    wait: bool,
+    wait_timeout: float | None,
+    as_json: bool,
+) -> int:
+    out = console()
+    async with Follower(settings) as follower:
+        await follower.catch_up()
+        now = utcnow()
+        pinned = resolve_selector(selector, follower.fleet.registry, now)
+        command = build_command(
+            spec,
+            pinned,
+            issuer=f"{getpass.getuser()}@cli",
+            ttl_s=ttl,
+            timeout_s=timeout,
+            rollout_id=rollout_id,
+            now=now,
+        )
+        offset = await publish(settings, command)
+        if not as_json:
+            out.print(
+                f"published rollout {command.rollout_id} (command {command.command_id}, offset {offset}) "
+                f"to {len(pinned.worker_ids or [])} worker(s): {', '.join(pinned.worker_ids or [])}"
+            )
+        if not wait:
+            if as_json:
+                typer.echo(command.model_dump_json())
+            return Exit.OK
+        status = await _follow(follower, command.rollout_id, wait_timeout, as_json)
+    return _finish(status, as_json, waited_out=not status.terminal)
+
+
+async def _follow(
+    follower: Follower, rollout_id: str, wait_timeout: float | None, as_json: bool
+) -> RolloutStatus:
+    """Poll the log until the rollout is terminal (or the wait times out); print progress."""
+    out = console(stderr=True)
+    deadline = time.monotonic() + wait_timeout if wait_timeout else None
+    last = ""
+    bar = None
+    if out.is_terminal and not as_json:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=out,
+            transient=True,
+        )
+        bar.start()
+        task = bar.add_task(rollout_id, total=1)
+    try:
+        while True:
+            if rollout_id in follower.fleet:
+                status = follower.fleet.status(rollout_id, utcnow())
+                line = progress_line(status)
+                if bar is not None:
+                    c = status.counts
+                    bar.update(
+                        task,
+                        total=max(status.expected, 1),
+                        description=line,
+                        completed=c.succeeded + c.failed + c.rejected + c.lost,
+                    )
+                elif line != last and not as_json:
+                    out.print(f"[{utcnow().strftime('%H:%M:%S')}] {line}")
+                last = line
+                if status.terminal:
+                    return status
+                if deadline is not None and time.monotonic() > deadline:
+                    return status
+            await follower.poll(timeout_s=0.25)
+    finally:
+        if bar is not None:
+            bar.stop()
+
+
+def _finish(status: RolloutStatus, as_json: bool, *, waited_out: bool = False) -> int:
+    if as_json:
+        typer.echo(status.model_dump_json())
+    else:
+        out = console()
+        out.print(rollout_table(status))
+        out.print(status.message)
+        if waited_out:
+            out.print(f"gave up waiting: the rollout is still {status.phase.value}")
+    if waited_out:
+        return Exit.TIMED_OUT
+    code = status.exit_code
+    return Exit.INTERNAL if code is None else code
+
+
+def _run_exit(coro: Any) -> None:
+    try:
+        code = run(coro)
+    except CommandRejected as exc:  # pragma: no cover - run() maps ControlPlaneError already
+        raise typer.Exit(Exit.INVALID) from exc
+    raise typer.Exit(code)
+
+
+@app.command("reload-weights")
+def reload_weights(
+    path: Annotated[
+        str,
+        typer.Argument(
+            help="Checkpoint: .safetensors file, directory, or index json (as the workers see it)."
+        ),
+    ],
+    version: Annotated[
+        str, typer.Option("--version", "-v", help="Version label the workers will report.")
+    ],
+    selector: SelectorOpt = None,
+    worker: WorkerOpt = None,
+    everyone: AllOpt = False,
+    sha256: Annotated[
+        Path | None,
+        typer.Option("--sha256", help="JSON file {file: sha256hex} the workers verify."),
+    ] = None,
+    non_strict: Annotated[
+        bool, typer.Option("--non-strict", help="Allow a partial checkpoint.")
+    ] = False,
+    ttl: TtlOpt = 3600.0,
+    timeout: TimeoutOpt = None,
+    rollout_id: RolloutIdOpt = None,
+    wait: WaitOpt = False,
+    wait_timeout: WaitTimeoutOpt = None,
+    as_json: JsonOpt = False,
+    bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
+    prefix: PrefixOpt = "fleet",
+) -> None:
+    """Roll new weights out to the selected workers (validated on each worker before any copy)."""
+    manifest: dict[str, str] = {}
+    if sha256 is not None:
+        try:
+            manifest = json.loads(sha256.read_text())
+        except (OSError, ValueError) as exc:
+            raise typer.BadParameter(f"--sha256: {exc}") from None
+    try:
+        spec = ReloadWeightsSpec(path=path, version=version, sha256=manifest, strict=not non_strict)
+    except ValueError as exc:
+        _invalid(exc)
+    _run_exit(
+        _publish_and_maybe_wait(
+            kafka_settings(bootstrap, prefix),
+            spec,
+            _selector(selector, worker, everyone),
+            ttl=ttl,
+            timeout=timeout,
+            rollout_id=rollout_id,
+            wait=wait,
+            wait_timeout=wait_timeout,
+            as_json=as_json,
+        )
+    )
+
+
+@app.command("update-config")
+def update_config(
+    set_: Annotated[
+        list[str], typer.Option("--set", help="key=JSON value (or plain string), repeatable.")
+    ],
+    selector: SelectorOpt = None,
+    worker: WorkerOpt = None,
+    everyone: AllOpt = False,
+    ttl: TtlOpt = 3600.0,
+    timeout: TimeoutOpt = None,
+    rollout_id: RolloutIdOpt = None,
+    wait: WaitOpt = False,
+    wait_timeout: WaitTimeoutOpt = None,
+    as_json: JsonOpt = False,
+    bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
+    prefix: PrefixOpt = "fleet",
+) -> None:
+    """Roll runtime config overrides out, applied all or nothing on each worker."""
+    overrides: dict[str, JsonValue] = {}
+    for item in set_:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"--set {item!r} must look like key=value")
+        try:
+            overrides[key] = json.loads(raw)
+        except ValueError:
+            overrides[key] = raw
+    try:
+        spec = UpdateConfigSpec(overrides=overrides)
+    except ValueError as exc:
+        _invalid(exc)
+    _run_exit(
+        _publish_and_maybe_wait(
+            kafka_settings(bootstrap, prefix),
+            spec,
+            _selector(selector, worker, everyone),
+            ttl=ttl,
+            timeout=timeout,
+            rollout_id=rollout_id,
+            wait=wait,
+            wait_timeout=wait_timeout,
+            as_json=as_json,
+        )
+    )
+
+
+def _invalid(exc: Exception) -> None:
+    typer.echo(f"error: {ErrorCode.SCHEMA_INVALID}: {exc}", err=True)
+    raise typer.Exit(Exit.INVALID)
+
+
+@app.command("status")
+def status(
+    rollout: Annotated[
+        str | None, typer.Argument(help="A rollout id; all rollouts when omitted.")
+    ] = None,
+    watch: Annotated[bool, typer.Option("--watch", help="Follow a rollout until it ends.")] = False,
+    as_json: JsonOpt = False,
+    bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
+    prefix: PrefixOpt = "fleet",
+) -> None:
+    """Rollout status computed from the log (no coordinator needed). Exits with the rollout's code."""
+
+    async def go() -> int:
+        async with Follower(kafka_settings(bootstrap, prefix)) as follower:
+            await follower.catch_up()
+            now = utcnow()
+            if rollout is None:
+                statuses = follower.fleet.rollouts(now)
+                if as_json:
+                    typer.echo(json.dumps([json.loads(s.model_dump_json()) for s in statuses]))
+                else:
+                    console().print(rollouts_table(statuses))
+                return Exit.OK
+            if rollout not in follower.fleet:
+                typer.echo(f"error: no rollout {rollout!r} in the log", err=True)
+                return Exit.INVALID
+            if watch:
+                result = await _follow(follower, rollout, None, as_json)
+            else:
+                result = follower.fleet.status(rollout, now)
+        if result.terminal:
+            return _finish(result, as_json)
+        _finish(result, as_json)
+        return Exit.OK  # a rollout still in progress is not an error for `status`
+
+    _run_exit(go())
+
+
+@app.command("workers")
+def workers(
+    as_json: JsonOpt = False,
+    bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
+    prefix: PrefixOpt = "fleet",
+) -> None:
+    """Every worker from its latest heartbeat: labels, device, version vs desired, liveness."""
+
+    async def go() -> int:
+        async with Follower(kafka_settings(bootstrap, prefix)) as follower:
+            await follower.catch_up()
+        now = utcnow()
+        views = follower.fleet.registry.workers(now)
+        levels = follower.fleet.worker_levels(now)
+        if as_json:
+            typer.echo(json.dumps([json.loads(v.model_dump_json()) for v in views]))
+        else:
+            console().print(workers_table(views, levels))
+        return Exit.OK
+
+    _run_exit(go())

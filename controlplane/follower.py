@@ -1,0 +1,157 @@
+"""Reads the three topics from the beginning and folds them into a :class:`~controlplane.rollout.Fleet`.
+
+The log is the source of truth: the coordinator and ``controlplane ... --wait`` both rebuild
+their state with this, then follow live. No HTTP, no printing; listeners get each folded batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Self
+
+from controlplane.bus import Consumer, Record
+from controlplane.errors import ProtocolError
+from controlplane.protocol import (
+    Ack,
+    Command,
+    Heartbeat,
+    decode_ack,
+    decode_command,
+    decode_heartbeat,
+)
+from controlplane.rollout import Fleet
+from controlplane.settings import KafkaSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    """What one fetch folded in, in log order per topic."""
+
+    commands: list[Command] = field(default_factory=list)
+    acks: list[Ack] = field(default_factory=list)
+    heartbeats: list[Heartbeat] = field(default_factory=list)
+    undecodable: int = 0
+    replay: bool = False
+
+    @property
+    def rollout_ids(self) -> set[str]:
+        return {c.rollout_id for c in self.commands} | {a.rollout_id for a in self.acks}
+
+    def __bool__(self) -> bool:
+        return bool(self.commands or self.acks or self.heartbeats or self.undecodable)
+
+
+Listener = Callable[[Batch], None]
+
+
+class Follower:
+    """``async with Follower(...) as f: await f.catch_up(); await f.follow()``."""
+
+    def __init__(self, settings: KafkaSettings, fleet: Fleet | None = None) -> None:
+        self.settings = settings
+        self.fleet = fleet if fleet is not None else Fleet()
+        self.topics = settings.topics
+        self.caught_up = asyncio.Event()
+        self.listeners: list[Listener] = []
+        self.records = 0
+        self.undecodable = 0
+        self._consumer = Consumer(settings, max_partition_fetch_bytes=4 * 1024 * 1024)
+        self._targets: dict[tuple[str, int], int] = {}
+        self._positions: dict[tuple[str, int], int] = {}
+        self._decoders = {
+            self.topics.commands.name: (decode_command, self.fleet.observe_command, "commands"),
+            self.topics.acks.name: (decode_ack, self.fleet.observe_ack, "acks"),
+            self.topics.workers.name: (
+                decode_heartbeat,
+                self.fleet.observe_heartbeat,
+                "heartbeats",
+            ),
+        }
+
+    async def start(self) -> None:
+        await self._consumer.start()
+        names = [t.name for t in self.topics.all()]
+        await self._consumer.assign_many(names)
+        await self._consumer.seek_to_beginning()
+        for name in names:
+            for partition, end in (await self._consumer.end_offsets(name)).items():
+                self._targets[(name, partition)] = end
+        if all(end == 0 for end in self._targets.values()):
+            self.caught_up.set()
+
+    async def stop(self) -> None:
+        await self._consumer.stop()
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def catch_up(self) -> None:
+        """Fold everything that was in the log when we started."""
+        while not self.caught_up.is_set():
+            await self.poll(timeout_s=0.5)
+
+    async def follow(self) -> None:
+        """Fold new records forever."""
+        while True:
+            await self.poll(timeout_s=1.0)
+
+    async def poll(self, *, timeout_s: float = 1.0) -> Batch:
+        """One fetch, folded; returns what it folded (and tells the listeners)."""
+        records = await self._consumer.fetch(timeout_s=timeout_s)
+        batch = self.fold(records)
+        if not self.caught_up.is_set() and self._reached_targets():
+            self.caught_up.set()
+            log.info("caught up with the log: %d records folded", self.records)
+        if batch:
+            for listener in self.listeners:
+                listener(batch)
+        return batch
+
+    def fold(self, records: list[Record]) -> Batch:
+        batch = Batch(replay=not self.caught_up.is_set())
+        for record in records:
+            self.records += 1
+            self._positions[(record.topic, record.partition)] = record.offset + 1
+            if record.value is None:  # a tombstone on the compacted workers topic
+                continue
+            decode, observe, kind = self._decoders[record.topic]
+            try:
+                message = decode(record.value)
+            except ProtocolError as exc:
+                self.undecodable += 1
+                batch.undecodable += 1
+                log.debug(
+                    "skipping undecodable %s record at %s@%d: %s",
+                    kind,
+                    record.topic,
+                    record.offset,
+                    exc,
+                )
+                continue
+            observe(message)  # type: ignore[operator]
+            getattr(batch, kind).append(message)
+        return batch
+
+    def _reached_targets(self) -> bool:
+        return all(
+            self._positions.get(key, 0) >= end for key, end in self._targets.items() if end > 0
+        )
