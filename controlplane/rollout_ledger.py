@@ -1,0 +1,158 @@
+"""Folds acks into per-command, per-worker ledgers in O(1) each; judges nothing.
+
+Every field is a count, a minimum, a maximum or a per-state minimum, so the same acks in any
+arrival order give the same ledger. No I/O, no clock; acks are reduced to the few facts status needs.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import NamedTuple
+
+from controlplane.protocol import Ack, AckError, AckState
+
+
+class Report(NamedTuple):
+    """The facts of one terminal ack that status shows (an :class:`Ack` is much larger)."""
+
+    sent_at: datetime
+    attempt: int
+    state: AckState
+    weights_version: str | None
+    config_digest: str | None
+    error: AckError | None
+    started_at: datetime | None
+    finished_at: datetime | None
+
+    @classmethod
+    def of(cls, ack: Ack) -> Report:
+        t = ack.timings
+        return cls(
+            ack.sent_at,
+            ack.attempt,
+            ack.state,
+            ack.weights_version,
+            ack.config_digest,
+            ack.error,
+            t.started_at,
+            t.finished_at,
+        )
+
+    def order(self) -> tuple[datetime, int, str, str, str, str, str]:
+        """A total order: earliest sent first ("first terminal wins"); the rest breaks ties."""
+        err = self.error
+        return (
+            self.sent_at,
+            self.attempt,
+            self.state.value,
+            self.weights_version or "",
+            err.code if err is not None else "",
+            err.message if err is not None else "",
+            self.config_digest or "",
+        )
+
+    @property
+    def duration_s(self) -> float | None:
+        if self.started_at is None or self.finished_at is None:
+            return None
+        return (self.finished_at - self.started_at).total_seconds()
+
+
+class WorkerLedger:
+    """What one worker has reported about one command."""
+
+    __slots__ = (
+        "accepted_sent",
+        "acks",
+        "first_sent",
+        "last_sent",
+        "max_attempt",
+        "received_at",
+        "running_sent",
+        "started_at",
+        "terminals",
+    )
+
+    def __init__(self, ack: Ack) -> None:
+        self.acks = 0
+        self.first_sent: datetime = ack.sent_at
+        self.last_sent: datetime = ack.sent_at
+        self.accepted_sent: datetime | None = None
+        self.running_sent: datetime | None = None
+        self.received_at: datetime = ack.timings.received_at
+        self.started_at: datetime | None = None
+        self.max_attempt: int = ack.attempt
+        #: The earliest terminal report of each terminal state; more than one is a conflict.
+        self.terminals: dict[AckState, Report] = {}
+        self.add(ack)
+
+    def add(self, ack: Ack) -> None:
+        self.acks += 1
+        sent = ack.sent_at
+        if sent < self.first_sent:
+            self.first_sent = sent
+        elif sent > self.last_sent:
+            self.last_sent = sent
+        timings = ack.timings
+        if timings.received_at < self.received_at:
+            self.received_at = timings.received_at
+        started = timings.started_at
+        if started is not None and (self.started_at is None or started < self.started_at):
+            self.started_at = started
+        if ack.attempt > self.max_attempt:
+            self.max_attempt = ack.attempt
+        state = ack.state
+        if state is AckState.ACCEPTED:
+            if self.accepted_sent is None or sent < self.accepted_sent:
+                self.accepted_sent = sent
+        elif state is AckState.RUNNING:
+            if self.running_sent is None or sent < self.running_sent:
+                self.running_sent = sent
+        else:
+            held = self.terminals.get(state)
+            if held is None or sent <= held.sent_at:
+                report = Report.of(ack)
+                if held is None or report.order() < held.order():
+                    self.terminals[state] = report
+
+    def terminal(self) -> Report | None:
+        """The terminal report that counts: the earliest sent. None while none arrived."""
+        terminals = self.terminals
+        if not terminals:
+            return None
+        if len(terminals) == 1:
+            return next(iter(terminals.values()))
+        return min(terminals.values(), key=Report.order)
+
+    def conflicts(self) -> list[Report]:
+        """Terminal reports of other states than the one that counts, earliest first."""
+        kept = self.terminal()
+        return sorted((r for r in self.terminals.values() if r is not kept), key=Report.order)
+
+
+class CommandLedger:
+    """Every worker's reports about one (rollout id, command id)."""
+
+    __slots__ = ("acks", "command_id", "rollout_id", "workers")
+
+    def __init__(self, rollout_id: str, command_id: str) -> None:
+        self.rollout_id = rollout_id
+        self.command_id = command_id
+        self.acks = 0
+        self.workers: dict[str, WorkerLedger] = {}
+
+    def add(self, ack: Ack) -> None:
+        self.acks += 1
+        held = self.workers.get(ack.worker_id)
+        if held is None:
+            self.workers[ack.worker_id] = WorkerLedger(ack)
+        else:
+            held.add(ack)
+
+    @property
+    def first_sent(self) -> datetime | None:
+        return min((w.first_sent for w in self.workers.values()), default=None)
+
+    @property
+    def last_sent(self) -> datetime | None:
+        return max((w.last_sent for w in self.workers.values()), default=None)
