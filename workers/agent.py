@@ -117,6 +117,7 @@ class Agent:
             ):
                 self._producer, self._consumer = producer, consumer
                 await self._establish_position()
+                await self._publish_pending_acks()
                 async with asyncio.TaskGroup() as tg:
                     tg.create_task(self._heartbeat_loop())
                     try:
@@ -162,7 +163,16 @@ class Agent:
             )
             start = begin
         self._consumer.seek(topic, 0, start)
+        # Remember where this incarnation starts, so a crash before its first commit resumes here.
+        self._state.set_offset(start)
         self._log(logging.INFO, "reading %s from offset %d (%s)", topic, start, source)
+
+    async def _publish_pending_acks(self) -> None:
+        """Terminal acks recorded but not known to be published (a crash in between): send them."""
+        assert self._state is not None
+        pending = [cid for cid, o in self._state.outcomes.items() if not o.published]
+        for command_id in pending:
+            await self._replay_outcome(command_id)
 
     async def _load_runner(self) -> None:
         assert self._state is not None

@@ -1,0 +1,199 @@
+"""Worker agents as real processes: crash safety under SIGKILL, draining under SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from controlplane.protocol import AckState, ReloadWeightsSpec, WorkerStatus
+from controlplane.settings import KafkaSettings
+from tests.fleet import (
+    acks_tail,
+    has_terminal,
+    heartbeats_tail,
+    latest,
+    make_command,
+    publish,
+    terminal,
+)
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+
+class WorkerProcess:
+    def __init__(
+        self,
+        kafka: KafkaSettings,
+        tmp_path: Path,
+        worker_id: str,
+        runner: str,
+        options: dict[str, object],
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.log = tmp_path / f"{worker_id}.log"
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "workers",
+            "run",
+            "--id",
+            worker_id,
+            "--runner",
+            runner,
+            "--runner-options",
+            json.dumps(options),
+            "--bootstrap",
+            kafka.bootstrap_servers,
+            "--topic-prefix",
+            kafka.topic_prefix,
+            "--allow-root",
+            str(tmp_path / "ckpts"),
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--heartbeat-s",
+            "0.5",
+            "--label",
+            "model=tiny",
+        ]
+        self.env = {**os.environ, "PJRT_DEVICE": "CPU", **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, extra_env: dict[str, str] | None = None) -> None:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.cmd,
+                env={**self.env, **(extra_env or {})},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def wait(self, timeout: float = 60) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def journal(self) -> list[dict[str, object]]:
+        path = self.log.parent / "state" / "w1" / "state.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    path = root / "model.safetensors"
+    path.write_bytes(b"\0" * 32)
+    return path
+
+
+@pytest.fixture
+def worker(kafka: KafkaSettings, tmp_path: Path) -> Iterator[WorkerProcess]:
+    proc = WorkerProcess(kafka, tmp_path, "w1", "fake", {})
+    yield proc
+    proc.stop()
+
+
+async def _ready(kafka: KafkaSettings, after_seq_of: int | None = None) -> None:
+    async with heartbeats_tail(kafka) as hbs:
+        await hbs.until(
+            lambda items: any(
+                h.status is WorkerStatus.READY
+                and (after_seq_of is None or h.started_at.timestamp() > after_seq_of)
+                for h in items
+            ),
+            timeout=60,
+        )
+
+
+@pytest.mark.parametrize("failpoint", ["after_apply", "after_ack"])
+async def test_sigkill_between_apply_and_commit_applies_once_and_acks_once(
+    kafka: KafkaSettings, ckpt: Path, worker: WorkerProcess, failpoint: str
+) -> None:
+    """The worker dies (SIGKILL, from a failpoint) after applying: before the ack, or after the
+    ack and before the commit. Restarted, it neither applies again nor ends with two terminal acks."""
+    worker.start({"FLEET_FAILPOINTS": f"{failpoint}=kill"})
+    await _ready(kafka)
+    cmd = make_command(ReloadWeightsSpec(path=str(ckpt), version="v2"))
+    await publish(kafka, cmd)
+    assert worker.wait(60) == -signal.SIGKILL
+    worker.start()  # same state directory, no failpoint
+    async with acks_tail(kafka) as acks:
+        await acks.until(has_terminal(cmd.command_id))
+        marker = make_command(ReloadWeightsSpec(path=str(ckpt), version="v3"))
+        await publish(kafka, marker)
+        await acks.until(has_terminal(marker.command_id))
+    finals = terminal(acks.items, cmd.command_id)
+    assert len(finals) == 1, finals
+    assert finals[0].state is AckState.SUCCEEDED and finals[0].weights_version == "v2"
+    if failpoint == "after_apply":  # the ack never left: the restart publishes the recorded one
+        assert finals[0].attempt == 2 and finals[0].result.get("replayed") is True
+    else:
+        assert finals[0].attempt == 1
+    outcomes = [
+        e
+        for e in worker.journal()
+        if e["t"] == "outcome" and e["ack"]["command_id"] == cmd.command_id
+    ]
+    assert len(outcomes) == 1, "the command was applied (recorded) more than once"
+    assert "duplicate delivery ignored" in worker.log.read_text() or failpoint == "after_apply"
+
+
+async def test_sigterm_during_a_reload_drains(
+    kafka: KafkaSettings, ckpt: Path, worker: WorkerProcess
+) -> None:
+    worker.cmd[worker.cmd.index("--runner-options") + 1] = json.dumps({"reload_delay_s": 3.0})
+    worker.start()
+    await _ready(kafka)
+    cmd = make_command(ReloadWeightsSpec(path=str(ckpt), version="v-drain"))
+    async with acks_tail(kafka) as acks, heartbeats_tail(kafka) as hbs:
+        await publish(kafka, cmd)
+        await acks.until(lambda items: any(a.state is AckState.RUNNING for a in items))
+        assert worker.proc is not None
+        worker.proc.send_signal(signal.SIGTERM)
+        await hbs.until(
+            lambda items: any(h.status is WorkerStatus.STOPPING for h in items), timeout=10
+        )
+        assert worker.wait(60) == 0
+        await acks.until(has_terminal(cmd.command_id), timeout=10)
+        await hbs.until(
+            lambda items: (
+                latest(items, "w1") is not None
+                and latest(items, "w1").status is WorkerStatus.STOPPED
+            ),
+            timeout=10,
+        )
+    (final,) = terminal(acks.items, cmd.command_id)
+    assert final.state is AckState.SUCCEEDED and final.weights_version == "v-drain"
+    last = latest(hbs.items, "w1")
+    assert last is not None and last.weights_version == "v-drain" and last.in_flight is None
+
+
+async def test_sigterm_past_the_drain_timeout_cancels_with_a_coded_ack(
+    kafka: KafkaSettings, ckpt: Path, worker: WorkerProcess
+) -> None:
+    worker.cmd[worker.cmd.index("--runner-options") + 1] = json.dumps({"reload_delay_s": 30.0})
+    worker.start({"FLEET_WORKER_DRAIN_TIMEOUT_S": "0.5"})
+    await _ready(kafka)
+    cmd = make_command(ReloadWeightsSpec(path=str(ckpt), version="v-never"))
+    async with acks_tail(kafka) as acks:
+        await publish(kafka, cmd)
+        await acks.until(lambda items: any(a.state is AckState.RUNNING for a in items))
+        assert worker.proc is not None
+        worker.proc.send_signal(signal.SIGTERM)
+        assert worker.wait(30) == 0
+        await acks.until(has_terminal(cmd.command_id), timeout=10)
+    (final,) = terminal(acks.items, cmd.command_id)
+    assert final.state is AckState.FAILED
+    assert final.error is not None and final.error.code == "WORKER_SHUTTING_DOWN"
+    assert final.weights_version == "init"
