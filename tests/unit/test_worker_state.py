@@ -43,6 +43,7 @@ def test_roundtrip_through_a_restart(tmp_path: Path) -> None:
     assert again.weights is not None and again.weights.version == "v9"
     assert again.config_overrides == {"max_new_tokens": 3}
     assert again.outcome("nope") is None
+    again.close()
 
 
 def test_torn_last_line_is_ignored(tmp_path: Path) -> None:
@@ -53,6 +54,7 @@ def test_torn_last_line_is_ignored(tmp_path: Path) -> None:
         fh.write('{"t":"outcome","ack":{"command_id":"c2"')  # a crash mid-write
     again = WorkerState.open(tmp_path)
     assert list(again.outcomes) == ["c1"]
+    again.close()
 
 
 def test_compaction_bounds_the_journal_and_keeps_the_newest(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -67,3 +69,4 @@ def test_compaction_bounds_the_journal_and_keeps_the_newest(tmp_path: Path, monk
     again = WorkerState.open(tmp_path)
     assert list(again.outcomes) == [f"c{i}" for i in range(50, 60)]
     assert again.next_offset == 60
+    again.close()
