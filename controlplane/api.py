@@ -1,0 +1,723 @@
+"""The coordinator's HTTP surface: rollouts and workers as JSON, live status as server-sent events,
+the one write (POST /rollouts, which only publishes a command to Kafka), metrics and the dashboard.
+
+Reads come from the coordinator's replica of the log; nothing here holds state of its own.
+No signals, no process settings: the CLI owns those and calls :func:`serve`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import importlib.resources
+import json
+import logging
+import socket
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from enum import StrEnum
+from types import TracebackType
+from typing import Annotated, Any, Final, Self, cast
+
+import uvicorn
+from fastapi import Depends, FastAPI, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, ValidationError
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from controlplane.coordinator import Coordinator
+from controlplane.errors import BusError, ControlPlaneError, ErrorCode
+from controlplane.metrics import CONTENT_TYPE, CoordinatorMetrics
+from controlplane.protocol import (
+    MAX_MESSAGE_BYTES,
+    Command,
+    CommandSpec,
+    Identifier,
+    ReloadWeightsSpec,
+    Selector,
+    UpdateConfigSpec,
+)
+from controlplane.registry import WorkerView
+from controlplane.rollout_models import RolloutPhase, RolloutStatus, WorkerLevel
+
+log = logging.getLogger(__name__)
+
+API: Final = "/api/v1"
+#: How often an SSE stream re-judges its rollout without news (deadlines pass, workers go silent).
+SSE_TICK_S: Final = 1.0
+SSE_PING_S: Final = 15.0
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ApiErrorCode(StrEnum):
+    """Codes of errors that exist only over HTTP; domain errors keep their ErrorCode."""
+
+    NOT_FOUND = "NOT_FOUND"
+    ROLLOUT_NOT_FOUND = "ROLLOUT_NOT_FOUND"
+    WORKER_NOT_FOUND = "WORKER_NOT_FOUND"
+    METHOD_NOT_ALLOWED = "METHOD_NOT_ALLOWED"
+    INVALID_REQUEST = "INVALID_REQUEST"
+    UNAUTHORIZED = "UNAUTHORIZED"
+    WRITES_DISABLED = "WRITES_DISABLED"
+    NOT_READY = "NOT_READY"
+    ROLLOUT_EXISTS = "ROLLOUT_EXISTS"
+    HTTP_ERROR = "HTTP_ERROR"
+
+
+class ErrorInfo(BaseModel):
+    code: str = Field(description="An ErrorCode or ApiErrorCode value; stable.")
+    message: str
+    retryable: bool = False
+    details: list[dict[str, JsonValue]] | None = None
+
+
+class ErrorBody(BaseModel):
+    """Every error response: ``{"error": {"code": ..., "message": ...}}``."""
+
+    error: ErrorInfo
+
+
+class ApiError(Exception):
+    """Raised by handlers; rendered as :class:`ErrorBody` with its status and headers."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        *,
+        headers: dict[str, str] | None = None,
+        retryable: bool = False,
+        details: list[dict[str, JsonValue]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(code=code, message=message, retryable=retryable, details=details)
+        self.headers = headers
+
+
+def _error_response(exc: ApiError) -> JSONResponse:
+    body = ErrorBody(error=exc.info).model_dump(mode="json", exclude_none=True)
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+
+def _from_domain(exc: ControlPlaneError) -> ApiError:
+    """Our error tree, translated to HTTP in this one place."""
+    if exc.code is ErrorCode.NO_MATCHING_WORKERS:
+        status = 409
+    elif isinstance(exc, BusError):
+        status = 503
+    else:
+        status = 400
+    return ApiError(status, exc.code.value, exc.message, retryable=exc.retryable or status == 503)
+
+
+def _validation_details(
+    exc: ValidationError | RequestValidationError,
+) -> list[dict[str, JsonValue]]:
+    out: list[dict[str, JsonValue]] = []
+    for error in exc.errors()[:20]:
+        out.append({"loc": [str(p) for p in error["loc"]], "msg": str(error["msg"])})
+    return out
+
+
+# --------------------------------------------------------------------------- models
+
+_bearer = HTTPBearer(auto_error=False, description="The coordinator's api_token setting.")
+BearerCredentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+class Health(BaseModel):
+    ready: bool = Field(description="Caught up with the log: statuses are complete.")
+    records: int = Field(description="Kafka records folded so far.")
+    rollouts: int
+    workers: int
+
+
+class WorkerOut(WorkerLevel):
+    """A worker's level (desired against reported version) and its latest heartbeat, if any.
+
+    ``heartbeat`` is null for a worker that a rollout expects but that was never heard from.
+    """
+
+    heartbeat: WorkerView | None
+
+
+class _RolloutOptions(BaseModel):
+    selector: Selector = Field(
+        default_factory=Selector,
+        description="Workers to target; resolved to the live matching worker ids at publish time.",
+    )
+    ttl_s: float = Field(
+        default=3600.0, gt=0, le=30 * 86400, description="Seconds until it expires."
+    )
+    timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=86400,
+        description="Per-worker apply timeout; worker default if omitted.",
+    )
+    rollout_id: Identifier | None = Field(default=None, description="Generated when omitted.")
+
+
+class ReloadWeightsRequest(ReloadWeightsSpec, _RolloutOptions):
+    """Reload weights on the selected workers: the wire spec's fields plus the rollout's options."""
+
+
+class UpdateConfigRequest(UpdateConfigSpec, _RolloutOptions):
+    """Update runtime config on the selected workers: the wire spec's fields plus options."""
+
+
+_REQUEST: TypeAdapter[ReloadWeightsRequest | UpdateConfigRequest] = TypeAdapter(
+    Annotated[ReloadWeightsRequest | UpdateConfigRequest, Field(discriminator="kind")]
+)
+_SPEC_OF: dict[type[BaseModel], type[ReloadWeightsSpec] | type[UpdateConfigSpec]] = {
+    ReloadWeightsRequest: ReloadWeightsSpec,
+    UpdateConfigRequest: UpdateConfigSpec,
+}
+
+
+class RolloutCreated(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    rollout_id: str
+    command_id: str
+    command: Command = Field(description="The command as published on the commands topic.")
+    status_url: str
+    events_url: str
+
+
+def parse_rollout_request(body: bytes) -> tuple[CommandSpec, _RolloutOptions]:
+    """Validate a POST body exactly as the wire decoder validates a command (strict JSON)."""
+    if len(body) > MAX_MESSAGE_BYTES:
+        raise ApiError(
+            413, ErrorCode.MESSAGE_TOO_LARGE.value, f"body over {MAX_MESSAGE_BYTES} bytes"
+        )
+    try:
+        request = _REQUEST.validate_json(body, strict=True)
+    except ValidationError as exc:
+        if any(e["type"] == "json_invalid" for e in exc.errors()):
+            raise ApiError(
+                400, ErrorCode.MALFORMED_JSON.value, "the body is not valid JSON"
+            ) from None
+        raise ApiError(
+            422,
+            ErrorCode.SCHEMA_INVALID.value,
+            "invalid rollout request",
+            details=_validation_details(exc),
+        ) from None
+    spec_cls = _SPEC_OF[type(request)]
+    spec = spec_cls.model_validate(request.model_dump(include=set(spec_cls.model_fields)))
+    options = _RolloutOptions.model_validate(
+        request.model_dump(include=set(_RolloutOptions.model_fields))
+    )
+    return spec, options
+
+
+# --------------------------------------------------------------------------- the app
+
+
+def create_app(
+    coordinator: Coordinator,
+    *,
+    metrics: CoordinatorMetrics | None = None,
+    sse_tick_s: float = SSE_TICK_S,
+    sse_ping_s: float = SSE_PING_S,
+) -> FastAPI:
+    """The ASGI app over ``coordinator``. Create it before the coordinator starts, so the metrics
+    listener sees the replay (see :class:`~controlplane.metrics.CoordinatorMetrics`).
+
+    ``app.state.closing`` (an asyncio.Event) ends every SSE stream when set; :class:`ApiServer` sets it.
+    """
+    if metrics is None:
+        if coordinator.follower.records:
+            log.warning(
+                "metrics attached after %d records were folded: counters miss them",
+                coordinator.follower.records,
+            )
+        metrics = CoordinatorMetrics(coordinator)
+    app = FastAPI(
+        title="Fleet control plane: coordinator",
+        version="1",
+        description=(
+            "Rollout status and workers, rebuilt from the Kafka log. The write path "
+            "(POST /api/v1/rollouts) only publishes a command; status follows from the log."
+        ),
+    )
+    app.state.coordinator = coordinator
+    app.state.metrics = metrics
+    app.state.closing = asyncio.Event()
+    closing: asyncio.Event = app.state.closing
+    dashboard = importlib.resources.files("controlplane").joinpath("static", "dashboard.html")
+
+    # ------------------------------------------------------------------ error rendering
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(ControlPlaneError)
+    async def _domain_error(request: Request, exc: ControlPlaneError) -> JSONResponse:
+        return _error_response(_from_domain(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        details = _validation_details(exc)
+        return _error_response(
+            ApiError(422, ApiErrorCode.INVALID_REQUEST, "invalid request", details=details)
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: ApiErrorCode.NOT_FOUND, 405: ApiErrorCode.METHOD_NOT_ALLOWED}.get(
+            exc.status_code, ApiErrorCode.HTTP_ERROR
+        )
+        headers = dict(exc.headers) if exc.headers else None
+        return _error_response(ApiError(exc.status_code, code, str(exc.detail), headers=headers))
+
+    # ------------------------------------------------------------------ dependencies
+
+    def require_ready() -> None:
+        if not coordinator.ready:
+            raise ApiError(
+                503,
+                ApiErrorCode.NOT_READY,
+                "the coordinator is still reading the log; statuses would be incomplete",
+                headers={"Retry-After": "1"},
+                retryable=True,
+            )
+
+    def require_token(credentials: BearerCredentials) -> None:
+        token = coordinator.settings.api_token
+        if token is None or not token.get_secret_value():
+            raise ApiError(
+                403,
+                ApiErrorCode.WRITES_DISABLED,
+                "writes disabled: this coordinator has no API token (FLEET_COORDINATOR_API_TOKEN)",
+            )
+        if credentials is None:
+            raise ApiError(
+                401,
+                ApiErrorCode.UNAUTHORIZED,
+                "missing bearer token",
+                headers={"WWW-Authenticate": 'Bearer realm="controlplane"'},
+            )
+        given = credentials.credentials.encode("utf-8")
+        if not hmac.compare_digest(given, token.get_secret_value().encode("utf-8")):
+            raise ApiError(
+                401,
+                ApiErrorCode.UNAUTHORIZED,
+                "invalid bearer token",
+                headers={"WWW-Authenticate": 'Bearer realm="controlplane", error="invalid_token"'},
+            )
+
+    ready = [Depends(require_ready)]
+    not_found: dict[int | str, dict[str, Any]] = {
+        404: {"model": ErrorBody},
+        503: {"model": ErrorBody},
+    }
+
+    def status_or_404(rollout_id: str) -> RolloutStatus:
+        try:
+            return coordinator.fleet.status(rollout_id, coordinator.clock())
+        except KeyError:
+            raise ApiError(
+                404, ApiErrorCode.ROLLOUT_NOT_FOUND, f"no rollout {rollout_id!r} in the log"
+            ) from None
+
+    # ------------------------------------------------------------------ health
+
+    @app.get("/healthz", summary="Liveness; says whether the log has been read up to its end")
+    async def healthz() -> Health:
+        return Health(
+            ready=coordinator.ready,
+            records=coordinator.follower.records,
+            rollouts=len(coordinator.fleet.rollout_ids()),
+            workers=len(coordinator.fleet.registry),
+        )
+
+    @app.get(
+        "/readyz",
+        summary="Readiness: 200 once caught up with the log, 503 before",
+        responses={503: {"model": ErrorBody}},
+        dependencies=ready,
+    )
+    async def readyz() -> Health:
+        return await healthz()
+
+    # ------------------------------------------------------------------ rollouts
+
+    @app.get(
+        f"{API}/rollouts",
+        summary="Rollouts, newest first",
+        responses={503: {"model": ErrorBody}},
+        dependencies=ready,
+    )
+    async def list_rollouts(
+        phase: Annotated[
+            list[RolloutPhase] | None, Query(description="Only these phases (repeatable).")
+        ] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> list[RolloutStatus]:
+        fleet, now = coordinator.fleet, coordinator.clock()
+        commands = sorted(
+            (fleet.command(rid) for rid in fleet.rollout_ids()),
+            key=lambda c: (c.issued_at, c.rollout_id),
+            reverse=True,
+        )
+        wanted = set(phase) if phase else None
+        out: list[RolloutStatus] = []
+        for command in commands:  # judged lazily: only as many as the page needs
+            status = fleet.status(command.rollout_id, now)
+            if wanted is None or status.phase in wanted:
+                out.append(status)
+                if len(out) >= limit:
+                    break
+        return out
+
+    @app.get(
+        f"{API}/rollouts/{{rollout_id}}",
+        summary="One rollout's status",
+        responses=not_found,
+        dependencies=ready,
+    )
+    async def get_rollout(rollout_id: str) -> RolloutStatus:
+        return status_or_404(rollout_id)
+
+    @app.get(
+        f"{API}/rollouts/{{rollout_id}}/events",
+        summary="Server-sent events: the rollout's status on every change, then `end` once terminal",
+        description=(
+            "Each `status` event carries the RolloutStatus JSON; when the phase is terminal a "
+            "final `end` event carries `{rollout_id, phase, reason, exit_code}` and the stream "
+            "closes. `wait_s` waits that long for a rollout just published to appear in the log."
+        ),
+        response_class=EventSourceResponse,
+        responses=not_found,
+        dependencies=ready,
+    )
+    async def rollout_events(
+        rollout_id: str,
+        wait_s: Annotated[float, Query(ge=0, le=60)] = 0.0,
+    ) -> EventSourceResponse:
+        if rollout_id not in coordinator.fleet and wait_s > 0:
+            await _wait_for_rollout(coordinator, rollout_id, wait_s)
+        status_or_404(rollout_id)
+        return EventSourceResponse(
+            _status_events(coordinator, rollout_id, closing, sse_tick_s), ping=sse_ping_s
+        )
+
+    @app.post(
+        f"{API}/rollouts",
+        summary="Start a rollout: publish one command to Kafka (needs the bearer token)",
+        status_code=201,
+        responses={
+            201: {"model": RolloutCreated},
+            400: {"model": ErrorBody},
+            401: {"model": ErrorBody},
+            403: {"model": ErrorBody},
+            409: {"model": ErrorBody, "description": "NO_MATCHING_WORKERS or ROLLOUT_EXISTS"},
+            422: {"model": ErrorBody},
+            503: {"model": ErrorBody},
+        },
+        dependencies=[Depends(require_token), *ready],
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/RolloutRequest"}}
+                },
+            }
+        },
+    )
+    async def create_rollout(request: Request) -> JSONResponse:
+        spec, options = parse_rollout_request(await request.body())
+        if options.rollout_id is not None and options.rollout_id in coordinator.fleet:
+            raise ApiError(
+                409, ApiErrorCode.ROLLOUT_EXISTS, f"rollout {options.rollout_id!r} already exists"
+            )
+        command = await coordinator.create_rollout(
+            spec,
+            options.selector,
+            ttl_s=options.ttl_s,
+            timeout_s=options.timeout_s,
+            rollout_id=options.rollout_id,
+        )
+        log.info(
+            "rollout published over HTTP",
+            extra={"rollout_id": command.rollout_id, "command_id": command.command_id},
+        )
+        url = f"{API}/rollouts/{command.rollout_id}"
+        created = RolloutCreated(
+            rollout_id=command.rollout_id,
+            command_id=command.command_id,
+            command=command,
+            status_url=url,
+            events_url=f"{url}/events",
+        )
+        return JSONResponse(
+            created.model_dump(mode="json"), status_code=201, headers={"Location": url}
+        )
+
+    # ------------------------------------------------------------------ workers
+
+    @app.get(
+        f"{API}/workers",
+        summary="Workers: latest heartbeat, liveness, desired against reported weights version",
+        responses={503: {"model": ErrorBody}},
+        dependencies=ready,
+    )
+    async def list_workers(
+        alive: Annotated[
+            bool | None, Query(description="Only alive (or only not alive) workers.")
+        ] = None,
+    ) -> list[WorkerOut]:
+        workers = list(_workers(coordinator))
+        return [w for w in workers if alive is None or w.alive is alive]
+
+    @app.get(
+        f"{API}/workers/{{worker_id}}",
+        summary="One worker",
+        responses=not_found,
+        dependencies=ready,
+    )
+    async def get_worker(worker_id: str) -> WorkerOut:
+        for worker in _workers(coordinator):
+            if worker.worker_id == worker_id:
+                return worker
+        raise ApiError(404, ApiErrorCode.WORKER_NOT_FOUND, f"no worker {worker_id!r} is known")
+
+    # ------------------------------------------------------------------ metrics, dashboard
+
+    @app.get(
+        "/metrics",
+        summary="Prometheus metrics",
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE: {}}}},
+    )
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> HTMLResponse:
+        return HTMLResponse(dashboard.read_text("utf-8"), headers={"Cache-Control": "no-cache"})
+
+    _document_request_body(app)
+    return app
+
+
+def _workers(coordinator: Coordinator) -> Iterator[WorkerOut]:
+    now = coordinator.clock()
+    registry = coordinator.fleet.registry
+    for level in coordinator.fleet.worker_levels(now):
+        yield WorkerOut(**level.model_dump(), heartbeat=registry.get(level.worker_id, now))
+
+
+_ERROR_REF: Final = "#/components/schemas/ErrorBody"
+
+
+def _document_request_body(app: FastAPI) -> None:
+    """The POST body is parsed by hand (strict, after auth), so describe it in OpenAPI ourselves."""
+    schema = _REQUEST.json_schema(ref_template="#/components/schemas/{model}")
+    defs: dict[str, Any] = schema.pop("$defs", {})
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for name, definition in defs.items():
+                schemas.setdefault(name, definition)
+            schemas["RolloutRequest"] = schema
+            # Our 422s are ErrorBody too, not FastAPI's default HTTPValidationError.
+            for operation in (op for path in doc["paths"].values() for op in path.values()):
+                invalid = operation.get("responses", {}).get("422")
+                if invalid is not None:
+                    invalid["content"] = {"application/json": {"schema": {"$ref": _ERROR_REF}}}
+            schemas.pop("HTTPValidationError", None)
+            schemas.pop("ValidationError", None)
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------- SSE
+
+
+def _changes(coordinator: Coordinator, tick_s: float) -> AsyncGenerator[set[str], None]:
+    # changes() is an async generator, annotated as an iterator; aclosing() needs the former.
+    return cast(AsyncGenerator[set[str], None], coordinator.changes(tick_s))
+
+
+async def _wait_for_rollout(coordinator: Coordinator, rollout_id: str, wait_s: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        async with (
+            asyncio.timeout(wait_s),
+            contextlib.aclosing(_changes(coordinator, 0.25)) as feed,
+        ):
+            async for _ in feed:
+                if rollout_id in coordinator.fleet:
+                    return
+
+
+async def _status_events(
+    coordinator: Coordinator, rollout_id: str, closing: asyncio.Event, tick_s: float
+) -> AsyncIterator[ServerSentEvent]:
+    """The rollout's status whenever it differs (``as_of`` aside), re-judged on every change or tick."""
+    last: str | None = None
+    sent = 0
+    async with contextlib.aclosing(_changes(coordinator, tick_s)) as feed:
+        while True:
+            status = coordinator.fleet.status(rollout_id, coordinator.clock())
+            seen = status.model_dump_json(exclude={"as_of"})
+            if seen != last:
+                last = seen
+                sent += 1
+                yield ServerSentEvent(data=status.model_dump_json(), event="status", id=str(sent))
+            if status.terminal:
+                end = {
+                    "rollout_id": rollout_id,
+                    "phase": status.phase.value,
+                    "reason": status.reason.value if status.reason else None,
+                    "exit_code": status.exit_code,
+                }
+                yield ServerSentEvent(data=json.dumps(end), event="end", id=str(sent + 1))
+                return
+            if closing.is_set():
+                return
+            try:
+                await anext(feed)
+            except StopAsyncIteration:  # the coordinator stopped
+                return
+
+
+# --------------------------------------------------------------------------- serving
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: signals belong to the entry point."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class ApiServer:
+    """``async with ApiServer(coordinator, port=0) as s:`` serves on ``s.port`` until the block ends.
+
+    Binds the socket itself (port 0 picks a free one), runs uvicorn with lifespan off and no
+    signal handlers. Stopping ends the SSE streams, then lets requests drain for ``graceful_s``.
+    """
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        app: FastAPI | None = None,
+        graceful_s: int = 5,
+    ) -> None:
+        self.app = app if app is not None else create_app(coordinator)
+        self.host = host
+        self._requested_port = port
+        self._graceful_s = graceful_s
+        self._server: _Server | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._port: int | None = None
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("the server is not started")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        sock = _listen(self.host, self._requested_port)
+        self._port = int(sock.getsockname()[1])
+        config = uvicorn.Config(
+            self.app,
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            ws="none",
+            timeout_graceful_shutdown=self._graceful_s,
+        )
+        self._server = _Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="api-server")
+        while not self._server.started:
+            if self._task.done():
+                sock.close()
+                self._task.result()  # raises what failed it
+                raise RuntimeError("the HTTP server exited during start-up")
+            await asyncio.sleep(0.01)
+        log.info("HTTP API and dashboard on %s", self.url)
+
+    async def stop(self) -> None:
+        """End SSE streams, stop accepting, drain; idempotent."""
+        self.app.state.closing.set()
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), self._graceful_s + 5.0)
+        except TimeoutError:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def wait(self) -> None:
+        """Until the server stops by itself (it does not, unless it fails)."""
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
+            0
+        ][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        raise ControlPlaneError(
+            f"cannot listen on {host}:{port}: {exc}", code=ErrorCode.PORT_IN_USE
+        ) from exc
+
+
+async def serve(
+    coordinator: Coordinator, host: str, port: int, *, app: FastAPI | None = None
+) -> None:
+    """Serve the API until cancelled; on cancel, drain (see :class:`ApiServer`) and re-raise."""
+    async with ApiServer(coordinator, host, port, app=app) as server:
+        await server.wait()
