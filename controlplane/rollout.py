@@ -30,10 +30,14 @@ Rules (the coordinator, the API and the CLI all rely on them):
   progress deadline: more than ``progress_deadline_s`` without progress (``timed_out`` /
   ``PROGRESS_DEADLINE_EXCEEDED``), where progress is an expected worker's accepted, running or
   terminal ack, the span of a terminal ack's own ``timings.started_at`` to ``sent_at``, and the
-  span of a latest heartbeat showing the command in flight. Counts and per-worker states are
-  those as of ``finished_at``; what workers reported later shows as ``late_state``. So acks that
-  arrive after the end (redelivery, replay) never change the phase. Heartbeats can: a worker
-  judged lost that comes back proves alive again, on a replay too.
+  span of a latest heartbeat showing the command in flight (keep the deadline above three
+  heartbeat periods: a silent worker's in-flight span ends at its last heartbeat).
+* **Ended is ended.** Counts and per-worker states are those as of ``finished_at``; what a
+  worker reported later shows as its ``late_state``. Acks sent after the end (late, or
+  redelivered) never change the phase, whenever they arrive; an ack sent before the end counts
+  even if it arrives after a lagging coordinator showed a verdict. Heartbeats can change it:
+  a worker judged lost that comes back is alive again (a replay, seeing only its latest
+  heartbeat, agrees).
 * **Not durable**: ``abort`` lives only in this object until aborts travel on a topic.
 """
 
@@ -54,7 +58,7 @@ from controlplane.rollout_models import (
     RolloutStatus,
     WorkerLevel,
 )
-from controlplane.rollout_status import Abort, judge
+from controlplane.rollout_status import Abort, evaluate, judge
 
 #: Kubernetes' default ``progressDeadlineSeconds``.
 DEFAULT_PROGRESS_DEADLINE_S: Final = 600.0
@@ -189,18 +193,29 @@ class Fleet:
         pending, progressing or succeeded (a failed, timed-out or aborted one desires nothing).
         """
         desired: dict[str, tuple[str, str]] = {}
-        reloads = sorted(
-            (c for c in map(_primary, self._commands.values())),
+        newest_first = sorted(
+            map(_primary, self._commands.values()),
             key=lambda c: (c.issued_at, c.rollout_id),
+            reverse=True,
         )
-        for command in reloads:
+        for command in newest_first:
             spec = command.spec
             if not isinstance(spec, ReloadWeightsSpec):
                 continue
-            status = self.status(command.rollout_id, now)
-            if status.phase in _DESIRING:
-                for detail in status.workers:
-                    desired[detail.worker_id] = (spec.version, command.rollout_id)
+            ids = command.selector.worker_ids
+            if ids is not None and all(w in desired for w in ids):
+                continue  # a newer rollout already decides for all of its workers
+            verdict = evaluate(
+                command,
+                self._ledgers.get((command.rollout_id, command.command_id)),
+                self._registry,
+                now=now,
+                progress_deadline=self._deadline,
+                abort=self._aborts.get(command.rollout_id),
+            )
+            if verdict.phase in _DESIRING:
+                for worker_id in verdict.tracks:
+                    desired.setdefault(worker_id, (spec.version, command.rollout_id))
         levels = []
         known = {hb.worker_id for hb in self._registry.heartbeats()}
         for worker_id in sorted(desired.keys() | known):

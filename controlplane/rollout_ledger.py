@@ -11,6 +11,9 @@ from typing import NamedTuple
 
 from controlplane.protocol import Ack, AckError, AckState
 
+_ACCEPTED = AckState.ACCEPTED
+_RUNNING = AckState.RUNNING
+
 
 class Report(NamedTuple):
     """The facts of one terminal ack that status shows (an :class:`Ack` is much larger)."""
@@ -74,17 +77,21 @@ class WorkerLedger:
     )
 
     def __init__(self, ack: Ack) -> None:
-        self.acks = 0
-        self.first_sent: datetime = ack.sent_at
-        self.last_sent: datetime = ack.sent_at
-        self.accepted_sent: datetime | None = None
-        self.running_sent: datetime | None = None
-        self.received_at: datetime = ack.timings.received_at
-        self.started_at: datetime | None = None
+        sent = ack.sent_at
+        timings = ack.timings
+        state = ack.state
+        self.acks = 1
+        self.first_sent: datetime = sent
+        self.last_sent: datetime = sent
+        self.accepted_sent: datetime | None = sent if state is _ACCEPTED else None
+        self.running_sent: datetime | None = sent if state is _RUNNING else None
+        self.received_at: datetime = timings.received_at
+        self.started_at: datetime | None = timings.started_at
         self.max_attempt: int = ack.attempt
         #: The earliest terminal report of each terminal state; more than one is a conflict.
-        self.terminals: dict[AckState, Report] = {}
-        self.add(ack)
+        self.terminals: dict[AckState, Report] = (
+            {} if state is _ACCEPTED or state is _RUNNING else {state: Report.of(ack)}
+        )
 
     def add(self, ack: Ack) -> None:
         self.acks += 1
@@ -93,6 +100,19 @@ class WorkerLedger:
             self.first_sent = sent
         elif sent > self.last_sent:
             self.last_sent = sent
+        state = ack.state
+        if state is _RUNNING:
+            if self.running_sent is None or sent < self.running_sent:
+                self.running_sent = sent
+        elif state is _ACCEPTED:
+            if self.accepted_sent is None or sent < self.accepted_sent:
+                self.accepted_sent = sent
+        else:
+            held = self.terminals.get(state)
+            if held is None or sent <= held.sent_at:
+                report = Report.of(ack)
+                if held is None or report.order() < held.order():
+                    self.terminals[state] = report
         timings = ack.timings
         if timings.received_at < self.received_at:
             self.received_at = timings.received_at
@@ -101,19 +121,6 @@ class WorkerLedger:
             self.started_at = started
         if ack.attempt > self.max_attempt:
             self.max_attempt = ack.attempt
-        state = ack.state
-        if state is AckState.ACCEPTED:
-            if self.accepted_sent is None or sent < self.accepted_sent:
-                self.accepted_sent = sent
-        elif state is AckState.RUNNING:
-            if self.running_sent is None or sent < self.running_sent:
-                self.running_sent = sent
-        else:
-            held = self.terminals.get(state)
-            if held is None or sent <= held.sent_at:
-                report = Report.of(ack)
-                if held is None or report.order() < held.order():
-                    self.terminals[state] = report
 
     def terminal(self) -> Report | None:
         """The terminal report that counts: the earliest sent. None while none arrived."""
@@ -144,10 +151,10 @@ class CommandLedger:
     def add(self, ack: Ack) -> None:
         self.acks += 1
         held = self.workers.get(ack.worker_id)
-        if held is None:
-            self.workers[ack.worker_id] = WorkerLedger(ack)
-        else:
+        if held is not None:
             held.add(ack)
+        else:
+            self.workers[ack.worker_id] = WorkerLedger(ack)
 
     @property
     def first_sent(self) -> datetime | None:

@@ -30,7 +30,11 @@ from controlplane.rollout_models import (
     WorkerState,
 )
 
-_EMPTY = CommandLedger("", "")
+_TERMINAL_STATES = {
+    AckState.SUCCEEDED: WorkerState.SUCCEEDED,
+    AckState.FAILED: WorkerState.FAILED,
+    AckState.REJECTED: WorkerState.REJECTED,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +54,7 @@ class _Track:
     """One worker's evidence in one rollout: its ledger, the terminal report that counts, and
     (only when it is not alive at ``now``) when its heartbeats stopped proving it alive."""
 
-    __slots__ = ("in_flight", "ledger", "lost", "terminal", "worker_id")
+    __slots__ = ("counted", "in_flight", "ledger", "lost", "terminal", "worker_id")
 
     def __init__(
         self,
@@ -67,39 +71,38 @@ class _Track:
         self.terminal: Report | None = ledger.terminal() if ledger is not None else None
         self.lost: datetime | None = None
         self.in_flight: tuple[datetime, datetime] | None = None
-        if not expected:
-            return  # an unexpected worker is never waited for, so never lost
-        if hb is None:
-            # Never heard from: lost from the start, unless its acks prove it exists.
-            if ledger is None:
-                self.lost = command.issued_at
-            return
-        if not is_alive(hb, now):
-            self.lost = max(lost_at(hb), command.issued_at)
-        flight = hb.in_flight
-        if (
-            flight is not None
-            and flight.command_id == command.command_id
-            and flight.rollout_id == command.rollout_id
-        ):
-            self.in_flight = (flight.since, hb.sent_at)
-
-    def _counted_terminal(self) -> Report | None:
-        """The terminal report, unless the worker was already lost when it was sent."""
+        if expected:  # an unexpected worker is never waited for, so never lost
+            if hb is None:
+                # Never heard from: lost from the start, unless its acks prove it exists.
+                if ledger is None:
+                    self.lost = command.issued_at
+            else:
+                if not is_alive(hb, now):
+                    self.lost = max(lost_at(hb), command.issued_at)
+                flight = hb.in_flight
+                if (
+                    flight is not None
+                    and flight.command_id == command.command_id
+                    and flight.rollout_id == command.rollout_id
+                ):
+                    self.in_flight = (flight.since, hb.sent_at)
         t = self.terminal
-        return t if t is not None and (self.lost is None or t.sent_at <= self.lost) else None
+        #: The terminal report, unless the worker was already lost when it was sent.
+        self.counted = (
+            t if t is not None and (self.lost is None or t.sent_at <= self.lost) else None
+        )
 
     @property
     def resolved_at(self) -> datetime | None:
         """When this worker stopped needing to be waited for: its terminal ack, or its loss."""
-        t = self._counted_terminal()
+        t = self.counted
         return t.sent_at if t is not None else self.lost
 
     def state_at(self, cut: datetime | None) -> WorkerState:
         """The state on the evidence sent up to ``cut`` (None: all evidence)."""
-        t = self._counted_terminal()
+        t = self.counted
         if t is not None and (cut is None or t.sent_at <= cut):
-            return WorkerState(t.state.value)
+            return _TERMINAL_STATES[t.state]
         if self.lost is not None and (cut is None or self.lost <= cut):
             return WorkerState.LOST
         ledger = self.ledger
@@ -110,22 +113,23 @@ class _Track:
                 return WorkerState.ACCEPTED
         return WorkerState.PENDING
 
-    def progress(self) -> Iterator[tuple[datetime, datetime]]:
-        """Intervals during which this worker demonstrably made progress on the command."""
+    def progress(self, out: list[tuple[datetime, datetime]]) -> None:
+        """Add the spans during which this worker demonstrably made progress on the command."""
         ledger = self.ledger
         if ledger is not None:
-            for sent in (ledger.accepted_sent, ledger.running_sent):
-                if sent is not None:
-                    yield sent, sent
-        t = self._counted_terminal()
+            if ledger.accepted_sent is not None:
+                out.append((ledger.accepted_sent, ledger.accepted_sent))
+            if ledger.running_sent is not None:
+                out.append((ledger.running_sent, ledger.running_sent))
+        t = self.counted
         if t is not None:
-            yield (t.started_at or t.sent_at), t.sent_at
+            out.append(((t.started_at or t.sent_at), t.sent_at))
         if self.in_flight is not None:
-            yield self.in_flight
+            out.append(self.in_flight)
 
     def detail(self, cut: datetime | None) -> WorkerDetail:
         state = self.state_at(cut)
-        now_state = self.state_at(None)
+        now_state = self.state_at(None) if cut is not None else state
         ledger, t = self.ledger, self.terminal
         return WorkerDetail(
             worker_id=self.worker_id,
@@ -188,7 +192,9 @@ def _ending(
         candidates.append(
             (max(abort.at, command.issued_at), 1, RolloutPhase.ABORTED, RolloutReason.ABORTED)
         )
-    intervals = (span for t in tracks for span in t.progress())
+    intervals: list[tuple[datetime, datetime]] = []
+    for t in tracks:
+        t.progress(intervals)
     stall = first_stall(intervals, command.issued_at, now, deadline)
     if stall is not None:
         candidates.append(
@@ -200,7 +206,26 @@ def _ending(
     return _End(at, phase, reason)
 
 
-def judge(
+@dataclass(slots=True)
+class Verdict:
+    """A rollout judged, before it is dressed as a :class:`RolloutStatus` (cheaper to get)."""
+
+    command: Command
+    ledger: CommandLedger
+    tracks: dict[str, _Track]
+    unexpected: list[str]
+    end: _End | None
+
+    @property
+    def phase(self) -> RolloutPhase:
+        if self.end is not None:
+            return self.end.phase
+        if any(t.ledger is not None for t in self.tracks.values()):
+            return RolloutPhase.PROGRESSING
+        return RolloutPhase.PENDING
+
+
+def evaluate(
     command: Command,
     ledger: CommandLedger | None,
     registry: Registry,
@@ -208,10 +233,10 @@ def judge(
     now: datetime,
     progress_deadline: timedelta,
     abort: Abort | None = None,
-    anomalies: Iterable[Anomaly] = (),
-) -> RolloutStatus:
-    """The status of the rollout that ``command`` started, as of ``now``."""
-    ledger = ledger if ledger is not None else _EMPTY
+) -> Verdict:
+    """Expected workers, their evidence, and how (and whether) the rollout ended by ``now``."""
+    if ledger is None:
+        ledger = CommandLedger(command.rollout_id, command.command_id)
     issued = command.issued_at
     selector = command.selector
     unexpected: list[str] = []
@@ -256,7 +281,24 @@ def judge(
             if joined == before:
                 break
         unexpected.extend(w for _, w in joiners[joined:])
+    return Verdict(command, ledger, tracks, unexpected, end)
 
+
+def judge(
+    command: Command,
+    ledger: CommandLedger | None,
+    registry: Registry,
+    *,
+    now: datetime,
+    progress_deadline: timedelta,
+    abort: Abort | None = None,
+    anomalies: Iterable[Anomaly] = (),
+) -> RolloutStatus:
+    """The status of the rollout that ``command`` started, as of ``now``."""
+    verdict = evaluate(
+        command, ledger, registry, now=now, progress_deadline=progress_deadline, abort=abort
+    )
+    tracks, end, issued = verdict.tracks, verdict.end, command.issued_at
     cut = end.at if end is not None else None
     ordered = [tracks[w] for w in sorted(tracks)]
     details = tuple(t.detail(cut) for t in ordered)
@@ -275,8 +317,10 @@ def judge(
         phase = RolloutPhase.PROGRESSING if firsts else RolloutPhase.PENDING
         reason = None
     spec = command.spec
+    workers = verdict.ledger.workers
     extra = [
-        _Track(w, ledger.workers[w], None, command, now, expected=False) for w in sorted(unexpected)
+        _Track(w, workers[w], None, command, now, expected=False)
+        for w in sorted(verdict.unexpected)
     ]
     return RolloutStatus(
         rollout_id=command.rollout_id,
@@ -285,7 +329,7 @@ def judge(
         target_version=spec.version if isinstance(spec, ReloadWeightsSpec) else None,
         overrides=dict(spec.overrides) if isinstance(spec, UpdateConfigSpec) else None,
         issuer=command.issuer,
-        selector=selector,
+        selector=command.selector,
         issued_at=issued,
         expires_at=command.expires_at,
         as_of=now,
