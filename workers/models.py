@@ -151,12 +151,8 @@ def tiny_lm(
     tied: bool = False,
 ) -> TinyLM:
     """A seeded TinyLM on the CPU. ``d_model=1024, n_layers=20`` is about 1 GB of fp32 weights."""
-    with torch.device("meta"):  # skip torch's default init: init_weights sets every weight
-        model = TinyLM(vocab_size, d_model, n_layers, n_heads, max_seq, tied=False)
-    model = model.to_empty(device="cpu")
-    model.tied = tied
-    model.tie_weights()
-    model.positions.copy_(torch.arange(max_seq))
+    # Built on the CPU, not the meta device: meta init imports torch._dynamo (seconds).
+    model = TinyLM(vocab_size, d_model, n_layers, n_heads, max_seq, tied)
     init_weights(model, seed)
     return model.eval().requires_grad_(False)
 

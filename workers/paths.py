@@ -65,13 +65,19 @@ class CheckpointFiles:
 def checkpoint_files(path: Path) -> CheckpointFiles:
     """The files of the checkpoint at ``path``: a .safetensors file, a directory, or an index json.
 
-    A directory holding an index json uses it; otherwise it means every ``*.safetensors`` in it.
+    A directory holding one index json uses it (several are ambiguous: refused); otherwise it
+    means every ``*.safetensors`` file in it.
     Raises RunnerError(WEIGHTS_UNREADABLE) when nothing readable is there.
     """
     try:
         if path.is_dir():
             indexes = sorted(path.glob(f"*{SAFETENSORS_SUFFIX}{INDEX_SUFFIX}"))
-            if len(indexes) == 1:
+            if len(indexes) > 1:
+                names = [p.name for p in indexes]
+                raise _unreadable(
+                    f"directory {str(path)!r} holds several indexes {names}; name one"
+                )
+            if indexes:
                 return _from_index(indexes[0])
             files = sorted(p for p in path.glob(f"*{SAFETENSORS_SUFFIX}") if p.is_file())
             if not files:

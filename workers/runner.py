@@ -5,6 +5,7 @@ No torch here: the agent imports this on any machine; runner modules are importe
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -131,6 +132,11 @@ def config_digest(config: Mapping[str, JsonValue]) -> str:
 
 def accepted_keys(model: type[RunnerConfig]) -> dict[str, str]:
     """Config key -> JSON type name ("integer", "number", "boolean", "string", "integer|null")."""
+    return dict(_accepted_keys(model))
+
+
+@functools.cache
+def _accepted_keys(model: type[RunnerConfig]) -> dict[str, str]:  # describe() runs often
     properties: dict[str, Any] = model.model_json_schema().get("properties", {})
     out: dict[str, str] = {}
     for key, prop in properties.items():

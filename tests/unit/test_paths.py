@@ -121,8 +121,10 @@ def test_index_json(tmp_path: Path) -> None:
         "b": tmp_path / "model-00002-of-00002.safetensors",
     }
     assert found.metadata == {"total_size": 8}
-    # A directory holding one index uses it.
+    # A directory holding one index uses it; two are ambiguous.
     assert checkpoint_files(tmp_path).index == index
+    (tmp_path / "other.safetensors.index.json").write_text(index.read_text())
+    assert "several indexes" in unreadable(tmp_path).message
 
 
 @pytest.mark.parametrize(
