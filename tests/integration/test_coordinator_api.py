@@ -1,0 +1,190 @@
+"""The coordinator's HTTP API end to end: real broker, real agents, real uvicorn on a free port.
+
+POST a rollout with the token, follow it over SSE until the agents have acked it, then restart
+the coordinator on the same topics and get the same final statuses back from the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import SecretStr
+
+from controlplane.api import ApiServer, create_app
+from controlplane.coordinator import Coordinator, CoordinatorSettings
+from controlplane.settings import KafkaSettings
+from workers.agent import Agent
+from workers.fake_runner import FakeRunner
+from workers.settings import WorkerSettings
+
+pytestmark = pytest.mark.kafka
+
+TOKEN = "integration-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@asynccontextmanager
+async def running_agent(
+    kafka: KafkaSettings, tmp_path: Path, worker_id: str
+) -> AsyncIterator[Agent]:
+    settings = WorkerSettings(
+        worker_id=worker_id,
+        labels={"model": "tiny"},
+        kafka=kafka,
+        runner="fake",
+        allowed_roots=[tmp_path / "ckpts"],
+        state_dir=tmp_path / "state",
+        heartbeat_interval_s=0.5,
+    )
+    agent = Agent(settings, FakeRunner({"reload_delay_s": 0.2}))
+    task = asyncio.create_task(agent.run())
+    try:
+        await asyncio.wait_for(agent.ready.wait(), 30)
+        yield agent
+    finally:
+        agent.request_stop()
+        await asyncio.wait_for(task, 60)
+
+
+@asynccontextmanager
+async def running_coordinator(kafka: KafkaSettings) -> AsyncIterator[httpx.AsyncClient]:
+    """A coordinator caught up with the log, its API on a free port, and a client for it."""
+    coordinator = Coordinator(CoordinatorSettings(kafka=kafka, api_token=SecretStr(TOKEN)))
+    app = create_app(coordinator, sse_tick_s=0.2)  # before start: the metrics see the replay
+    async with coordinator:
+        await coordinator.wait_ready(60)
+        async with (
+            ApiServer(coordinator, "127.0.0.1", 0, app=app) as server,
+            httpx.AsyncClient(base_url=server.url, timeout=30) as client,
+        ):
+            yield client
+
+
+async def until(
+    client: httpx.AsyncClient, path: str, check: Callable[[Any], bool], timeout: float = 30
+) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        body = (await client.get(path)).json()
+        if check(body):
+            return body
+        if time.monotonic() > deadline:
+            raise AssertionError(f"GET {path} never satisfied the check; last: {body}")
+        await asyncio.sleep(0.1)
+
+
+async def follow(client: httpx.AsyncClient, rollout_id: str) -> list[tuple[str, Any]]:
+    """Every SSE event of the rollout until the server closes the stream."""
+    events: list[tuple[str, Any]] = []
+    name = None
+    async with (
+        asyncio.timeout(60),
+        client.stream(
+            "GET", f"/api/v1/rollouts/{rollout_id}/events", params={"wait_s": 30}
+        ) as response,
+    ):
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("event: "):
+                name = line.removeprefix("event: ")
+            elif line.startswith("data: ") and name is not None:
+                events.append((name, json.loads(line.removeprefix("data: "))))
+                name = None
+    return events
+
+
+def without_as_of(statuses: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in s.items() if k != "as_of"} for s in statuses]
+
+
+async def test_post_follow_and_restart(kafka: KafkaSettings, tmp_path: Path) -> None:
+    (tmp_path / "ckpts").mkdir()
+    (tmp_path / "ckpts" / "model.safetensors").write_bytes(b"\0" * 128)
+    reload_body = {
+        "kind": "reload_weights",
+        "path": str(tmp_path / "ckpts" / "model.safetensors"),
+        "version": "v2",
+        "selector": {"labels": {"model": "tiny"}},
+        "timeout_s": 30,
+    }
+    async with AsyncExitStack() as agents, running_coordinator(kafka) as api:
+        for worker_id in ("w1", "w2"):
+            await agents.enter_async_context(running_agent(kafka, tmp_path, worker_id))
+        await until(api, "/api/v1/workers", lambda ws: sum(w["alive"] for w in ws) == 2)
+
+        denied = await api.post("/api/v1/rollouts", json=reload_body)
+        assert denied.status_code == 401
+
+        created = await api.post("/api/v1/rollouts", json=reload_body, headers=AUTH)
+        assert created.status_code == 201, created.text
+        rollout_id = created.json()["rollout_id"]
+        assert created.headers["location"] == f"/api/v1/rollouts/{rollout_id}"
+        assert created.json()["command"]["selector"]["worker_ids"] == ["w1", "w2"]
+
+        events = await follow(api, rollout_id)
+        assert [name for name, _ in events][-1] == "end"
+        assert events[-1][1] == {
+            "rollout_id": rollout_id,
+            "phase": "succeeded",
+            "reason": None,
+            "exit_code": 0,
+        }
+        final = events[-2][1]
+        assert final["phase"] == "succeeded" and final["counts"]["succeeded"] == 2
+        assert {w["weights_version"] for w in final["workers"]} == {"v2"}
+        assert all(s["phase"] in ("pending", "progressing") for _, s in events[:-2])
+
+        got = (await api.get(f"/api/v1/rollouts/{rollout_id}")).json()
+        assert without_as_of([got]) == without_as_of([final])
+        workers = await until(
+            api, "/api/v1/workers", lambda ws: all(w["reported_version"] == "v2" for w in ws)
+        )
+        assert all(w["in_sync"] and w["desired_version"] == "v2" for w in workers)
+
+        # A config key the runner does not accept: refused by both workers, with the code.
+        bad = await api.post(
+            "/api/v1/rollouts",
+            json={
+                "kind": "update_config",
+                "overrides": {"no_such_key": 1},
+                "rollout_id": "r-bad-config",
+            },
+            headers=AUTH,
+        )
+        assert bad.status_code == 201, bad.text
+        events = await follow(api, "r-bad-config")
+        assert events[-1][1]["exit_code"] == 1
+        assert {w["error"]["code"] for w in events[-2][1]["workers"]} == {"CONFIG_KEY_REJECTED"}
+
+        metrics = (await api.get("/metrics")).text
+        assert 'controlplane_acks_total{code="",state="succeeded"} 2.0' in metrics
+        assert 'controlplane_acks_total{code="CONFIG_KEY_REJECTED",state="rejected"} 2.0' in metrics
+        assert (
+            'controlplane_command_ack_latency_seconds_count{kind="reload_weights",state="succeeded"} 2.0'
+            in metrics
+        )
+        assert 'controlplane_rollouts{phase="succeeded"} 1.0' in metrics
+
+        before = (await api.get("/api/v1/rollouts")).json()
+        assert [s["rollout_id"] for s in before] == ["r-bad-config", rollout_id]
+
+    # A new coordinator on the same topics: everything comes back from the log, identical.
+    async with running_coordinator(kafka) as api:
+        after = (await api.get("/api/v1/rollouts")).json()
+        assert without_as_of(after) == without_as_of(before)
+        replayed = await follow(api, rollout_id)
+        assert [name for name, _ in replayed] == ["status", "end"]
+        assert without_as_of([replayed[0][1]]) == without_as_of([before[1]])
+        metrics = (await api.get("/metrics")).text
+        assert (
+            'controlplane_command_ack_latency_seconds_count{kind="reload_weights",state="succeeded"} 2.0'
+            in metrics
+        )
