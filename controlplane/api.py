@@ -450,7 +450,10 @@ def create_app(
             rollout_id=options.rollout_id,
         )
         log.info(
-            "rollout published over HTTP",
+            "rollout %s published over HTTP as command %s for %d worker(s)",
+            command.rollout_id,
+            command.command_id,
+            len(command.selector.worker_ids or ()),
             extra={"rollout_id": command.rollout_id, "command_id": command.command_id},
         )
         url = f"{API}/rollouts/{command.rollout_id}"
