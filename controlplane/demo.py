@@ -227,11 +227,22 @@ class Demo:
             "--wait-timeout",
             "120",
         )
+        versions = asyncio.run(self._versions())
+        kept = all(v == "v2" for v in versions.values())
         self.out.print(
             f"exit codes: {c1}, {c2}, {c3} (0 = succeeded) and {c4} (1 = failed, as it must); "
-            "every worker kept v2"
+            f"versions the workers report now: {versions}"
+            + (" - the broken checkpoint changed nothing" if kept else " - UNEXPECTED")
         )
-        return 0 if (c1, c2, c3, c4) == (0, 0, 0, 1) else 1
+        return 0 if (c1, c2, c3, c4) == (0, 0, 0, 1) and kept else 1
+
+    async def _versions(self) -> dict[str, str | None]:
+        """The weights version each worker reports in its latest heartbeat (read from the log)."""
+        async with Follower(KafkaSettings(bootstrap_servers=self.bootstrap)) as follower:
+            await follower.catch_up()
+            return {
+                w.worker_id: w.weights_version for w in follower.fleet.registry.workers(utcnow())
+            }
 
     # ------------------------------------------------------------------ helpers
 
