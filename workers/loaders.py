@@ -141,7 +141,8 @@ def load_checkpoint(
 
     Before copying: RunnerError (WEIGHTS_*, CHECKSUM_MISMATCH, COMMAND_TIMEOUT when cancelled),
     targets untouched. Once copying began, any failure or cancel raises WeightsCorrupted.
-    ``sync`` runs after the last copy (an XLA runner flushes its lazy graph there).
+    ``sync`` runs after the last copy (an XLA runner flushes its lazy graph there) and, for
+    devices copied through host tensors, after every ``staging_bytes`` to bound host memory.
     """
     started = time.perf_counter()
     with open_checkpoint(path) as ckpt:
@@ -364,7 +365,7 @@ def _copy(
     progress: Progress | None,
     sync: Callable[[], None] | None,
 ) -> None:
-    copier = _Copier(staging_bytes)
+    copier = _Copier(staging_bytes, flush=sync)
     done = 0
     try:
         if progress is not None:
@@ -393,11 +394,14 @@ def _copy(
 class _Copier:
     """Moves one tensor's bytes from a file into its destination without a second model copy."""
 
-    def __init__(self, staging_bytes: int) -> None:
+    def __init__(self, staging_bytes: int, flush: Callable[[], None] | None = None) -> None:
+        self._budget = staging_bytes
         self._chunk = max(1024 * 1024, staging_bytes // 2)
         self._staging: list[torch.Tensor] = []
         self._events: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
+        self._flush = flush
+        self._pending = 0
 
     def copy(self, fd: int, entry: TensorEntry, dst: torch.Tensor) -> None:
         if entry.nbytes == 0:
@@ -412,6 +416,12 @@ class _Copier:
             host = torch.empty(entry.shape, dtype=dst.dtype)
             _read_exact(fd, _byte_view(host), entry)
             dst.copy_(host)
+            # A lazy device (XLA) may hold each host tensor until it syncs: flush every
+            # staging budget so host memory stays bounded, not a second copy of the model.
+            self._pending += entry.nbytes
+            if self._flush is not None and self._pending >= self._budget:
+                self._flush()
+                self._pending = 0
 
     def _copy_staged(self, fd: int, entry: TensorEntry, dst: torch.Tensor) -> None:
         if not self._staging:

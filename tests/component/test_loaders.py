@@ -266,3 +266,17 @@ def test_truncation_after_copy_began_is_a_short_read_not_a_crash(tmp_path: Path)
     with pytest.raises(WeightsCorrupted) as info:
         load(path, dst, progress=truncate)
     assert "ended inside tensor" in info.value.message
+
+
+def test_host_staged_copies_flush_every_staging_budget(tmp_path: Path) -> None:
+    # Tensors copied through a host tensor (XLA, strided) call sync once per budget, then at the end.
+    src = {f"w{i}": torch.full((512, 512), float(i)) for i in range(3)}  # 1 MiB each
+    write_safetensors(tmp_path / "m.safetensors", src)
+    bases = {k: torch.zeros(512, 512) for k in src}
+    dst = {k: v.t() for k, v in bases.items()}  # strided: the host path
+    syncs: list[int] = []
+    load(
+        tmp_path / "m.safetensors", dst, staging_bytes=2 * 1024 * 1024, sync=lambda: syncs.append(1)
+    )
+    assert len(syncs) == 2  # one after 2 MiB pending, one at the end
+    assert all(torch.equal(bases[k].t(), src[k]) for k in src)
