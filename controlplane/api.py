@@ -2,7 +2,7 @@
 the one write (POST /rollouts, which only publishes a command to Kafka), metrics and the dashboard.
 
 Reads come from the coordinator's replica of the log; nothing here holds state of its own.
-No signals, no process settings: the CLI owns those and calls :func:`serve`.
+Models live in api_models.py, serving in api_server.py. No signals, no process settings.
 """
 
 from __future__ import annotations
@@ -13,36 +13,34 @@ import hmac
 import importlib.resources
 import json
 import logging
-import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from enum import StrEnum
-from types import TracebackType
-from typing import Annotated, Any, Final, Self, cast
+from typing import Annotated, Any, Final, cast
 
-import uvicorn
 from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from controlplane.coordinator import Coordinator
-from controlplane.errors import BusError, ControlPlaneError, ErrorCode
-from controlplane.metrics import CONTENT_TYPE, CoordinatorMetrics
-from controlplane.protocol import (
-    MAX_MESSAGE_BYTES,
-    Command,
-    CommandSpec,
-    Identifier,
-    ReloadWeightsSpec,
-    Selector,
-    UpdateConfigSpec,
+from controlplane.api_models import (
+    ROLLOUT_REQUEST,
+    ApiError,
+    ApiErrorCode,
+    BearerCredentials,
+    ErrorBody,
+    Health,
+    RolloutCreated,
+    WorkerOut,
+    error_response,
+    from_domain,
+    parse_rollout_request,
+    validation_details,
 )
-from controlplane.registry import WorkerView
-from controlplane.rollout_models import RolloutPhase, RolloutStatus, WorkerLevel
+from controlplane.coordinator import Coordinator
+from controlplane.errors import ControlPlaneError
+from controlplane.metrics import CONTENT_TYPE, CoordinatorMetrics
+from controlplane.rollout_models import RolloutPhase, RolloutStatus
 
 log = logging.getLogger(__name__)
 
@@ -50,174 +48,6 @@ API: Final = "/api/v1"
 #: How often an SSE stream re-judges its rollout without news (deadlines pass, workers go silent).
 SSE_TICK_S: Final = 1.0
 SSE_PING_S: Final = 15.0
-
-
-# --------------------------------------------------------------------------- errors
-
-
-class ApiErrorCode(StrEnum):
-    """Codes of errors that exist only over HTTP; domain errors keep their ErrorCode."""
-
-    NOT_FOUND = "NOT_FOUND"
-    ROLLOUT_NOT_FOUND = "ROLLOUT_NOT_FOUND"
-    WORKER_NOT_FOUND = "WORKER_NOT_FOUND"
-    METHOD_NOT_ALLOWED = "METHOD_NOT_ALLOWED"
-    INVALID_REQUEST = "INVALID_REQUEST"
-    UNAUTHORIZED = "UNAUTHORIZED"
-    WRITES_DISABLED = "WRITES_DISABLED"
-    NOT_READY = "NOT_READY"
-    ROLLOUT_EXISTS = "ROLLOUT_EXISTS"
-    HTTP_ERROR = "HTTP_ERROR"
-
-
-class ErrorInfo(BaseModel):
-    code: str = Field(description="An ErrorCode or ApiErrorCode value; stable.")
-    message: str
-    retryable: bool = False
-    details: list[dict[str, JsonValue]] | None = None
-
-
-class ErrorBody(BaseModel):
-    """Every error response: ``{"error": {"code": ..., "message": ...}}``."""
-
-    error: ErrorInfo
-
-
-class ApiError(Exception):
-    """Raised by handlers; rendered as :class:`ErrorBody` with its status and headers."""
-
-    def __init__(
-        self,
-        status: int,
-        code: str,
-        message: str,
-        *,
-        headers: dict[str, str] | None = None,
-        retryable: bool = False,
-        details: list[dict[str, JsonValue]] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.info = ErrorInfo(code=code, message=message, retryable=retryable, details=details)
-        self.headers = headers
-
-
-def _error_response(exc: ApiError) -> JSONResponse:
-    body = ErrorBody(error=exc.info).model_dump(mode="json", exclude_none=True)
-    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
-
-
-def _from_domain(exc: ControlPlaneError) -> ApiError:
-    """Our error tree, translated to HTTP in this one place."""
-    if exc.code is ErrorCode.NO_MATCHING_WORKERS:
-        status = 409
-    elif isinstance(exc, BusError):
-        status = 503
-    else:
-        status = 400
-    return ApiError(status, exc.code.value, exc.message, retryable=exc.retryable or status == 503)
-
-
-def _validation_details(
-    exc: ValidationError | RequestValidationError,
-) -> list[dict[str, JsonValue]]:
-    out: list[dict[str, JsonValue]] = []
-    for error in exc.errors()[:20]:
-        out.append({"loc": [str(p) for p in error["loc"]], "msg": str(error["msg"])})
-    return out
-
-
-# --------------------------------------------------------------------------- models
-
-_bearer = HTTPBearer(auto_error=False, description="The coordinator's api_token setting.")
-BearerCredentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
-
-
-class Health(BaseModel):
-    ready: bool = Field(description="Caught up with the log: statuses are complete.")
-    records: int = Field(description="Kafka records folded so far.")
-    rollouts: int
-    workers: int
-
-
-class WorkerOut(WorkerLevel):
-    """A worker's level (desired against reported version) and its latest heartbeat, if any.
-
-    ``heartbeat`` is null for a worker that a rollout expects but that was never heard from.
-    """
-
-    heartbeat: WorkerView | None
-
-
-class _RolloutOptions(BaseModel):
-    selector: Selector = Field(
-        default_factory=Selector,
-        description="Workers to target; resolved to the live matching worker ids at publish time.",
-    )
-    ttl_s: float = Field(
-        default=3600.0, gt=0, le=30 * 86400, description="Seconds until it expires."
-    )
-    timeout_s: float | None = Field(
-        default=None,
-        gt=0,
-        le=86400,
-        description="Per-worker apply timeout; worker default if omitted.",
-    )
-    rollout_id: Identifier | None = Field(default=None, description="Generated when omitted.")
-
-
-class ReloadWeightsRequest(ReloadWeightsSpec, _RolloutOptions):
-    """Reload weights on the selected workers: the wire spec's fields plus the rollout's options."""
-
-
-class UpdateConfigRequest(UpdateConfigSpec, _RolloutOptions):
-    """Update runtime config on the selected workers: the wire spec's fields plus options."""
-
-
-_REQUEST: TypeAdapter[ReloadWeightsRequest | UpdateConfigRequest] = TypeAdapter(
-    Annotated[ReloadWeightsRequest | UpdateConfigRequest, Field(discriminator="kind")]
-)
-_SPEC_OF: dict[type[BaseModel], type[ReloadWeightsSpec] | type[UpdateConfigSpec]] = {
-    ReloadWeightsRequest: ReloadWeightsSpec,
-    UpdateConfigRequest: UpdateConfigSpec,
-}
-
-
-class RolloutCreated(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    rollout_id: str
-    command_id: str
-    command: Command = Field(description="The command as published on the commands topic.")
-    status_url: str
-    events_url: str
-
-
-def parse_rollout_request(body: bytes) -> tuple[CommandSpec, _RolloutOptions]:
-    """Validate a POST body exactly as the wire decoder validates a command (strict JSON)."""
-    if len(body) > MAX_MESSAGE_BYTES:
-        raise ApiError(
-            413, ErrorCode.MESSAGE_TOO_LARGE.value, f"body over {MAX_MESSAGE_BYTES} bytes"
-        )
-    try:
-        request = _REQUEST.validate_json(body, strict=True)
-    except ValidationError as exc:
-        if any(e["type"] == "json_invalid" for e in exc.errors()):
-            raise ApiError(
-                400, ErrorCode.MALFORMED_JSON.value, "the body is not valid JSON"
-            ) from None
-        raise ApiError(
-            422,
-            ErrorCode.SCHEMA_INVALID.value,
-            "invalid rollout request",
-            details=_validation_details(exc),
-        ) from None
-    spec_cls = _SPEC_OF[type(request)]
-    spec = spec_cls.model_validate(request.model_dump(include=set(spec_cls.model_fields)))
-    options = _RolloutOptions.model_validate(
-        request.model_dump(include=set(_RolloutOptions.model_fields))
-    )
-    return spec, options
 
 
 # --------------------------------------------------------------------------- the app
@@ -260,16 +90,16 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return _error_response(exc)
+        return error_response(exc)
 
     @app.exception_handler(ControlPlaneError)
     async def _domain_error(request: Request, exc: ControlPlaneError) -> JSONResponse:
-        return _error_response(_from_domain(exc))
+        return error_response(from_domain(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        details = _validation_details(exc)
-        return _error_response(
+        details = validation_details(exc)
+        return error_response(
             ApiError(422, ApiErrorCode.INVALID_REQUEST, "invalid request", details=details)
         )
 
@@ -279,7 +109,7 @@ def create_app(
             exc.status_code, ApiErrorCode.HTTP_ERROR
         )
         headers = dict(exc.headers) if exc.headers else None
-        return _error_response(ApiError(exc.status_code, code, str(exc.detail), headers=headers))
+        return error_response(ApiError(exc.status_code, code, str(exc.detail), headers=headers))
 
     # ------------------------------------------------------------------ dependencies
 
@@ -527,7 +357,7 @@ _ERROR_REF: Final = "#/components/schemas/ErrorBody"
 
 def _document_request_body(app: FastAPI) -> None:
     """The POST body is parsed by hand (strict, after auth), so describe it in OpenAPI ourselves."""
-    schema = _REQUEST.json_schema(ref_template="#/components/schemas/{model}")
+    schema = ROLLOUT_REQUEST.json_schema(ref_template="#/components/schemas/{model}")
     defs: dict[str, Any] = schema.pop("$defs", {})
 
     def openapi() -> dict[str, Any]:
@@ -600,127 +430,3 @@ async def _status_events(
                 await anext(feed)
             except StopAsyncIteration:  # the coordinator stopped
                 return
-
-
-# --------------------------------------------------------------------------- serving
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its signal handlers: signals belong to the entry point."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-class ApiServer:
-    """``async with ApiServer(coordinator, port=0) as s:`` serves on ``s.port`` until the block ends.
-
-    Binds the socket itself (port 0 picks a free one), runs uvicorn with lifespan off and no
-    signal handlers. Stopping ends the SSE streams, then lets requests drain for ``graceful_s``.
-    """
-
-    def __init__(
-        self,
-        coordinator: Coordinator,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        app: FastAPI | None = None,
-        graceful_s: int = 5,
-    ) -> None:
-        self.app = app if app is not None else create_app(coordinator)
-        self.host = host
-        self._requested_port = port
-        self._graceful_s = graceful_s
-        self._server: _Server | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._port: int | None = None
-
-    @property
-    def port(self) -> int:
-        if self._port is None:
-            raise RuntimeError("the server is not started")
-        return self._port
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
-
-    async def start(self) -> None:
-        if self._task is not None:
-            return
-        sock = _listen(self.host, self._requested_port)
-        self._port = int(sock.getsockname()[1])
-        config = uvicorn.Config(
-            self.app,
-            lifespan="off",
-            log_config=None,
-            access_log=False,
-            ws="none",
-            timeout_graceful_shutdown=self._graceful_s,
-        )
-        self._server = _Server(config)
-        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="api-server")
-        while not self._server.started:
-            if self._task.done():
-                sock.close()
-                self._task.result()  # raises what failed it
-                raise RuntimeError("the HTTP server exited during start-up")
-            await asyncio.sleep(0.01)
-        log.info("HTTP API and dashboard on %s", self.url)
-
-    async def stop(self) -> None:
-        """End SSE streams, stop accepting, drain; idempotent."""
-        self.app.state.closing.set()
-        if self._server is None or self._task is None:
-            return
-        self._server.should_exit = True
-        try:
-            await asyncio.wait_for(asyncio.shield(self._task), self._graceful_s + 5.0)
-        except TimeoutError:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def wait(self) -> None:
-        """Until the server stops by itself (it does not, unless it fails)."""
-        if self._task is not None:
-            await asyncio.shield(self._task)
-
-    async def __aenter__(self) -> Self:
-        try:
-            await self.start()
-        except BaseException:
-            await self.stop()
-            raise
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
-            0
-        ][0]
-        return socket.create_server((host, port), family=family)
-    except OSError as exc:
-        raise ControlPlaneError(
-            f"cannot listen on {host}:{port}: {exc}", code=ErrorCode.PORT_IN_USE
-        ) from exc
-
-
-async def serve(
-    coordinator: Coordinator, host: str, port: int, *, app: FastAPI | None = None
-) -> None:
-    """Serve the API until cancelled; on cancel, drain (see :class:`ApiServer`) and re-raise."""
-    async with ApiServer(coordinator, host, port, app=app) as server:
-        await server.wait()

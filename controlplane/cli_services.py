@@ -32,7 +32,7 @@ def coordinator(
 
     Settings also come from FLEET_COORDINATOR_* (e.g. FLEET_COORDINATOR_API_TOKEN).
     """
-    from controlplane.api import serve
+    from controlplane.api_server import serve
     from controlplane.coordinator import Coordinator, CoordinatorSettings
 
     logging.basicConfig(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from datetime import datetime
 
 from pydantic import Field, SecretStr
@@ -141,7 +141,7 @@ class Coordinator:
         for queue in self._subscribers:
             queue.put_nowait(changed)
 
-    async def changes(self, tick_s: float = 1.0) -> AsyncIterator[set[str]]:
+    async def changes(self, tick_s: float = 1.0) -> AsyncGenerator[set[str], None]:
         """Sets of changed rollout ids ("*workers" for the registry); an empty set every tick."""
         queue: asyncio.Queue[set[str] | None] = asyncio.Queue()
         self._subscribers.add(queue)

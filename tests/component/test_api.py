@@ -17,7 +17,9 @@ import pytest
 from fastapi import FastAPI
 from pydantic import SecretStr
 
-from controlplane.api import ApiServer, create_app, parse_rollout_request, serve
+from controlplane.api import create_app
+from controlplane.api_models import parse_rollout_request
+from controlplane.api_server import ApiServer, serve
 from controlplane.coordinator import Coordinator, CoordinatorSettings
 from controlplane.follower import Batch
 from controlplane.metrics import AckLatency

@@ -18,7 +18,8 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from controlplane.api import ApiServer, create_app
+from controlplane.api import create_app
+from controlplane.api_server import ApiServer
 from controlplane.coordinator import Coordinator, CoordinatorSettings
 from controlplane.settings import KafkaSettings
 from workers.agent import Agent
