@@ -14,7 +14,7 @@ import importlib.resources
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from typing import Annotated, Any, Final, cast
+from typing import Annotated, Any, Final
 
 from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -386,8 +386,7 @@ def _document_request_body(app: FastAPI) -> None:
 
 
 def _changes(coordinator: Coordinator, tick_s: float) -> AsyncGenerator[set[str], None]:
-    # changes() is an async generator, annotated as an iterator; aclosing() needs the former.
-    return cast(AsyncGenerator[set[str], None], coordinator.changes(tick_s))
+    return coordinator.changes(tick_s)
 
 
 async def _wait_for_rollout(coordinator: Coordinator, rollout_id: str, wait_s: float) -> None:

@@ -235,7 +235,7 @@ class Consumer(_Lifecycle):
 
     async def position(self, topic: str, partition: int) -> int:
         with translate(f"reading position of {topic}[{partition}]"):
-            return await self._consumer.position(TopicPartition(topic, partition))
+            return int(await self._consumer.position(TopicPartition(topic, partition)))
 
     async def committed(self, topic: str, partition: int) -> int | None:
         with translate(f"reading committed offset of {topic}[{partition}]"):

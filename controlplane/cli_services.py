@@ -65,13 +65,13 @@ def coordinator(
         async with Coordinator(settings) as coord:
             server = asyncio.create_task(serve(coord, settings.host, settings.port))
             waiter = asyncio.create_task(stop.wait())
-            done, _ = await asyncio.wait({server, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({server, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            failed = server.done() and not server.cancelled() and server.exception()
             for task in (server, waiter):
                 task.cancel()
             await asyncio.gather(server, waiter, return_exceptions=True)
-            for task in done:
-                if task is server and not task.cancelled() and task.exception():
-                    raise task.exception()  # type: ignore[misc]
+            if failed:
+                raise failed
 
     run(main())
 

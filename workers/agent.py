@@ -47,7 +47,7 @@ from controlplane.protocol import (
 from controlplane.topics import worker_key
 from workers import failpoints
 from workers.paths import resolve_weights_path
-from workers.runner import Runner, RunnerDescription
+from workers.runner import ReloadResult, Runner, RunnerDescription
 from workers.settings import WorkerSettings
 from workers.state import WorkerState
 
@@ -349,7 +349,7 @@ class Agent:
         assert self._state is not None
         spec = command.spec
         cancel = threading.Event()
-        call: Callable[[], Any]
+        call: Callable[[], ReloadResult | RunnerDescription]
         if isinstance(spec, ReloadWeightsSpec):
             assert path is not None
             call = lambda: self.runner.reload_weights(spec, path, cancel=cancel)  # noqa: E731
@@ -413,11 +413,16 @@ class Agent:
                 AckState.FAILED,
                 AckError(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}"),
             )
-        if isinstance(spec, ReloadWeightsSpec):
+        if isinstance(spec, ReloadWeightsSpec) and isinstance(value, ReloadResult):
             self._state.set_weights(spec)
             return _Outcome(AckState.SUCCEEDED, result=value.as_dict())
-        self._state.add_config(dict(spec.overrides))
-        return _Outcome(AckState.SUCCEEDED, result={"overrides": sorted(spec.overrides)})
+        if isinstance(spec, UpdateConfigSpec):
+            self._state.add_config(dict(spec.overrides))
+            return _Outcome(AckState.SUCCEEDED, result={"overrides": sorted(spec.overrides)})
+        return _Outcome(  # pragma: no cover - a runner returned the wrong type
+            AckState.FAILED,
+            AckError(code=ErrorCode.INTERNAL, message=f"runner returned {type(value).__name__}"),
+        )
 
     async def _finish(
         self,
