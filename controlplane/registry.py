@@ -22,11 +22,18 @@ def silence_limit(hb: Heartbeat) -> timedelta:
     return timedelta(seconds=LIVENESS_PERIODS * hb.interval_s)
 
 
+#: The clock's resolution: the first instant past a limit.
+TICK: Final = timedelta(microseconds=1)
+
+
 def lost_at(hb: Heartbeat) -> datetime:
-    """The instant after which ``hb`` no longer proves its worker alive (at once when stopped)."""
+    """The first instant at which ``hb`` no longer proves its worker alive (at once if stopped).
+
+    ``is_alive(hb, t)`` is false from this instant on, and true before it for a running worker.
+    """
     if hb.status is WorkerStatus.STOPPED:
         return hb.sent_at
-    return hb.sent_at + silence_limit(hb)
+    return hb.sent_at + silence_limit(hb) + TICK
 
 
 def is_alive(hb: Heartbeat, now: datetime) -> bool:
