@@ -32,6 +32,7 @@ def coordinator(
 
     Settings also come from FLEET_COORDINATOR_* (e.g. FLEET_COORDINATOR_API_TOKEN).
     """
+    from controlplane.api import create_app
     from controlplane.api_server import serve
     from controlplane.coordinator import Coordinator, CoordinatorSettings
 
@@ -62,8 +63,10 @@ def coordinator(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        async with Coordinator(settings) as coord:
-            server = asyncio.create_task(serve(coord, settings.host, settings.port))
+        coord = Coordinator(settings)
+        app = create_app(coord)  # before start: its metrics must see the replayed log too
+        async with coord:
+            server = asyncio.create_task(serve(coord, settings.host, settings.port, app=app))
             waiter = asyncio.create_task(stop.wait())
             await asyncio.wait({server, waiter}, return_when=asyncio.FIRST_COMPLETED)
             failed = server.done() and not server.cancelled() and server.exception()

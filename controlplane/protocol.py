@@ -7,15 +7,18 @@ our models or raises :class:`~controlplane.errors.ProtocolError` with a code, ne
 
 from __future__ import annotations
 
-import json
+import math
 import re
+from collections.abc import Callable
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
     AwareDatetime,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     JsonValue,
@@ -23,6 +26,7 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+from pydantic_core import from_json
 
 from controlplane.errors import ErrorCode, ProtocolError
 
@@ -30,12 +34,55 @@ SCHEMA_VERSION: Final = 1
 #: Messages above this size are refused before parsing (Kafka's default max is 1 MiB too).
 MAX_MESSAGE_BYTES: Final = 1024 * 1024
 
-Identifier = Annotated[
-    str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
-]
+_IDENTIFIER: Final = r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}"
+_IDENTIFIER_RE: Final = re.compile(_IDENTIFIER)
+#: RFC 3339 date-time with an offset, as JSON Schema's "date-time" format means it (no unix
+#: timestamps, no space separator, no naive times).
+_RFC3339_RE: Final = re.compile(
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]+)?(?:[Zz]|[+-][0-9]{2}:[0-9]{2})"
+)
+
+
+def _rfc3339_only(value: object) -> object:
+    """Parse a wire date-time ourselves: strict JSON validation takes no str after a validator."""
+    if not isinstance(value, str):
+        return value
+    if not _RFC3339_RE.fullmatch(value):
+        raise ValueError("expected an RFC 3339 date-time with an offset, like 2025-01-01T12:00:00Z")
+    return datetime.fromisoformat(value.upper())
+
+
+def _exact_int(value: object) -> object:
+    """pydantic matches Literal[1] by equality, so true and 1.0 would pass even in strict mode."""
+    if isinstance(value, bool | float):
+        raise ValueError("expected the integer 1")
+    return value
+
+
+def _finite_json(value: dict[str, Any]) -> dict[str, Any]:
+    """JSON-mode JsonValue ignores allow_inf_nan: NaN, Infinity or 1e400 would encode as null."""
+    stack: list[object] = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ValueError("NaN and Infinity are not JSON numbers")
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return value
+
+
+Identifier = Annotated[str, StringConstraints(pattern=rf"^{_IDENTIFIER}$")]
 LabelKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")]
 LabelValue = Annotated[str, StringConstraints(max_length=63)]
+#: pydantic renders constrained keys as patternProperties, which alone let other keys through.
+Labels = Annotated[
+    dict[LabelKey, LabelValue], Field(json_schema_extra={"additionalProperties": False})
+]
 Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+Timestamp = Annotated[AwareDatetime, BeforeValidator(_rfc3339_only)]
+SchemaVersion = Annotated[Literal[1], BeforeValidator(_exact_int)]
 
 
 def utcnow() -> datetime:
@@ -43,7 +90,22 @@ def utcnow() -> datetime:
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", use_enum_values=False, allow_inf_nan=False
+    )
+
+
+def _required_on_wire(*names: str) -> Callable[[dict[str, Any]], None]:
+    """Fields with a Python default that every producer must still write (the decoder needs them)."""
+
+    def extra(schema: dict[str, Any]) -> None:
+        required: list[str] = schema.setdefault("required", [])
+        for name in names:
+            schema["properties"][name].pop("default", None)
+            if name not in required:
+                required.insert(0, name)
+
+    return extra
 
 
 # --------------------------------------------------------------------------- commands
@@ -60,7 +122,7 @@ class Selector(_Wire):
     worker_ids: list[Identifier] | None = Field(
         default=None, description="Exact worker ids; omitted means any worker id."
     )
-    labels: dict[LabelKey, LabelValue] = Field(
+    labels: Labels = Field(
         default_factory=dict, description="Every label must be present with this exact value."
     )
 
@@ -72,6 +134,8 @@ class Selector(_Wire):
 
 class ReloadWeightsSpec(_Wire):
     """Reload every weight in place from a safetensors checkpoint, as version ``version``."""
+
+    model_config = ConfigDict(json_schema_extra=_required_on_wire("kind"))
 
     kind: Literal[CommandKind.RELOAD_WEIGHTS] = CommandKind.RELOAD_WEIGHTS
     path: Annotated[str, StringConstraints(min_length=1, max_length=4096)] = Field(
@@ -97,10 +161,13 @@ class ReloadWeightsSpec(_Wire):
 class UpdateConfigSpec(_Wire):
     """Apply runtime config overrides, all or nothing, checked against what the runner accepts."""
 
+    model_config = ConfigDict(json_schema_extra=_required_on_wire("kind"))
+
     kind: Literal[CommandKind.UPDATE_CONFIG] = CommandKind.UPDATE_CONFIG
-    overrides: dict[Annotated[str, StringConstraints(min_length=1, max_length=256)], JsonValue] = (
-        Field(min_length=1, description="Config keys to JSON values.")
-    )
+    overrides: Annotated[
+        dict[Annotated[str, StringConstraints(min_length=1, max_length=256)], JsonValue],
+        AfterValidator(_finite_json),
+    ] = Field(min_length=1, description="Config keys to JSON values.")
 
 
 CommandSpec = Annotated[ReloadWeightsSpec | UpdateConfigSpec, Field(discriminator="kind")]
@@ -117,16 +184,19 @@ class Signature(_Wire):
 class Command(_Wire):
     """One instruction on the commands topic. Workers matching ``selector`` apply it once."""
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    model_config = ConfigDict(json_schema_extra=_required_on_wire("schema_version"))
+
+    schema_version: SchemaVersion = SCHEMA_VERSION
     command_id: Identifier
     rollout_id: Identifier
-    issued_at: AwareDatetime
-    expires_at: AwareDatetime
+    issued_at: Timestamp
+    expires_at: Timestamp
     issuer: Annotated[str, StringConstraints(min_length=1, max_length=256)]
     selector: Selector = Field(default_factory=Selector)
     spec: CommandSpec
     timeout_s: Annotated[float, Field(gt=0, le=86400)] | None = Field(
-        default=None, description="How long a worker may spend applying it; worker default if omitted."
+        default=None,
+        description="How long a worker may spend applying it; worker default if omitted.",
     )
     signature: Signature | None = None
 
@@ -171,9 +241,9 @@ class AckError(_Wire):
 
 
 class Timings(_Wire):
-    received_at: AwareDatetime
-    started_at: AwareDatetime | None = None
-    finished_at: AwareDatetime | None = None
+    received_at: Timestamp
+    started_at: Timestamp | None = None
+    finished_at: Timestamp | None = None
 
     @property
     def duration_s(self) -> float | None:
@@ -189,19 +259,23 @@ class Ack(_Wire):
     a failure or rejection never advances it.
     """
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    model_config = ConfigDict(json_schema_extra=_required_on_wire("schema_version"))
+
+    schema_version: SchemaVersion = SCHEMA_VERSION
     command_id: Identifier
     rollout_id: Identifier
     worker_id: Identifier
-    kind: CommandKind | None = Field(default=None, description="None when the command was unreadable.")
+    kind: CommandKind | None = Field(
+        default=None, description="None when the command was unreadable."
+    )
     state: AckState
     weights_version: str | None = None
     config_digest: str | None = None
     error: AckError | None = None
     timings: Timings
     attempt: Annotated[int, Field(ge=1)] = 1
-    sent_at: AwareDatetime
-    result: dict[str, JsonValue] = Field(
+    sent_at: Timestamp
+    result: Annotated[dict[str, JsonValue], AfterValidator(_finite_json)] = Field(
         default_factory=dict, description="Kind-specific facts: bytes, tensors, seconds."
     )
 
@@ -230,7 +304,7 @@ class InFlight(_Wire):
     command_id: Identifier
     rollout_id: Identifier
     kind: CommandKind
-    since: AwareDatetime
+    since: Timestamp
 
 
 class Degraded(_Wire):
@@ -240,15 +314,17 @@ class Degraded(_Wire):
     message: str
     from_version: str | None
     to_version: str
-    since: AwareDatetime
+    since: Timestamp
 
 
 class Heartbeat(_Wire):
     """A worker's self-description, keyed by worker id on the compacted workers topic."""
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    model_config = ConfigDict(json_schema_extra=_required_on_wire("schema_version"))
+
+    schema_version: SchemaVersion = SCHEMA_VERSION
     worker_id: Identifier
-    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict)
+    labels: Labels = Field(default_factory=dict)
     runner: str
     device: str
     status: WorkerStatus
@@ -257,8 +333,8 @@ class Heartbeat(_Wire):
     in_flight: InFlight | None = None
     degraded: Degraded | None = None
     seq: Annotated[int, Field(ge=0)]
-    sent_at: AwareDatetime
-    started_at: AwareDatetime
+    sent_at: Timestamp
+    started_at: Timestamp
     interval_s: Annotated[float, Field(gt=0)] = Field(
         description="Heartbeat period; a worker silent for 3 periods is considered lost."
     )
@@ -268,6 +344,10 @@ class Heartbeat(_Wire):
 # --------------------------------------------------------------------------- codec
 
 M = TypeVar("M", bound=_Wire)
+
+_UTF8_BOM: Final = b"\xef\xbb\xbf"
+#: A ProtocolError's message fits in an ack's error message (AckError allows 4096 characters).
+_MAX_ERROR_CHARS: Final = 1024
 
 
 def encode(message: _Wire) -> bytes:
@@ -282,38 +362,54 @@ def _decode(model: type[M], data: bytes, max_bytes: int) -> M:
             code=ErrorCode.MESSAGE_TOO_LARGE,
             command_id=_sniff_id(data[:4096]),
         )
+    if data[:3] == _UTF8_BOM:  # RFC 8259 section 8.1: a parser may ignore it.
+        data = data[3:]
+    # Strict JSON-mode validation accepts exactly what the exported schemas describe: no "true"
+    # for a bool, no "30" for a number, no unix time for a date-time. One parse on the happy path.
+    invalid: ValidationError | None = None
     try:
-        raw: Any = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise ProtocolError(
-            f"not valid UTF-8 JSON: {exc}", code=ErrorCode.MALFORMED_JSON
-        ) from None
-    if not isinstance(raw, dict):
-        raise ProtocolError(
-            f"expected a JSON object, got {type(raw).__name__}", code=ErrorCode.SCHEMA_INVALID
-        )
-    command_id = raw.get("command_id") if isinstance(raw.get("command_id"), str) else None
-    version = raw.get("schema_version")
-    if type(version) is not int or version != SCHEMA_VERSION:
-        err = ProtocolError(
-            f"unsupported schema_version {version!r}; this build speaks {SCHEMA_VERSION}",
-            code=ErrorCode.UNSUPPORTED_SCHEMA_VERSION,
-            command_id=command_id,
-        )
-        err.rollout_id = _str_or_none(raw.get("rollout_id"))
-        raise err
-    try:
-        return model.model_validate(raw)
+        message = model.model_validate_json(data, strict=True)
     except ValidationError as exc:
-        err = ProtocolError(
-            f"invalid {model.__name__}: {_summarize(exc)}",
-            code=ErrorCode.SCHEMA_INVALID,
-            command_id=command_id,
-        )
-        err.rollout_id = _str_or_none(raw.get("rollout_id"))
-        raise err from None
+        invalid = exc
     except RecursionError:
         raise ProtocolError("message nested too deeply", code=ErrorCode.SCHEMA_INVALID) from None
+    else:
+        # schema_version has a Python default for our own producers, but the wire requires it.
+        if "schema_version" in message.model_fields_set:
+            return message
+    raise _refusal(model, data, invalid)
+
+
+def _refusal(model: type[_Wire], data: bytes, invalid: ValidationError | None) -> ProtocolError:
+    """Why ``data`` was refused, with the ids a worker needs to NACK it where they are readable."""
+    if invalid is not None:
+        first = invalid.errors(include_url=False)[0]
+        if first["type"] == "json_invalid":
+            return ProtocolError(
+                _clip(f"not valid UTF-8 JSON: {first['msg'].removeprefix('Invalid JSON: ')}"),
+                code=ErrorCode.MALFORMED_JSON,
+            )
+    try:
+        raw: Any = from_json(data, allow_inf_nan=False)
+    except ValueError as exc:  # NaN or Infinity, which the validator's parser lets through
+        return ProtocolError(_clip(f"not valid UTF-8 JSON: {exc}"), code=ErrorCode.MALFORMED_JSON)
+    if not isinstance(raw, dict):
+        return ProtocolError(
+            f"expected a JSON object, got {type(raw).__name__}", code=ErrorCode.SCHEMA_INVALID
+        )
+    version = raw.get("schema_version")
+    if type(version) is not int or version != SCHEMA_VERSION or invalid is None:
+        code = ErrorCode.UNSUPPORTED_SCHEMA_VERSION
+        shown = _clip(repr(version), 64)
+        text = f"unsupported schema_version {shown}; this build speaks {SCHEMA_VERSION}"
+    else:
+        code = ErrorCode.SCHEMA_INVALID
+        text = f"invalid {model.__name__}: {_summarize(invalid)}"
+    err = ProtocolError(
+        _clip(text), code=code, command_id=_identifier_or_none(raw.get("command_id"))
+    )
+    err.rollout_id = _identifier_or_none(raw.get("rollout_id"))
+    return err
 
 
 def decode_command(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Command:
@@ -328,20 +424,25 @@ def decode_heartbeat(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Hear
     return _decode(Heartbeat, data, max_bytes)
 
 
-def _str_or_none(value: object) -> str | None:
-    return value if isinstance(value, str) and len(value) <= 128 else None
+def _identifier_or_none(value: object) -> str | None:
+    """Only an id that an ack could carry: anything else would make the NACK itself invalid."""
+    return value if isinstance(value, str) and _IDENTIFIER_RE.fullmatch(value) else None
 
 
 def _sniff_id(head: bytes) -> str | None:
-    match = re.search(rb'"command_id"\s*:\s*"([A-Za-z0-9][A-Za-z0-9._:@/-]{0,127})"', head)
+    match = re.search(rb'"command_id"\s*:\s*"(' + _IDENTIFIER.encode() + rb')"', head)
     return match.group(1).decode("ascii") if match else None
+
+
+def _clip(text: str, limit: int = _MAX_ERROR_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _summarize(exc: ValidationError, limit: int = 5) -> str:
     parts = []
     for error in exc.errors(include_url=False)[:limit]:
-        loc = ".".join(str(p) for p in error["loc"]) or "<root>"
-        parts.append(f"{loc}: {error['msg']}")
+        loc = ".".join(_clip(str(p), 64) for p in error["loc"]) or "<root>"
+        parts.append(_clip(f"{loc}: {error['msg']}", 192))
     more = exc.error_count() - limit
     if more > 0:
         parts.append(f"... and {more} more")
