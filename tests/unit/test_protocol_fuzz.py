@@ -16,8 +16,6 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_protocol import DECODERS, PROTOCOL_CODES, SCHEMA_NAME, Message, assert_nackable
-from test_schemas import schema_errors
 
 from controlplane.errors import ErrorCode, ProtocolError
 from controlplane.protocol import (
@@ -37,6 +35,8 @@ from controlplane.protocol import (
     WorkerStatus,
     encode,
 )
+from tests.unit.test_protocol import DECODERS, PROTOCOL_CODES, SCHEMA_NAME, Message, assert_nackable
+from tests.unit.test_schemas import schema_errors
 
 _SCALE = float(os.environ.get("FUZZ_SCALE", "1"))
 

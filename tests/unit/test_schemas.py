@@ -16,15 +16,6 @@ from typing import Any
 import jsonschema
 import pytest
 from jsonschema import Draft202012Validator, FormatChecker
-from test_protocol import (
-    DECODERS,
-    MINIMAL,
-    SCHEMA_NAME,
-    VALID,
-    VALID_IDS,
-    Message,
-    command_dict,
-)
 
 from controlplane.errors import ErrorCode, ProtocolError
 from controlplane.protocol import encode, json_schemas
@@ -34,6 +25,15 @@ from controlplane.schema_export import (
     check_schemas,
     render_schemas,
     write_schemas,
+)
+from tests.unit.test_protocol import (
+    DECODERS,
+    MINIMAL,
+    SCHEMA_NAME,
+    VALID,
+    VALID_IDS,
+    Message,
+    command_dict,
 )
 
 NAMES = ["ack", "command", "heartbeat"]
