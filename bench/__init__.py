@@ -1,0 +1,1 @@
+"""Benchmarks: fan-out, status aggregation and reload bandwidth, each against its floor."""
