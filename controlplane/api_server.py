@@ -10,8 +10,6 @@ import contextlib
 import logging
 import socket
 from collections.abc import Iterator
-from types import TracebackType
-from typing import Self
 
 import uvicorn
 from fastapi import FastAPI
@@ -19,6 +17,7 @@ from fastapi import FastAPI
 from controlplane.api import create_app
 from controlplane.coordinator import Coordinator
 from controlplane.errors import ControlPlaneError, ErrorCode
+from controlplane.lifecycle import AsyncService
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +33,7 @@ class _Server(uvicorn.Server):
         yield
 
 
-class ApiServer:
+class ApiServer(AsyncService):
     """``async with ApiServer(coordinator, port=0) as s:`` serves on ``s.port`` until the block ends.
 
     Binds the socket itself (port 0 picks a free one), runs uvicorn with lifespan off and no
@@ -109,22 +108,6 @@ class ApiServer:
         """Until the server stops by itself (it does not, unless it fails)."""
         if self._task is not None:
             await asyncio.shield(self._task)
-
-    async def __aenter__(self) -> Self:
-        try:
-            await self.start()
-        except BaseException:
-            await self.stop()
-            raise
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -11,8 +11,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -22,6 +21,7 @@ from aiokafka.helpers import create_ssl_context
 from aiokafka.structs import OffsetAndMetadata
 
 from controlplane.errors import BusError, ErrorCode, TopicMismatch
+from controlplane.lifecycle import AsyncService
 from controlplane.settings import KafkaSettings
 from controlplane.topics import Topics, TopicSpec
 
@@ -89,7 +89,7 @@ def client_options(settings: KafkaSettings) -> dict[str, Any]:
     return opts
 
 
-class _Lifecycle:
+class _Lifecycle(AsyncService):
     """start()/stop() with a null state: stop() works after a failed start() and twice."""
 
     _started = False
@@ -115,22 +115,6 @@ class _Lifecycle:
 
     async def _stop(self) -> None:
         raise NotImplementedError
-
-    async def __aenter__(self) -> Self:
-        try:
-            await self.start()
-        except BaseException:
-            await self.stop()
-            raise
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
 
 class Producer(_Lifecycle):

@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from controlplane.bus import Producer
 from controlplane.follower import Batch, Follower
+from controlplane.lifecycle import AsyncService
 from controlplane.protocol import Command, CommandSpec, Selector, utcnow
 from controlplane.publisher import build_command, publish, resolve_selector
 from controlplane.rollout import DEFAULT_PROGRESS_DEADLINE_S, Fleet
@@ -46,7 +47,7 @@ class CoordinatorSettings(BaseSettings):
     issuer: str = "coordinator"
 
 
-class Coordinator:
+class Coordinator(AsyncService):
     """``async with Coordinator(settings) as c:`` runs the follower in the background."""
 
     def __init__(
@@ -80,17 +81,6 @@ class Coordinator:
             queue.put_nowait(None)
         await self._producer.stop()
         await self.follower.stop()
-
-    async def __aenter__(self) -> Coordinator:
-        try:
-            await self.start()
-        except BaseException:
-            await self.stop()
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     async def wait_ready(self, timeout: float = 60.0) -> None:
         await asyncio.wait_for(self.follower.caught_up.wait(), timeout)

@@ -10,11 +10,10 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import TracebackType
-from typing import Self
 
 from controlplane.bus import Consumer, Record
 from controlplane.errors import ProtocolError
+from controlplane.lifecycle import AsyncService
 from controlplane.protocol import (
     Ack,
     Command,
@@ -50,7 +49,7 @@ class Batch:
 Listener = Callable[[Batch], None]
 
 
-class Follower:
+class Follower(AsyncService):
     """``async with Follower(...) as f: await f.catch_up(); await f.follow()``."""
 
     def __init__(self, settings: KafkaSettings, fleet: Fleet | None = None) -> None:
@@ -87,22 +86,6 @@ class Follower:
 
     async def stop(self) -> None:
         await self._consumer.stop()
-
-    async def __aenter__(self) -> Self:
-        try:
-            await self.start()
-        except BaseException:
-            await self.stop()
-            raise
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     async def catch_up(self) -> None:
         """Fold everything that was in the log when we started."""
