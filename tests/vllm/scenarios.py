@@ -1,0 +1,221 @@
+"""The real-engine scenarios, shared by the in-process and the sidecar test modules.
+
+Each test module defines a module-scoped ``runner`` fixture (one engine per module) and imports
+these tests. Every test leaves the engine on checkpoint v1, as it found it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controlplane.errors import ErrorCode, RunnerError
+from controlplane.protocol import Ack, AckState, ReloadWeightsSpec, UpdateConfigSpec
+from controlplane.settings import KafkaSettings
+from tests.fleet import acks_tail, has_terminal, make_command, publish, terminal
+from tests.vllm.conftest import (
+    LONG,
+    NEW_TOKENS,
+    SHORT,
+    TIMINGS,
+    Checkpoints,
+    running_agent,
+    sha256_of,
+)
+from workers.vllm_config import translate_config_error
+from workers.vllm_runner import VllmRunner
+
+
+async def generate(runner: VllmRunner, prompt: list[int] = SHORT) -> list[int]:
+    return await asyncio.to_thread(runner.generate, prompt, NEW_TOKENS)
+
+
+def reload_cmd(path: Path, version: str, **kw: Any) -> Any:
+    return make_command(ReloadWeightsSpec(path=str(path), version=version, **kw))
+
+
+async def ack_of(kafka: KafkaSettings, tail: Any, cmd: Any) -> Ack:
+    await publish(kafka, cmd)
+    await tail.until(has_terminal(cmd.command_id), timeout=120)
+    (ack,) = terminal(tail.items, cmd.command_id)
+    return ack
+
+
+class ReloadSpy:
+    """Counts the reloads that reached vLLM (the engine's reload method)."""
+
+    def __init__(self, runner: VllmRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+        engine = runner._engine
+        assert engine is not None
+        self.calls: list[str] = []
+        original = engine.reload
+
+        def spy(weights_dir: str) -> None:
+            self.calls.append(weights_dir)
+            original(weights_dir)
+
+        monkeypatch.setattr(engine, "reload", spy)
+
+
+@pytest.mark.kafka
+async def test_reload_rollout_through_kafka_matches_fresh_weights(
+    runner: VllmRunner, ckpts: Checkpoints, kafka: KafkaSettings, tmp_path: Path
+) -> None:
+    assert await generate(runner) == ckpts.want("v1")
+    async with running_agent(kafka, tmp_path, runner, ckpts.root), acks_tail(kafka) as acks:
+        forward = await ack_of(kafka, acks, reload_cmd(ckpts.v2, "v2", sha256=sha256_of(ckpts.v2)))
+        assert forward.state is AckState.SUCCEEDED, forward.error
+        assert forward.weights_version == "v2"
+        assert forward.result["files"] == len(sha256_of(ckpts.v2)) > 1
+        assert forward.result["tensors"] == 21 and forward.result["bytes"] > 0
+        assert await generate(runner) == ckpts.want("v2")
+        back = await ack_of(kafka, acks, reload_cmd(ckpts.v1, "v1"))
+        assert back.state is AckState.SUCCEEDED, back.error
+        assert await generate(runner) == ckpts.want("v1")
+    TIMINGS[f"{runner.options.mode}_reload_s"] = forward.result["duration_s"]
+    states = [a.state for a in acks.items if a.command_id == forward.command_id]
+    assert states == [AckState.ACCEPTED, AckState.RUNNING, AckState.SUCCEEDED]
+
+
+@pytest.mark.kafka
+async def test_different_manifest_is_rejected_before_vllm_sees_it(
+    runner: VllmRunner,
+    ckpts: Checkpoints,
+    kafka: KafkaSettings,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spy = ReloadSpy(runner, monkeypatch)
+    cases = [
+        (reload_cmd(ckpts.wide, "wide"), "WEIGHTS_SHAPE_MISMATCH"),
+        (reload_cmd(ckpts.deep, "deep"), "WEIGHTS_UNEXPECTED"),
+        (reload_cmd(ckpts.half, "half"), "WEIGHTS_DTYPE_MISMATCH"),
+        (reload_cmd(ckpts.v2, "v2-bad-sum", sha256=dict.fromkeys(sha256_of(ckpts.v2), "0" * 64)),
+         "CHECKSUM_MISMATCH"),
+        (reload_cmd(ckpts.root / "nowhere", "gone"), "WEIGHTS_UNREADABLE"),
+    ]  # fmt: skip
+    async with running_agent(kafka, tmp_path, runner, ckpts.root), acks_tail(kafka) as acks:
+        for cmd, code in cases:
+            ack = await ack_of(kafka, acks, cmd)
+            assert ack.state is AckState.REJECTED, (code, ack)
+            assert ack.error is not None and ack.error.code == code, ack.error
+            assert ack.weights_version == "v1"
+    assert spy.calls == []
+    assert await generate(runner) == ckpts.want("v1")
+    assert await generate(runner, LONG) == ckpts.want("v1", "long")
+
+
+async def test_prefix_cache_never_serves_kv_of_the_old_weights(
+    runner: VllmRunner, ckpts: Checkpoints
+) -> None:
+    # The 40-token prompt fills one 32-token block, which vLLM caches under v1's weights.
+    assert await generate(runner, LONG) == ckpts.want("v1", "long")
+    assert await generate(runner, LONG) == ckpts.want("v1", "long")  # now a prefix-cache hit
+    spec = ReloadWeightsSpec(path=str(ckpts.v2), version="v2")
+    await asyncio.to_thread(runner.reload_weights, spec, ckpts.v2)
+    assert await generate(runner, LONG) == ckpts.want("v2", "long")
+    spec = ReloadWeightsSpec(path=str(ckpts.v1), version="v1")
+    await asyncio.to_thread(runner.reload_weights, spec, ckpts.v1)
+    assert await generate(runner, LONG) == ckpts.want("v1", "long")
+
+
+CONFIG_ERRORS: list[tuple[dict[str, Any], str]] = [
+    ({"foo_config": {}}, "CONFIG_KEY_REJECTED"),
+    ({"load_config": {"no_such_field": 1}}, "CONFIG_KEY_REJECTED"),
+    ({"load_config": 5}, "CONFIG_VALUE_INVALID"),
+    ({"load_config": {"load_format": "bogus"}}, "CONFIG_VALUE_INVALID"),
+    ({"model_config": {"max_logprobs": 3}}, "CONFIG_KEY_REJECTED"),
+]
+
+
+@pytest.mark.kafka
+async def test_update_config_errors_are_coded_nacks_and_the_engine_keeps_serving(
+    runner: VllmRunner, ckpts: Checkpoints, kafka: KafkaSettings, tmp_path: Path
+) -> None:
+    before = runner.describe().config_digest
+    async with running_agent(kafka, tmp_path, runner, ckpts.root), acks_tail(kafka) as acks:
+        for overrides, code in CONFIG_ERRORS:
+            ack = await ack_of(kafka, acks, make_command(UpdateConfigSpec(overrides=overrides)))
+            assert ack.state is AckState.REJECTED, (overrides, ack)
+            assert ack.error is not None and ack.error.code == code, (overrides, ack.error)
+            assert ack.config_digest == before
+        assert await generate(runner) == ckpts.want("v1")
+        good = {"load_config": {"load_format": "safetensors"}}
+        ok = await ack_of(kafka, acks, make_command(UpdateConfigSpec(overrides=good)))
+        assert ok.state is AckState.SUCCEEDED, ok.error
+        assert ok.config_digest != before
+        # The engine still reloads (with the new load_format) and serves.
+        forward = await ack_of(kafka, acks, reload_cmd(ckpts.v2, "v2"))
+        assert forward.state is AckState.SUCCEEDED, forward.error
+        assert await generate(runner) == ckpts.want("v2")
+        back = await ack_of(kafka, acks, reload_cmd(ckpts.v1, "v1"))
+        assert back.state is AckState.SUCCEEDED, back.error
+    assert runner.describe().config == good
+    assert await generate(runner) == ckpts.want("v1")
+
+
+#: The errors vLLM itself raises (it accepts a bogus load_format until the next reload).
+VLLM_CONFIG_ERRORS = [
+    case for case in CONFIG_ERRORS if case[0] != {"load_config": {"load_format": "bogus"}}
+]
+
+
+@pytest.mark.parametrize(("overrides", "code"), VLLM_CONFIG_ERRORS)
+def test_vllm_own_config_errors_translate_to_our_codes(
+    runner: VllmRunner, overrides: dict[str, Any], code: str
+) -> None:
+    """Past our checks: vLLM's real error text (raw in process, wrapped over HTTP) -> our code."""
+    engine = runner._engine
+    assert engine is not None
+    with pytest.raises(Exception) as caught:
+        engine.update_config(overrides)
+    assert translate_config_error(caught.value, engine.vllm_version, dry_run=False).code == code
+
+
+async def test_a_failing_vllm_reload_restores_the_old_weights(
+    runner: VllmRunner, ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM fails mid-reload (after moving parameters to the meta device): we reload the old one."""
+    validate = runner._validate
+
+    def vanished(spec: ReloadWeightsSpec, path: Path, cancel: Any) -> Any:
+        _, entries, files = validate(spec, path, cancel)
+        return ckpts.root / "vanished-after-validation", entries, files
+
+    monkeypatch.setattr(runner, "_validate", vanished)
+    spec = ReloadWeightsSpec(path=str(ckpts.v2), version="v2")
+    started = time.perf_counter()
+    with pytest.raises(RunnerError) as caught:
+        await asyncio.to_thread(runner.reload_weights, spec, ckpts.v2)
+    assert caught.value.code is ErrorCode.RUNNER_FAILED, caught.value
+    assert "restored 'v1'" in caught.value.message
+    assert time.perf_counter() - started < 120
+    described = runner.describe()
+    assert described.degraded is None and described.weights_version == "v1"
+    assert await generate(runner) == ckpts.want("v1")
+    assert await generate(runner, LONG) == ckpts.want("v1", "long")
+
+
+def test_describe_names_model_version_dtype_device_and_vllm(
+    runner: VllmRunner, ckpts: Checkpoints
+) -> None:
+    import vllm
+
+    described = runner.describe()
+    assert described.runner == "vllm" and described.model_loaded
+    assert described.device == "cpu"
+    assert described.weights_version == "v1"
+    assert described.extra["vllm_version"] == vllm.__version__
+    assert described.extra["dtype"] == "float32"
+    assert described.extra["model"] == str(ckpts.v1)
+    assert described.extra["weights_path"] == str(ckpts.v1)
+    assert "load_config.load_format" in described.accepts
+    assert not any(key.startswith("model_config.") for key in described.accepts)
+    started = time.perf_counter()
+    for _ in range(100):
+        runner.describe()
+    assert time.perf_counter() - started < 1.0
