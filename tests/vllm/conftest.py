@@ -233,6 +233,23 @@ async def running_agent(
         await asyncio.wait_for(task, 60)
 
 
+#: vLLM, torch and transformers warn on import and use; pyproject turns warnings into errors.
+_THIRD_PARTY_WARNINGS = (
+    "DeprecationWarning",
+    "PendingDeprecationWarning",
+    "FutureWarning",
+    "UserWarning",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in item.path.parents:
+            for category in _THIRD_PARTY_WARNINGS:
+                item.add_marker(pytest.mark.filterwarnings(f"ignore::{category}"))
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if TIMINGS:
         terminalreporter.write_sep("-", "vLLM timings")
