@@ -426,6 +426,10 @@ def section_xla(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) ->
         )
     )
     out["breakdown"] = xla_breakdown(path, targets, sync)
+    dlpack = xla_dlpack_reader(path, targets)
+    if dlpack is not None:
+        runs.append(measure("what-if: pread into PJRT buffers (DLPack)", dlpack, nbytes, repeats=r))
+        out["dlpack_matches_checkpoint"] = _matches(path, targets)
     if c:
         runs.append(
             measure(
@@ -478,6 +482,42 @@ def xla_breakdown(
         flush=True,
     )
     return result
+
+
+def xla_dlpack_reader(path: Path, targets: dict[str, Any]) -> Callable[[], None] | None:
+    """A what-if for the loader: on PJRT's CPU device a parameter's buffer is host memory, so
+    DLPack exposes it as a CPU tensor and the file can be read straight into it (one copy, as on
+    the torch CPU path), instead of host tensor -> new device buffer -> swap. None if refused."""
+    import torch
+    import torch_xla.core.xla_model as xm
+    import torch_xla.utils.dlpack as xdl
+
+    from workers.loaders import _byte_view, _read_exact, open_checkpoint
+
+    try:
+        first = next(iter(targets.values()))
+        torch.utils.dlpack.from_dlpack(xdl.to_dlpack(first))
+    except Exception as exc:
+        print(f"  DLPack what-if not applicable: {exc!r}", flush=True)
+        return None
+
+    def run() -> None:
+        xm.wait_device_ops()  # nothing may still read the buffers being overwritten
+        with open_checkpoint(path) as ckpt, torch.no_grad():
+            for name, entry in ckpt.entries.items():
+                host = torch.utils.dlpack.from_dlpack(xdl.to_dlpack(targets[name]))
+                _read_exact(ckpt.fds[entry.file], _byte_view(host), entry)
+
+    return run
+
+
+def _matches(path: Path, targets: dict[str, Any]) -> bool:
+    """Whether every device tensor now equals the checkpoint's (proof the what-if is a reload)."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        return all(torch.equal(fh.get_tensor(n), targets[n].cpu()) for n in fh.keys())  # noqa: SIM118
 
 
 def section_cuda(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -704,6 +744,7 @@ def derive(result: dict[str, Any]) -> None:
         ours_x = _gbps(_find(xla, "ours"))
         ratios["xla"] = {
             "cached_over_memcpy": ratio(ours_x, memcpy),
+            "dlpack_whatif_over_memcpy": ratio(_gbps(_find(xla, "what-if")), memcpy),
             "cached_over_memmove": ratio(ours_x, _gbps(_find(cpu, "memcpy: glibc"))),
             "cached_over_naive": ratio(ours_x, _gbps(_find(xla, "naive"))),
             "cold_over_read_cold": ratio(_gbps(_find(xla, "ours", cold=True)), read_cold),
