@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The GPU checks, in under 5 minutes on a machine with an NVIDIA GPU:
+#   1. the GPU tests (pytest -m gpu; "none collected" is not a failure),
+#   2. the CUDA reload benchmark (~1 GB checkpoint: pinned and pageable H2D bandwidth, the naive
+#      safe_open loop, load_file(cuda), and the runner's pinned double-buffered staging with
+#      H2D overlap; cached and cold), beside the CPU baselines of the same run.
+# Everything goes to OUTDIR: environment.txt, gpu-tests.log/.xml, reload-*.json, reload.log,
+# summary.txt. Exit status: 0 when both steps worked, 1 otherwise.
+#
+#   bash bench/gpu.sh OUTDIR              # PYTHON=/path/to/python to choose the interpreter
+set -uo pipefail
+
+if [ $# -ne 1 ]; then
+    echo "usage: bash bench/gpu.sh OUTDIR" >&2
+    exit 2
+fi
+mkdir -p "$1"
+OUT="$(cd "$1" && pwd)"
+cd "$(dirname "$0")/.."
+
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+export PJRT_DEVICE="${PJRT_DEVICE:-CPU}"  # torch_xla, if imported, must not grab the GPU
+START=$(date +%s)
+
+{
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+    echo "host: $(uname -a)"
+    echo "cpu: $(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2-) x $(nproc)"
+    echo "ram: $(awk '/MemTotal/ {printf "%.1f GiB", $2 / 1048576}' /proc/meminfo)"
+    echo "loadavg: $(cut -d' ' -f1-3 /proc/loadavg)"
+    nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current \
+        --format=csv 2>&1 || echo "nvidia-smi: not available"
+    "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())' 2>&1
+} > "$OUT/environment.txt"
+cat "$OUT/environment.txt"
+
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "no usable CUDA device for $PY: nothing to run" | tee "$OUT/summary.txt"
+    exit 1
+fi
+
+# 1. GPU tests (bounded: 60 s).
+timeout 60 "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" \
+    > "$OUT/gpu-tests.log" 2>&1
+TESTS_RC=$?
+case $TESTS_RC in
+    0) TESTS="passed" ;;
+    5) TESTS="none collected (no test is marked gpu)"; TESTS_RC=0 ;;
+    124) TESTS="timed out after 60 s" ;;
+    *) TESTS="failed (exit $TESTS_RC)" ;;
+esac
+echo "gpu tests: $TESTS"
+
+# 2. The reload benchmark: CPU baselines and the CUDA section (bounded: 210 s).
+timeout 210 "$PY" -m bench.reload --quick --sections torch,cuda --repeats 3 --cold-repeats 1 \
+    --out-dir "$OUT" > "$OUT/reload.log" 2>&1
+BENCH_RC=$?
+tail -n 40 "$OUT/reload.log"
+[ $BENCH_RC -eq 124 ] && echo "reload benchmark: timed out after 210 s"
+
+{
+    echo "gpu tests: $TESTS"
+    echo "reload benchmark: exit $BENCH_RC ($(ls "$OUT"/reload-*.json 2>/dev/null | tr '\n' ' '))"
+    echo "elapsed: $(( $(date +%s) - START )) s"
+} | tee "$OUT/summary.txt"
+
+[ $TESTS_RC -eq 0 ] && [ $BENCH_RC -eq 0 ]
