@@ -5,6 +5,7 @@ Set KAFKA_BOOTSTRAP=host:port to run the Kafka tests against an existing cluster
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import uuid
@@ -24,9 +25,13 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _say(config: pytest.Config, line: str) -> None:
+def say(config: pytest.Config, line: str) -> None:
+    """Write to the terminal now, past output capturing (the broker's version belongs in CI logs)."""
     reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None:
+        return
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
         reporter.write_line(line)
 
 
@@ -38,7 +43,7 @@ def kafka_bootstrap(
     external = os.environ.get("KAFKA_BOOTSTRAP")
     if external:
         info = probe_sync(external, timeout=20)
-        _say(request.config, f"\n[kafka] external cluster {external}: {info.brokers} broker(s)")
+        say(request.config, f"\n[kafka] external cluster {external}: {info.brokers} broker(s)")
         yield external
         return
     broker = LocalBroker(
@@ -49,7 +54,7 @@ def kafka_bootstrap(
         )
     )
     status = broker.start(timeout=120)
-    _say(
+    say(
         request.config,
         f"\n[kafka] started Apache Kafka {status.kafka_version} (KRaft, pid {status.pid}) "
         f"at {status.bootstrap}",

@@ -14,7 +14,6 @@ are printed when a test fails.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import json
 import os
@@ -35,6 +34,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from typer.testing import CliRunner
 
+from tests.conftest import say
 from workers.cli import app as worker_app
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -399,14 +399,7 @@ def fleet(
 
 
 def _report(request: pytest.FixtureRequest, line: str) -> None:
-    """Write to the terminal now, past output capturing."""
-    plugins = request.config.pluginmanager
-    reporter = plugins.get_plugin("terminalreporter")
-    capture = plugins.get_plugin("capturemanager")
-    if reporter is None:
-        return
-    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-        reporter.write_line(line)
+    say(request.config, line)
 
 
 @pytest.fixture(autouse=True)
