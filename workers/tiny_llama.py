@@ -6,6 +6,7 @@ here reaches a model hub or loads a checkpoint into an engine.
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -119,3 +120,26 @@ def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> li
             logits = model(torch.tensor([ids])).logits[0, -1]
             ids.append(int(torch.argmax(logits)))
     return ids[len(prompt_ids) :]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m workers.tiny_llama OUT [--seed N] [--tokenizer-from DIR] [--shards SIZE]``."""
+    parser = argparse.ArgumentParser(prog="python -m workers.tiny_llama", description=__doc__)
+    parser.add_argument("out", type=Path, help="a new directory")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--tokenizer-from", type=Path, default=None)
+    parser.add_argument("--shards", default=None, help='max shard size, e.g. "100KB"')
+    args = parser.parse_args(argv)
+    out = write_tiny_llama(
+        args.out,
+        seed=args.seed,
+        dtype=args.dtype,
+        tokenizer_from=args.tokenizer_from,
+        max_shard_size=args.shards,
+    )
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -48,13 +48,7 @@ def normalize_overrides(overrides: Mapping[str, Any]) -> dict[str, dict[str, Any
                 f"got {type(value).__name__}",
                 code=ErrorCode.CONFIG_VALUE_INVALID,
             )
-        target = nested.setdefault(section, {})
-        twice = sorted(set(items) & set(target))
-        if twice:
-            raise RunnerError(
-                f"{section} field(s) {twice} given twice", code=ErrorCode.CONFIG_VALUE_INVALID
-            )
-        target.update(items)
+        nested.setdefault(section, {}).update(items)  # a later key wins, as in a dict update
     return nested
 
 

@@ -97,6 +97,8 @@ async def test_different_manifest_is_rejected_before_vllm_sees_it(
         (reload_cmd(ckpts.v2, "v2-bad-sum", sha256=dict.fromkeys(sha256_of(ckpts.v2), "0" * 64)),
          "CHECKSUM_MISMATCH"),
         (reload_cmd(ckpts.root / "nowhere", "gone"), "WEIGHTS_UNREADABLE"),
+        # One shard of a directory: vLLM would read the whole directory instead.
+        (reload_cmd(min(ckpts.v2.glob("model-*.safetensors")), "one-shard"), "WEIGHTS_UNREADABLE"),
     ]  # fmt: skip
     async with running_agent(kafka, tmp_path, runner, ckpts.root), acks_tail(kafka) as acks:
         for cmd, code in cases:
@@ -115,12 +117,16 @@ async def test_prefix_cache_never_serves_kv_of_the_old_weights(
     # The 40-token prompt fills one 32-token block, which vLLM caches under v1's weights.
     assert await generate(runner, LONG) == ckpts.want("v1", "long")
     assert await generate(runner, LONG) == ckpts.want("v1", "long")  # now a prefix-cache hit
-    spec = ReloadWeightsSpec(path=str(ckpts.v2), version="v2")
-    await asyncio.to_thread(runner.reload_weights, spec, ckpts.v2)
+    # A checkpoint may be named by its index json or its one file: vLLM gets the directory.
+    index = ckpts.v2 / "model.safetensors.index.json"
+    spec = ReloadWeightsSpec(path=str(index), version="v2")
+    await asyncio.to_thread(runner.reload_weights, spec, index)
     assert await generate(runner, LONG) == ckpts.want("v2", "long")
-    spec = ReloadWeightsSpec(path=str(ckpts.v1), version="v1")
-    await asyncio.to_thread(runner.reload_weights, spec, ckpts.v1)
+    single = ckpts.v1 / "model.safetensors"
+    spec = ReloadWeightsSpec(path=str(single), version="v1")
+    await asyncio.to_thread(runner.reload_weights, spec, single)
     assert await generate(runner, LONG) == ckpts.want("v1", "long")
+    assert runner.describe().extra["weights_path"] == str(ckpts.v1)
 
 
 CONFIG_ERRORS: list[tuple[dict[str, Any], str]] = [
