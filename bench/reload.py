@@ -132,6 +132,7 @@ def measure(
         if cold:
             assert path is not None
             drop_cache(path)
+        if path is not None:
             resident.append(resident_fraction(path))
         if gpu:
             torch.cuda.synchronize()
@@ -158,13 +159,15 @@ def measure(
         "peak_extra_anon_mb": anon / MB,
         "peak_extra_file_mb": file / MB,
     }
-    if cold:
-        out["resident_before"] = resident
+    if path is not None:
+        out["resident_before"] = resident  # page-cache fraction of the file before each run
     if gpu:
         out["peak_extra_gpu_mb"] = gpu_peak / MB
     state = "cold" if cold else "cached"
+    if resident and None not in resident:
+        state += f"/{100 * min(r for r in resident if r is not None):.0f}%"
     print(
-        f"  {name:<34} {state:<6} {out['gbps']:6.2f} GB/s (best {out['best_gbps']:5.2f}, "
+        f"  {name:<34} {state:<11} {out['gbps']:6.2f} GB/s (best {out['best_gbps']:5.2f}, "
         f"{median:.3f} s)  extra anon {out['peak_extra_anon_mb']:7.1f} MiB, "
         f"file {out['peak_extra_file_mb']:7.1f} MiB"
         + (f", GPU {out['peak_extra_gpu_mb']:.1f} MiB" if gpu else ""),
@@ -332,9 +335,15 @@ def section_torch(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) 
 
     runs.extend(memcpy_baselines(targets, nbytes, r))
     read = sequential_read(path)
-    runs.append(measure("sequential read (64 MiB buffer)", read, nbytes, repeats=r))
+    runs.append(measure("sequential read (64 MiB buffer)", read, nbytes, repeats=r, path=path))
     runs.append(
-        measure("ours: TorchRunner.reload_weights", runner_reload(runner, path), nbytes, repeats=r)
+        measure(
+            "ours: TorchRunner.reload_weights",
+            runner_reload(runner, path),
+            nbytes,
+            repeats=r,
+            path=path,
+        )
     )
     runs.append(
         measure(
@@ -342,6 +351,7 @@ def section_torch(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) 
             naive_loop(path, targets, nothing),
             nbytes,
             repeats=r,
+            path=path,
         )
     )
     model = runner._model
@@ -351,6 +361,7 @@ def section_torch(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) 
             load_file_state_dict(path, model, nothing),
             nbytes,
             repeats=r,
+            path=path,
         )
     )
     if c:
@@ -418,7 +429,13 @@ def section_xla(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) ->
     runs = out["runs"]
     print(f"xla: {out['device']}, {len(targets)} tensors, {nbytes / 1e9:.3f} GB", flush=True)
     runs.append(
-        measure("ours: XlaRunner.reload_weights", runner_reload(runner, path), nbytes, repeats=r)
+        measure(
+            "ours: XlaRunner.reload_weights",
+            runner_reload(runner, path),
+            nbytes,
+            repeats=r,
+            path=path,
+        )
     )
     runs.append(
         measure(
@@ -428,7 +445,11 @@ def section_xla(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) ->
     out["breakdown"] = xla_breakdown(path, targets, sync)
     dlpack = xla_dlpack_reader(path, targets)
     if dlpack is not None:
-        runs.append(measure("what-if: pread into PJRT buffers (DLPack)", dlpack, nbytes, repeats=r))
+        runs.append(
+            measure(
+                "what-if: pread into PJRT buffers (DLPack)", dlpack, nbytes, repeats=r, path=path
+            )
+        )
         out["dlpack_matches_checkpoint"] = _matches(path, targets)
     if c:
         runs.append(
@@ -544,7 +565,9 @@ def section_cuda(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) -
     runs.extend(h2d_baselines(nbytes, r))
     gc.collect()
     runs.append(
-        measure("sequential read (64 MiB buffer)", sequential_read(path), nbytes, repeats=r)
+        measure(
+            "sequential read (64 MiB buffer)", sequential_read(path), nbytes, repeats=r, path=path
+        )
     )
     runs.append(
         measure(
@@ -552,6 +575,7 @@ def section_cuda(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) -
             runner_reload(runner, path),
             nbytes,
             repeats=r,
+            path=path,
             sync=sync,
             gpu=True,
         )
@@ -562,6 +586,7 @@ def section_cuda(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) -
             naive_loop(path, targets, sync),
             nbytes,
             repeats=r,
+            path=path,
             gpu=True,
         )
     )
@@ -572,6 +597,7 @@ def section_cuda(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) -
             load_file_state_dict(path, model, sync, device="cuda"),
             nbytes,
             repeats=r,
+            path=path,
             gpu=True,
         )
     )
