@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import os
 import threading
 import time
@@ -158,9 +159,7 @@ class InProcessEngine:
             del llm
 
 
-#: The two shapes share one interface (start, config_fields, dry_run_config, update_config, pause,
-#: resume, reload, reset_prefix_cache, generate, close); vllm_sidecar.SidecarEngine is the other.
-Engine = InProcessEngine | SidecarEngine
+Engine = InProcessEngine | SidecarEngine  # one interface: start, reload, reset_prefix_cache, ...
 
 
 class VllmRunner:
@@ -170,6 +169,11 @@ class VllmRunner:
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         self.options = parse_options(VllmRunnerOptions, options or {}, self.name)
+        if self.options.mode == "in_process" and importlib.util.find_spec("vllm") is None:
+            raise ValueError(
+                "runner 'vllm' in_process needs vllm in this environment "
+                "(scripts/setup-vllm.sh builds one); mode 'sidecar' does not"
+            )
         self._lock = threading.Lock()  # the engine: generate, reload, config, close
         self._state = threading.Lock()  # the facts describe() reads, never held for long
         self._engine: Engine | None = None
@@ -338,7 +342,15 @@ class VllmRunner:
                 from_version,
                 version,
             )
-        engine.resume()
+        try:
+            engine.resume()
+        except Exception as exc:
+            raise self._corrupted(
+                f"reloaded {version!r} but could not resume serving ({_reason(exc)}); "
+                "reload again to recover",
+                from_version,
+                version,
+            ) from exc
 
     def _restore(self, engine: Engine, from_dir: Path) -> bool:
         try:
