@@ -112,7 +112,12 @@ class Agent:
             async with (
                 Producer(self.settings.kafka) as producer,
                 Consumer(
-                    self.settings.kafka, group_id=self.topics.worker_group(self.worker_id)
+                    self.settings.kafka,
+                    group_id=self.topics.worker_group(self.worker_id),
+                    # The broker answers a waiting fetch as soon as a command lands, so a long
+                    # poll costs no latency, while a short one costs a request per idle worker
+                    # every 100 ms (docs/benchmarks.md: 500 idle agents, broker 28% -> 9%).
+                    fetch_max_wait_ms=3000,
                 ) as consumer,
             ):
                 self._producer, self._consumer = producer, consumer
