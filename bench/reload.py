@@ -312,6 +312,32 @@ def h2d_baselines(nbytes: int, repeats: int) -> list[dict[str, Any]]:
     return runs
 
 
+def parallel_pread(path: Path, targets: dict[str, Any], threads: int) -> Callable[[], None]:
+    """A what-if for the loader's CPU path: the same validated preads into the same tensors, cut
+    into 8 MiB chunks and issued from ``threads`` threads (preadv releases the GIL), so the
+    kernel's page-cache copies run on every core as torch's own ``copy_`` does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from workers.loaders import _byte_view, _read_exact, open_checkpoint
+
+    chunk = 8 * MB
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="pread")
+
+    def run() -> None:
+        with open_checkpoint(path) as ckpt:
+            jobs = []
+            for name, entry in ckpt.entries.items():
+                view, fd = _byte_view(targets[name].detach()), ckpt.fds[entry.file]
+                jobs.extend(
+                    (fd, view[start : start + chunk], entry, start)
+                    for start in range(0, entry.nbytes, chunk)
+                )
+            for _ in pool.map(lambda job: _read_exact(*job), jobs):
+                pass
+
+    return run
+
+
 def section_torch(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -354,6 +380,18 @@ def section_torch(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) 
             path=path,
         )
     )
+    threads = torch.get_num_threads()
+    what_if = parallel_pread(path, targets, threads)
+    runs.append(
+        measure(
+            f"what-if: pread, {threads} threads x 8 MiB",
+            what_if,
+            nbytes,
+            repeats=r,
+            path=path,
+        )
+    )
+    out["parallel_pread_matches_checkpoint"] = _matches(path, targets)
     model = runner._model
     runs.append(
         measure(
@@ -374,6 +412,16 @@ def section_torch(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) 
             measure(
                 "ours: TorchRunner.reload_weights",
                 runner_reload(runner, path),
+                nbytes,
+                repeats=c,
+                path=path,
+                cold=True,
+            )
+        )
+        runs.append(
+            measure(
+                f"what-if: pread, {threads} threads x 8 MiB",
+                what_if,
                 nbytes,
                 repeats=c,
                 path=path,
@@ -439,7 +487,11 @@ def section_xla(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) ->
     )
     runs.append(
         measure(
-            "naive: safe_open+get_tensor+copy_", naive_loop(path, targets, sync), nbytes, repeats=r
+            "naive: safe_open+get_tensor+copy_",
+            naive_loop(path, targets, sync),
+            nbytes,
+            repeats=r,
+            path=path,
         )
     )
     out["breakdown"] = xla_breakdown(path, targets, sync)
@@ -751,6 +803,10 @@ def derive(result: dict[str, Any]) -> None:
         ours_cold = _gbps(_find(cpu, "ours", cold=True))
         ratios["cpu"] = {
             "cached_over_memcpy": ratio(ours_c, memcpy),
+            "parallel_pread_whatif_over_memcpy": ratio(_gbps(_find(cpu, "what-if")), memcpy),
+            "parallel_pread_whatif_cold_over_read_cold": ratio(
+                _gbps(_find(cpu, "what-if", cold=True)), read_cold
+            ),
             "cached_over_memmove": ratio(ours_c, _gbps(_find(cpu, "memcpy: glibc"))),
             "cached_over_memcpy_into_model": ratio(
                 ours_c, _gbps(_find(cpu, "memcpy: torch copy_ into"))
