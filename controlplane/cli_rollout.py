@@ -107,6 +107,10 @@ async def _publish_and_maybe_wait(
     return _finish(status, as_json, waited_out=not status.terminal)
 
 
+#: At most this often does --wait recompute a rollout's status while acks stream in.
+_MIN_JUDGE_INTERVAL_S = 0.1
+
+
 async def _follow(
     follower: Follower, rollout_id: str, wait_timeout: float | None, as_json: bool
 ) -> RolloutStatus:
@@ -128,9 +132,17 @@ async def _follow(
         )
         bar.start()
         task = bar.add_task(rollout_id, total=1)
+    # Judge the rollout when a batch touched it, and at least every second (deadlines pass and
+    # workers go silent without any record); never once per small batch of a large fleet.
+    judged_at = -1.0
+    touched = True
     try:
         while True:
-            if rollout_id in follower.fleet:
+            now_m = time.monotonic()
+            if rollout_id in follower.fleet and (
+                (touched and now_m - judged_at >= _MIN_JUDGE_INTERVAL_S) or now_m - judged_at >= 1.0
+            ):
+                judged_at, touched = now_m, False
                 status = follower.fleet.status(rollout_id, utcnow())
                 line = progress_line(status)
                 if bar is not None:
@@ -148,7 +160,8 @@ async def _follow(
                     return status
                 if deadline is not None and time.monotonic() > deadline:
                     return status
-            await follower.poll(timeout_s=0.25)
+            batch = await follower.poll(timeout_s=0.25)
+            touched = touched or rollout_id in batch.rollout_ids or bool(batch.heartbeats)
     finally:
         if bar is not None:
             bar.stop()
