@@ -16,6 +16,8 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,10 +50,25 @@ TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself applies
 DEFAULT_STAGING_BYTES = 64 * 1024 * 1024
+#: Host-memory destinations are read in chunks of this size, from ``read_threads`` threads.
+DEFAULT_READ_CHUNK_BYTES = 8 * 1024 * 1024
+MAX_READ_THREADS = 4
 _HASH_CHUNK = 8 * 1024 * 1024
 
 #: Called with (tensors copied, tensors to copy): once when copying begins, then after each tensor.
 Progress = Callable[[int, int], None]
+
+
+def default_read_threads() -> int:
+    """Readers per reload: torch's intra-op threads, at most ``MAX_READ_THREADS``.
+
+    From the page cache, one ``preadv`` copies on one core; chunks read from several threads
+    (``preadv`` releases the GIL) use every core, as torch's own ``copy_`` does. From a disk that
+    must seek, concurrent readers cost throughput (about 17 % with two on the benchmark's ext4
+    disk, docs/benchmarks.md section 3): pass ``read_threads=1`` where checkpoints are usually
+    read cold.
+    """
+    return max(1, min(torch.get_num_threads(), MAX_READ_THREADS))
 
 
 @dataclass(frozen=True)
@@ -136,6 +153,8 @@ def load_checkpoint(
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     progress: Progress | None = None,
     sync: Callable[[], None] | None = None,
+    read_threads: int | None = None,
+    read_chunk_bytes: int = DEFAULT_READ_CHUNK_BYTES,
 ) -> ReloadResult:
     """Validate the checkpoint at ``path`` against ``targets``, then copy it into them in place.
 
@@ -143,7 +162,16 @@ def load_checkpoint(
     targets untouched. Once copying began, any failure or cancel raises WeightsCorrupted.
     ``sync`` runs after the last copy (an XLA runner flushes its lazy graph there) and, for
     devices copied through host tensors, after every ``staging_bytes`` to bound host memory.
+
+    Contiguous host-memory targets (CPU tensors, or host aliases of device buffers) are read
+    straight into, in ``read_chunk_bytes`` chunks from ``read_threads`` threads (default
+    ``default_read_threads()``; 1 reads each tensor with a single reader).
     """
+    if read_threads is not None and read_threads < 1:
+        raise ValueError(f"read_threads must be at least 1, not {read_threads}")
+    if read_chunk_bytes < 1:
+        raise ValueError(f"read_chunk_bytes must be at least 1, not {read_chunk_bytes}")
+    readers = default_read_threads() if read_threads is None else read_threads
     started = time.perf_counter()
     with open_checkpoint(path) as ckpt:
         plan = plan_copy(ckpt.entries, targets, strict=strict, aliases=aliases or {})
@@ -155,7 +183,8 @@ def load_checkpoint(
             )
         copy_started = time.perf_counter()
         total = sum(entry.nbytes for entry, _ in plan)
-        _copy(ckpt, plan, version, from_version, cancel, staging_bytes, progress, sync)
+        copier = _Copier(staging_bytes, flush=sync, threads=readers, read_chunk=read_chunk_bytes)
+        _copy(ckpt, plan, copier, version, from_version, cancel, progress, sync)
         finished = time.perf_counter()
     copy_s = finished - copy_started
     return ReloadResult(
@@ -358,14 +387,13 @@ class _ShortRead(OSError):
 def _copy(
     ckpt: OpenCheckpoint,
     plan: list[tuple[TensorEntry, torch.Tensor]],
+    copier: _Copier,
     version: str,
     from_version: str | None,
     cancel: threading.Event | None,
-    staging_bytes: int,
     progress: Progress | None,
     sync: Callable[[], None] | None,
 ) -> None:
-    copier = _Copier(staging_bytes, flush=sync)
     done = 0
     try:
         if progress is not None:
@@ -389,12 +417,24 @@ def _copy(
             from_version=from_version,
             to_version=version,
         ) from exc
+    finally:
+        copier.close()  # no reader thread outlives the reload, nor writes after it returns
 
 
 class _Copier:
     """Moves one tensor's bytes from a file into its destination without a second model copy."""
 
-    def __init__(self, staging_bytes: int, flush: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        staging_bytes: int,
+        flush: Callable[[], None] | None = None,
+        *,
+        threads: int = 1,
+        read_chunk: int = DEFAULT_READ_CHUNK_BYTES,
+    ) -> None:
+        self._threads = threads
+        self._read_chunk = read_chunk
+        self._pool: ThreadPoolExecutor | None = None  # started by the first chunked read
         self._budget = staging_bytes
         self._chunk = max(1024 * 1024, staging_bytes // 2)
         self._staging: list[torch.Tensor] = []
@@ -407,8 +447,8 @@ class _Copier:
         if entry.nbytes == 0:
             return
         if dst.device.type == "cpu" and dst.is_contiguous():
-            # Page cache -> parameter memory: one read syscall per tensor, no mmap, no temporary.
-            _read_exact(fd, _byte_view(dst.detach()), entry)
+            # Page cache -> parameter memory: no mmap, no temporary; chunks from several threads.
+            self._read_into(fd, _byte_view(dst.detach()), entry)
         elif dst.device.type == "cuda" and dst.is_contiguous():
             self._copy_staged(fd, entry, dst)
         else:
@@ -422,6 +462,32 @@ class _Copier:
             if self._flush is not None and self._pending >= self._budget:
                 self._flush()
                 self._pending = 0
+
+    def _read_into(self, fd: int, buf: memoryview, entry: TensorEntry) -> None:
+        """Fill ``buf`` with the tensor's bytes; returns once every chunk is in."""
+        chunk = self._read_chunk
+        if self._threads <= 1 or entry.nbytes <= chunk:
+            _read_exact(fd, buf, entry)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="reload-pread")
+        futures: list[Future[None]] = []
+        try:
+            for start in range(0, entry.nbytes, chunk):
+                futures.append(
+                    self._pool.submit(_read_exact, fd, buf[start : start + chunk], entry, start)
+                )
+        finally:
+            # Every chunk has finished (or failed) before this tensor counts or an error is raised:
+            # no reader writes into the tensor after its failure is reported.
+            wait_futures(futures)
+        for future in futures:
+            future.result()  # the first chunk's error, in file order
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def _copy_staged(self, fd: int, entry: TensorEntry, dst: torch.Tensor) -> None:
         if not self._staging:

@@ -55,6 +55,16 @@ class TorchRunnerOptions(BaseModel):
     config: dict[str, JsonValue] = Field(default_factory=dict, description="Initial overrides.")
     slow_copy_s: float = Field(default=0.0, ge=0, description="Test knob: sleep per tensor copied.")
     staging_bytes: int = Field(default=DEFAULT_STAGING_BYTES, ge=1024 * 1024)
+    read_threads: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="Threads reading each tensor into host memory; default min(torch threads, 4).",
+    )
+    host_alias: bool = Field(
+        default=True,
+        description="Read straight into device buffers that are host memory (XLA on PJRT's CPU).",
+    )
 
     @field_validator("device")
     @classmethod
@@ -118,6 +128,25 @@ class TorchRunner:
     def _pad_to(self, model: torch.nn.Module) -> int | None:
         return None
 
+    def _host_alias(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """A CPU tensor sharing ``tensor``'s memory, for a device whose buffers are host memory.
+
+        Called under the model lock, with no computation in flight, just before a copy; the
+        loader then reads the file straight into the alias. None (the default): copy to the
+        device through the device's own path.
+        """
+        return None
+
+    def _copy_targets(self, targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the loader writes: each target, or its host alias where the device offers one."""
+        if not self.options.host_alias:
+            return targets
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in targets.items():
+            alias = self._host_alias(tensor)
+            out[name] = tensor if alias is None else alias
+        return out
+
     # ------------------------------------------------------------------ lifecycle
 
     def load(self) -> None:
@@ -135,14 +164,16 @@ class TorchRunner:
             self._device = device
             targets, aliases = module_targets(model)
             if self.options.initial_checkpoint is not None:
+                self._sync()  # nothing may still be writing the buffers aliased below
                 load_checkpoint(
                     Path(self.options.initial_checkpoint),
-                    targets,
+                    self._copy_targets(targets),
                     version=self.options.initial_version,
                     from_version=None,
                     aliases=aliases,
                     staging_bytes=self.options.staging_bytes,
                     sync=self._sync,
+                    read_threads=self.options.read_threads,
                 )
             else:
                 self._sync()
@@ -178,7 +209,7 @@ class TorchRunner:
             try:
                 result = load_checkpoint(
                     path,
-                    self._targets,
+                    self._copy_targets(self._targets),
                     version=spec.version,
                     from_version=from_version,
                     strict=spec.strict,
@@ -188,6 +219,7 @@ class TorchRunner:
                     staging_bytes=self.options.staging_bytes,
                     progress=lambda done, total: self._on_copy_progress(done, total, cancel),
                     sync=self._sync,
+                    read_threads=self.options.read_threads,
                 )
             except WeightsCorrupted as exc:
                 with self._state:

@@ -280,3 +280,100 @@ def test_host_staged_copies_flush_every_staging_budget(tmp_path: Path) -> None:
     )
     assert len(syncs) == 2  # one after 2 MiB pending, one at the end
     assert all(torch.equal(bases[k].t(), src[k]) for k in src)
+
+
+# --------------------------------------------------------------------------- chunked parallel reads
+
+
+def odd_sizes(seed: int = 3) -> dict[str, torch.Tensor]:
+    """Tensors that are smaller than, a non-multiple of, and many times the test chunk size."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "tiny": torch.randn(3, generator=g),  # 12 bytes: one read
+        "odd": torch.randn(1001, generator=g),  # 4004 bytes: 5 chunks of 1000, the last of 4
+        "big": torch.randn(257, 129, generator=g),  # 132,612 bytes: 133 chunks
+        "half": torch.randn(999, generator=g).to(torch.float16),  # 1998 bytes
+        "exact": torch.arange(750, dtype=torch.int32),  # 3000 bytes: exactly 3 chunks
+    }
+
+
+def reader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("reload-pread")]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_chunked_parallel_reads_are_bit_identical(
+    tmp_path: Path, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "m.safetensors"
+    src = odd_sizes()
+    write_safetensors(path, src)
+    dst = {k: torch.full_like(v, 7) for k, v in src.items()}
+    pointers = {k: v.data_ptr() for k, v in dst.items()}
+    main = threading.get_ident()
+    reads: list[tuple[int, int]] = []  # (bytes asked, thread)
+    preadv = os.preadv
+
+    def spy(fd: int, buffers: Any, offset: int) -> int:
+        reads.append((sum(len(b) for b in buffers), threading.get_ident()))
+        return preadv(fd, buffers, offset)
+
+    seen: list[int] = []
+
+    def progress(done: int, total: int) -> None:
+        # A tensor is reported only once every one of its chunks is in.
+        seen.append(done)
+        with open_checkpoint(path) as ckpt:
+            order = sorted(ckpt.entries, key=lambda n: ckpt.entries[n].offset)
+        for name in order[:done]:
+            assert torch.equal(dst[name], src[name]), f"{name} reported before it was read"
+
+    monkeypatch.setattr(os, "preadv", spy)
+    load(path, dst, read_threads=threads, read_chunk_bytes=1000, progress=progress)
+    monkeypatch.undo()
+
+    for name in src:
+        assert torch.equal(dst[name].view(torch.uint8), src[name].view(torch.uint8)), name
+    assert {k: v.data_ptr() for k, v in dst.items()} == pointers, "copied in place"
+    assert seen == list(range(len(src) + 1))
+    if threads == 1:
+        assert len(reads) == len(src), "one read per tensor"
+        assert all(t == main for _, t in reads), "one reader: the calling thread"
+    else:
+        # 1 + 5 + 133 + 2 + 3 reads; every chunk of a multi-chunk tensor off the calling thread
+        assert len(reads) == 1 + 5 + 133 + 2 + 3
+        assert sum(1 for _, t in reads if t != main) == 5 + 133 + 2 + 3
+        assert len({t for _, t in reads if t != main}) <= threads
+    assert reader_threads() == [], "the pool is shut down with the reload"
+
+
+def test_truncated_mid_tensor_during_chunked_reads_is_weights_corrupted(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    write_safetensors(path, odd_sizes())
+    with open_checkpoint(path) as ckpt:
+        big = ckpt.entries["big"]
+    cut = big.offset + big.nbytes // 2 + 123  # inside a chunk, half-way through the tensor
+
+    def truncate(done: int, total: int) -> None:
+        if done == 0:  # validated, copying about to begin
+            os.truncate(path, cut)
+
+    dst = {k: torch.zeros_like(v) for k, v in odd_sizes().items()}
+    with pytest.raises(WeightsCorrupted) as info:
+        load(path, dst, read_threads=3, read_chunk_bytes=1000, progress=truncate)
+    # The first failing chunk in file order names the byte where the file ends.
+    assert f"ended inside tensor 'big' ({cut - big.offset} of {big.nbytes} bytes read)" in (
+        info.value.message
+    )
+    assert all(torch.equal(dst[k], odd_sizes()[k]) for k in ("tiny", "odd"))  # before the cut
+    assert reader_threads() == [], "no reader outlives a failed reload"
+
+
+def test_read_threads_and_chunk_must_be_positive(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    write_safetensors(path, source())
+    for kw in ({"read_threads": 0}, {"read_chunk_bytes": 0}):
+        dst = targets()
+        with pytest.raises(ValueError):
+            load(path, dst, **kw)
+        assert all(torch.equal(v, targets()[k]) for k, v in dst.items())

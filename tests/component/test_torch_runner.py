@@ -275,3 +275,45 @@ def test_truncated_during_a_slow_reload_degrades_then_recovers(
     assert (described.weights_version, described.degraded) == ("v12", None)
     assert_same_model(runner, 12)
     assert len(runner.generate(IDS)) == described.config["max_new_tokens"]
+
+
+def buffer_pointers(runner: TorchRunner) -> dict[str, int]:
+    """Where each XLA parameter's device buffer lives (the host address on PJRT's CPU)."""
+    from torch_xla import _XLAC  # type: ignore[attr-defined]
+
+    return {
+        name: _XLAC._unsafe_buffer_pointer(tensor)
+        for name, tensor in runner._targets.items()
+        if tensor.numel()
+    }
+
+
+@pytest.mark.parametrize("host_alias", [True, False], ids=["host-alias", "device-copy"])
+def test_reload_with_and_without_host_alias(
+    make_runner: MakeRunner, make_checkpoint: MakeCheckpoint, host_alias: bool
+) -> None:
+    runner = make_runner(host_alias=host_alias, read_threads=2)
+    runner.generate(IDS)  # on XLA: compiles the graph that must then read the new weights
+    copy_targets = runner._copy_targets(runner._targets)
+    if runner.name == "xla" and host_alias:
+        assert all(t.device.type == "cpu" for t in copy_targets.values() if t.numel())
+        pointers = buffer_pointers(runner)
+    else:
+        assert all(copy_targets[k] is t for k, t in runner._targets.items())
+    del copy_targets
+
+    path = make_checkpoint(5)
+    runner.reload_weights(spec(path, "v5"), path)
+    assert_same_model(runner, 5)
+    out = runner.generate(IDS)
+    assert len(out) == runner.describe().config["max_new_tokens"]
+    fresh = make_runner(seed=5, host_alias=host_alias)
+    assert out == fresh.generate(IDS)  # the same backend, the same weights: the same tokens
+    if runner.name == "xla" and host_alias:
+        assert buffer_pointers(runner) == pointers, "read in place into the device buffers"
+
+    # A second reload through the same aliases.
+    path = make_checkpoint(6)
+    runner.reload_weights(spec(path, "v6"), path)
+    assert_same_model(runner, 6)
+    assert runner.generate(IDS) == make_runner(seed=6, host_alias=host_alias).generate(IDS)
