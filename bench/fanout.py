@@ -65,6 +65,12 @@ from bench.common import (
 log = logging.getLogger("bench.fanout")
 
 OVERRIDE_KEY = "max_new_tokens"
+#: How often at most the CLI's --wait re-judges a rollout while acks stream in (mirrored here).
+JUDGE_INTERVAL_S: float = 0.1
+with contextlib.suppress(ImportError):  # the CLI's own value, where it names one
+    from controlplane.cli_rollout import (  # type: ignore[no-redef]
+        _MIN_JUDGE_INTERVAL_S as JUDGE_INTERVAL_S,
+    )
 
 
 # =========================================================================== child: agent host
@@ -382,8 +388,10 @@ class Fanout:
         state_root: Path,
         log_dir: Path,
         fetch_wait_ms: int | None = None,
+        judge: str = "cli",
     ) -> None:
         self.fetch_wait_ms = fetch_wait_ms
+        self.judge = judge
         self.bootstrap = bootstrap
         self.n = n
         self.per_process = per_process
@@ -474,18 +482,39 @@ class Fanout:
         published = time.perf_counter() - start
         status_s = 0.0
         polls = 0
+        judged_at, touched, last_cost = -1.0, True, 0.0
+        status = None
         while True:
-            await self.follower.poll(timeout_s=0.25)
-            polls += 1
-            if rid in fleet:
+            # When to judge, as the CLI's --wait does (policy "cli"): when a batch touched the
+            # rollout, at most every JUDGE_INTERVAL_S, at least every second. "every-poll" is the
+            # earlier CLI (after every poll); "cli-fixed" is "cli" with the poll's timeout cut to
+            # the next moment a judgement is allowed, so a touched rollout is not left unjudged
+            # until the 0.25 s poll times out; "adaptive" throttles by cost instead of a fixed
+            # interval: at most every 5x the last judgement's duration (capped at 0.25 s).
+            now_m = time.monotonic()
+            interval = JUDGE_INTERVAL_S if self.judge != "adaptive" else min(0.25, 5 * last_cost)
+            due = self.judge == "every-poll" or (
+                (touched and now_m - judged_at >= interval) or now_m - judged_at >= 1.0
+            )
+            if rid in fleet and due:
+                judged_at, touched = now_m, False
                 t0 = time.perf_counter()
                 status = fleet.status(rid, utcnow())
-                status_s += time.perf_counter() - t0
+                last_cost = time.perf_counter() - t0
+                status_s += last_cost
                 if status.terminal:
                     break
+            timeout = 0.25
+            if self.judge in ("cli-fixed", "adaptive") and touched and judged_at >= 0:
+                # Not 0: a zero-timeout fetch may return without yielding to aiokafka's fetcher.
+                timeout = min(timeout, max(0.01, judged_at + interval - time.monotonic()))
+            batch = await self.follower.poll(timeout_s=timeout)
+            polls += 1
+            touched = touched or rid in batch.rollout_ids or bool(batch.heartbeats)
             if time.perf_counter() - start > 300:
                 raise RuntimeError(f"rollout {rid} not terminal after 300 s")
         converge = time.perf_counter() - start
+        assert status is not None
         if status.phase.value != "succeeded":
             raise RuntimeError(f"rollout {rid} ended {status.phase.value}: {status.message}")
         issued = command.issued_at
@@ -575,6 +604,7 @@ async def measure_level(
         args.state_dir,
         tmp,
         args.agent_fetch_wait_ms,
+        args.judge,
     )
     try:
         level["agents"] = await fan.start()
@@ -796,6 +826,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="Where agent journals go (default: a temp dir in /dev/shm).",
     )
     p.add_argument("--no-http", action="store_true", help="Skip the HTTP baseline.")
+    p.add_argument(
+        "--judge",
+        choices=["cli", "every-poll", "cli-fixed", "adaptive"],
+        default="cli",
+        help="When the follower recomputes the status: as the CLI's --wait does (default), "
+        "after every poll (the earlier CLI), as the CLI with the poll cut short, or at most "
+        "every 5x the last judgement's cost.",
+    )
     p.add_argument("--profile", action="store_true", help="cProfile the agents at the largest N.")
     p.add_argument("--profile-rollouts", type=int, default=5)
     p.add_argument("--out-dir", type=Path, default=None)
@@ -856,6 +894,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "idle_s": args.idle_s,
         "state_dir": str(args.state_dir),
         "agent_fetch_wait_ms": args.agent_fetch_wait_ms,
+        "judge": args.judge,
+        "judge_interval_s": JUDGE_INTERVAL_S,
     }
     started = time.perf_counter()
     try:
