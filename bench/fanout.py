@@ -829,10 +829,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument(
         "--judge",
         choices=["cli", "every-poll", "cli-fixed", "adaptive"],
-        default="cli",
-        help="When the follower recomputes the status: as the CLI's --wait does (default), "
-        "after every poll (the earlier CLI), as the CLI with the poll cut short, or at most "
-        "every 5x the last judgement's cost.",
+        default="adaptive",
+        help="When the follower recomputes the status: at most every 100 ms ('cli', the CLI "
+        "at 7c3c4c5), after every poll (the CLI before it), the same with the poll cut short, "
+        "or at most every 5x the last judgement's cost ('adaptive', default: what the CLI's "
+        "--wait does since it was measured here).",
     )
     p.add_argument("--profile", action="store_true", help="cProfile the agents at the largest N.")
     p.add_argument("--profile-rollouts", type=int, default=5)

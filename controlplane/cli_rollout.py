@@ -107,8 +107,9 @@ async def _publish_and_maybe_wait(
     return _finish(status, as_json, waited_out=not status.terminal)
 
 
-#: At most this often does --wait recompute a rollout's status while acks stream in.
-_MIN_JUDGE_INTERVAL_S = 0.1
+#: --wait spends at most 1/(1+this) of its time judging: after a judgement that took t seconds,
+#: the next waits t * this (small fleets: at once; 500 workers: a few hundred ms).
+_JUDGE_COST_FACTOR = 5.0
 
 
 async def _follow(
@@ -132,18 +133,20 @@ async def _follow(
         )
         bar.start()
         task = bar.add_task(rollout_id, total=1)
-    # Judge the rollout when a batch touched it, and at least every second (deadlines pass and
-    # workers go silent without any record); never once per small batch of a large fleet.
+    # Judge the rollout when a batch touched it, throttled by what judging costs, and at least
+    # every second (deadlines pass and workers go silent without any record).
     judged_at = -1.0
+    gap = 0.0
     touched = True
     try:
         while True:
             now_m = time.monotonic()
             if rollout_id in follower.fleet and (
-                (touched and now_m - judged_at >= _MIN_JUDGE_INTERVAL_S) or now_m - judged_at >= 1.0
+                (touched and now_m - judged_at >= gap) or now_m - judged_at >= 1.0
             ):
                 judged_at, touched = now_m, False
                 status = follower.fleet.status(rollout_id, utcnow())
+                gap = min(0.25, (time.monotonic() - now_m) * _JUDGE_COST_FACTOR)
                 line = progress_line(status)
                 if bar is not None:
                     c = status.counts
@@ -160,7 +163,12 @@ async def _follow(
                     return status
                 if deadline is not None and time.monotonic() > deadline:
                     return status
-            batch = await follower.poll(timeout_s=0.25)
+            # While news waits to be judged, poll only until the next allowed moment (never 0 s:
+            # that starves aiokafka's fetcher).
+            wait_s = 0.25
+            if touched:
+                wait_s = max(0.02, gap - (time.monotonic() - judged_at))
+            batch = await follower.poll(timeout_s=min(wait_s, 0.25))
             touched = touched or rollout_id in batch.rollout_ids or bool(batch.heartbeats)
     finally:
         if bar is not None:
