@@ -16,8 +16,9 @@ from typing import Annotated
 
 import typer
 
-from controlplane.cli import BootstrapOpt, PrefixOpt, app, run
-from controlplane.settings import DEFAULT_BOOTSTRAP
+from controlplane.cli import BootstrapOpt, PrefixOpt, app, fail, run
+from controlplane.errors import ControlPlaneError
+from controlplane.settings import DEFAULT_BOOTSTRAP, load_settings
 
 
 @app.command("coordinator")
@@ -42,7 +43,10 @@ def coordinator(
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
-    settings = CoordinatorSettings()
+    try:
+        settings = load_settings(CoordinatorSettings)
+    except ControlPlaneError as exc:
+        raise fail(exc) from None
     kafka = settings.kafka
     if (
         bootstrap != DEFAULT_BOOTSTRAP

@@ -5,13 +5,18 @@ No I/O. Security settings pass straight through to aiokafka (TLS and SASL).
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, ValidationError
+from pydantic_settings.exceptions import SettingsError
 
+from controlplane.errors import ControlPlaneError, ErrorCode
 from controlplane.topics import DEFAULT_PREFIX, Topics
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:19092"
+
+S = TypeVar("S")
 
 
 class KafkaSettings(BaseModel):
@@ -35,3 +40,19 @@ class KafkaSettings(BaseModel):
     @property
     def topics(self) -> Topics:
         return Topics(prefix=self.topic_prefix, replication_factor=self.replication_factor)
+
+
+def load_settings(factory: Callable[..., S], **values: Any) -> S:
+    """Build a process's settings from environment and flags; bad values are a coded error."""
+    try:
+        return factory(**values)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}"
+            for e in exc.errors(include_url=False)[:5]
+        )
+        raise ControlPlaneError(
+            f"invalid settings: {problems}", code=ErrorCode.SCHEMA_INVALID
+        ) from None
+    except SettingsError as exc:  # e.g. a JSON-valued variable that is not JSON
+        raise ControlPlaneError(f"invalid settings: {exc}", code=ErrorCode.SCHEMA_INVALID) from None

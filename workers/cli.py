@@ -16,6 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from controlplane.errors import ControlPlaneError
+from controlplane.settings import load_settings
 
 app = typer.Typer(
     name="fleet-worker",
@@ -100,7 +101,13 @@ def run(
         "state_dir": state_dir,
         "heartbeat_interval_s": heartbeat_s,
     }
-    settings = WorkerSettings(**{k: v for k, v in flags.items() if v is not None})
+    try:
+        settings = load_settings(
+            WorkerSettings, **{k: v for k, v in flags.items() if v is not None}
+        )
+    except ControlPlaneError as exc:
+        typer.echo(f"error: {exc.code}: {exc.message}", err=True)
+        raise typer.Exit(3) from None
     kafka_flags = {"bootstrap_servers": bootstrap, "topic_prefix": topic_prefix}
     kafka_flags = {k: v for k, v in kafka_flags.items() if v is not None}
     if kafka_flags:
