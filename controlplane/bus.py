@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -217,10 +217,6 @@ class Consumer(_Lifecycle):
         with translate(f"seeking {topic}[{partition}]"):
             self._consumer.seek(TopicPartition(topic, partition), offset)
 
-    async def position(self, topic: str, partition: int) -> int:
-        with translate(f"reading position of {topic}[{partition}]"):
-            return int(await self._consumer.position(TopicPartition(topic, partition)))
-
     async def committed(self, topic: str, partition: int) -> int | None:
         with translate(f"reading committed offset of {topic}[{partition}]"):
             off = await self._consumer.committed(TopicPartition(topic, partition))
@@ -260,11 +256,6 @@ class Consumer(_Lifecycle):
             )
         return out
 
-    async def records(self, *, timeout_s: float = 1.0) -> AsyncIterator[list[Record]]:
-        """Batches forever (empty batches included, so callers can check deadlines)."""
-        while True:
-            yield await self.fetch(timeout_s=timeout_s)
-
 
 class Admin(_Lifecycle):
     def __init__(self, settings: KafkaSettings) -> None:
@@ -297,9 +288,13 @@ class Admin(_Lifecycle):
                     ]
                 )
             for name, code, message in _topic_errors(resp):
-                if code not in (0, 36):  # 36: TOPIC_ALREADY_EXISTS (a concurrent creator won)
+                if code == 36:  # TOPIC_ALREADY_EXISTS: listed late, or a concurrent creator won
+                    existing.add(name)
+                elif code != 0:
                     raise BusError(f"creating topic {name} failed: error {code} {message or ''}")
+        # Whatever we did not create ourselves is checked against what we need.
         present = [s for s in specs if s.name in existing]
+        missing = [s for s in missing if s.name not in existing]
         differences = await self._differences(present) if present else []
         if differences:
             raise TopicMismatch(
@@ -332,10 +327,6 @@ class Admin(_Lifecycle):
                 if got != want:
                     diffs.append(f"{s.name}: {key}={got}, expected {want}")
         return diffs
-
-    async def delete_topics(self, names: Sequence[str]) -> None:
-        with translate("deleting topics"):
-            await self._admin.delete_topics(list(names))
 
 
 def _topic_errors(resp: Any) -> list[tuple[str, int, str | None]]:
@@ -374,6 +365,3 @@ async def probe(bootstrap: str, *, timeout: float = 10.0) -> ClusterInfo:
 
 def probe_sync(bootstrap: str, *, timeout: float = 10.0) -> ClusterInfo:
     return asyncio.run(probe(bootstrap, timeout=timeout))
-
-
-Offset = Literal["earliest", "latest"]
