@@ -305,7 +305,27 @@ class Admin(_Lifecycle):
         return EnsureReport(created=[s.name for s in missing], existing=[s.name for s in present])
 
     async def _differences(self, specs: list[TopicSpec]) -> list[str]:
+        # A topic created a moment ago (by someone else) may not be described yet: no partitions,
+        # no configs. Wait for it briefly rather than report a mismatch that is not there.
+        for _ in range(40):
+            partitions, actual_cfg = await self._describe(specs)
+            if all(partitions.get(s.name) and s.name in actual_cfg for s in specs):
+                break
+            await asyncio.sleep(0.25)
         diffs: list[str] = []
+        for s in specs:
+            have = partitions.get(s.name)
+            if have is not None and have != s.partitions:
+                diffs.append(f"{s.name}: {have} partitions, expected {s.partitions}")
+            for key, want in s.config.items():
+                got = actual_cfg.get(s.name, {}).get(key)
+                if got != want:
+                    diffs.append(f"{s.name}: {key}={got}, expected {want}")
+        return diffs
+
+    async def _describe(
+        self, specs: list[TopicSpec]
+    ) -> tuple[dict[str, int], dict[str, dict[str, str]]]:
         with translate("describing topics"):
             described = await self._admin.describe_topics([s.name for s in specs])
             configs = await self._admin.describe_configs(
@@ -316,17 +336,10 @@ class Admin(_Lifecycle):
         for resp in configs:
             for resource in resp.resources:
                 # (error_code, error_message, resource_type, resource_name, config_entries)
-                name, entries = resource[3], resource[4]
-                actual_cfg[name] = {e[0]: e[1] for e in entries}
-        for s in specs:
-            have = partitions.get(s.name)
-            if have is not None and have != s.partitions:
-                diffs.append(f"{s.name}: {have} partitions, expected {s.partitions}")
-            for key, want in s.config.items():
-                got = actual_cfg.get(s.name, {}).get(key)
-                if got != want:
-                    diffs.append(f"{s.name}: {key}={got}, expected {want}")
-        return diffs
+                error_code, name, entries = resource[0], resource[3], resource[4]
+                if error_code == 0 and entries:
+                    actual_cfg[name] = {e[0]: e[1] for e in entries}
+        return partitions, actual_cfg
 
 
 def _topic_errors(resp: Any) -> list[tuple[str, int, str | None]]:

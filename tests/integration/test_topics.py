@@ -34,8 +34,12 @@ async def test_ensure_reports_partition_and_config_differences(kafka_bootstrap: 
         with pytest.raises(TopicMismatch) as info:
             await admin.ensure_topics(settings.topics)
     assert info.value.code is ErrorCode.TOPIC_MISMATCH
-    assert any(f"{prefix}.commands: retention.ms=60000" in d for d in info.value.differences)
-    assert any(f"{prefix}.acks: retention.ms=60000" in d for d in info.value.differences)
+    assert any(f"{prefix}.commands: retention.ms=60000" in d for d in info.value.differences), (
+        info.value.differences
+    )
+    assert any(f"{prefix}.acks: retention.ms=60000" in d for d in info.value.differences), (
+        info.value.differences
+    )
     assert not any(".workers" in d for d in info.value.differences)
 
 
