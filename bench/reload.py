@@ -318,28 +318,12 @@ def h2d_baselines(nbytes: int, repeats: int) -> list[dict[str, Any]]:
     return runs
 
 
-def parallel_pread(path: Path, targets: dict[str, Any], threads: int) -> Callable[[], None]:
-    """A what-if for the loader's CPU path: the same validated preads into the same tensors, cut
-    into 8 MiB chunks and issued from ``threads`` threads (preadv releases the GIL), so the
-    kernel's page-cache copies run on every core as torch's own ``copy_`` does."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from workers.loaders import _byte_view, _read_exact, open_checkpoint
-
-    chunk = 8 * MB
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="pread")
+def one_reader(path: Path, targets: dict[str, Any]) -> Callable[[], None]:
+    """The runner's loader with a single reader: what ``read_threads=1`` (cold disks) gives."""
+    from workers.loaders import load_checkpoint
 
     def run() -> None:
-        with open_checkpoint(path) as ckpt:
-            jobs = []
-            for name, entry in ckpt.entries.items():
-                view, fd = _byte_view(targets[name].detach()), ckpt.fds[entry.file]
-                jobs.extend(
-                    (fd, view[start : start + chunk], entry, start)
-                    for start in range(0, entry.nbytes, chunk)
-                )
-            for _ in pool.map(lambda job: _read_exact(*job), jobs):
-                pass
+        load_checkpoint(path, targets, version="bench", from_version=None, read_threads=1)
 
     return run
 
@@ -367,94 +351,18 @@ def section_torch(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) 
     print(f"torch/cpu: {len(targets)} tensors, {nbytes / 1e9:.3f} GB", flush=True)
 
     runs.extend(memcpy_baselines(targets, nbytes, r))
-    read = sequential_read(path)
-    runs.append(measure("sequential read (64 MiB buffer)", read, nbytes, repeats=r, path=path))
-    runs.append(
-        measure(
-            "ours: TorchRunner.reload_weights",
-            runner_reload(runner, path),
-            nbytes,
-            repeats=r,
-            path=path,
-        )
-    )
-    runs.append(
-        measure(
-            "naive: safe_open+get_tensor+copy_",
-            naive_loop(path, targets, nothing),
-            nbytes,
-            repeats=r,
-            path=path,
-        )
-    )
     threads = torch.get_num_threads()
-    what_if = parallel_pread(path, targets, threads)
-    runs.append(
-        measure(
-            f"what-if: pread, {threads} threads x 8 MiB",
-            what_if,
-            nbytes,
-            repeats=r,
-            path=path,
-        )
-    )
-    out["parallel_pread_matches_checkpoint"] = _matches(path, targets)
-    model = runner._model
-    runs.append(
-        measure(
-            "load_file + load_state_dict",
-            load_file_state_dict(path, model, nothing),
-            nbytes,
-            repeats=r,
-            path=path,
-        )
-    )
-    if c:
-        runs.append(
-            measure(
-                "sequential read (64 MiB buffer)", read, nbytes, repeats=c, path=path, cold=True
-            )
-        )
-        runs.append(
-            measure(
-                "ours: TorchRunner.reload_weights",
-                runner_reload(runner, path),
-                nbytes,
-                repeats=c,
-                path=path,
-                cold=True,
-            )
-        )
-        runs.append(
-            measure(
-                f"what-if: pread, {threads} threads x 8 MiB",
-                what_if,
-                nbytes,
-                repeats=c,
-                path=path,
-                cold=True,
-            )
-        )
-        runs.append(
-            measure(
-                "naive: safe_open+get_tensor+copy_",
-                naive_loop(path, targets, nothing),
-                nbytes,
-                repeats=c,
-                path=path,
-                cold=True,
-            )
-        )
-        runs.append(
-            measure(
-                "load_file + load_state_dict",
-                load_file_state_dict(path, model, nothing),
-                nbytes,
-                repeats=c,
-                path=path,
-                cold=True,
-            )
-        )
+    readers = [  # (label, reload), page-cached and then cold, in this order
+        ("sequential read (64 MiB buffer)", sequential_read(path)),
+        (f"ours: TorchRunner.reload_weights ({threads} readers)", runner_reload(runner, path)),
+        ("one reader: the same loader, read_threads=1", one_reader(path, targets)),
+        ("naive: safe_open+get_tensor+copy_", naive_loop(path, targets, nothing)),
+        ("load_file + load_state_dict", load_file_state_dict(path, runner._model, nothing)),
+    ]
+    for label, fn in readers:
+        runs.append(measure(label, fn, nbytes, repeats=r, path=path))
+    for label, fn in readers if c else []:
+        runs.append(measure(label, fn, nbytes, repeats=c, path=path, cold=True))
     out["last_reload"] = runner.describe().extra.get("last_reload")
     runner.close()
     return out
@@ -812,9 +720,9 @@ def derive(result: dict[str, Any]) -> None:
         ours_cold = _gbps(_find(cpu, "ours", cold=True))
         ratios["cpu"] = {
             "cached_over_memcpy": ratio(ours_c, memcpy),
-            "parallel_pread_whatif_over_memcpy": ratio(_gbps(_find(cpu, "what-if")), memcpy),
-            "parallel_pread_whatif_cold_over_read_cold": ratio(
-                _gbps(_find(cpu, "what-if", cold=True)), read_cold
+            "one_reader_over_memcpy": ratio(_gbps(_find(cpu, "one reader")), memcpy),
+            "one_reader_cold_over_read_cold": ratio(
+                _gbps(_find(cpu, "one reader", cold=True)), read_cold
             ),
             "cached_over_memmove": ratio(ours_c, _gbps(_find(cpu, "memcpy: glibc"))),
             "cached_over_memcpy_into_model": ratio(

@@ -6,6 +6,7 @@ and no second copy of the model is ever held (one tensor, or a bounded staging b
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import itertools
@@ -20,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 import torch
 
@@ -53,6 +55,8 @@ DEFAULT_STAGING_BYTES = 64 * 1024 * 1024
 #: Host-memory destinations are read in chunks of this size, from ``read_threads`` threads.
 DEFAULT_READ_CHUNK_BYTES = 8 * 1024 * 1024
 MAX_READ_THREADS = 4
+#: Chunks each reader may have queued ahead: enough that none idles between tensors.
+READ_WINDOW_CHUNKS_PER_THREAD = 4
 _HASH_CHUNK = 8 * 1024 * 1024
 
 #: Called with (tensors copied, tensors to copy): once when copying begins, then after each tensor.
@@ -384,6 +388,16 @@ class _ShortRead(OSError):
     pass
 
 
+def _completed() -> Future[None]:
+    future: Future[None] = Future()
+    future.set_result(None)
+    return future
+
+
+#: Stands in the window for a tensor copied synchronously behind chunks still in flight.
+_DONE: Final = _completed()
+
+
 def _copy(
     ckpt: OpenCheckpoint,
     plan: list[tuple[TensorEntry, torch.Tensor]],
@@ -394,7 +408,18 @@ def _copy(
     progress: Progress | None,
     sync: Callable[[], None] | None,
 ) -> None:
-    done = 0
+    reported = 0
+
+    def report() -> None:
+        # One call per tensor, in plan order, once every byte of it is in.
+        nonlocal reported
+        if progress is None:
+            reported = copier.done
+            return
+        while reported < copier.done:
+            reported += 1
+            progress(reported, len(plan))
+
     try:
         if progress is not None:
             progress(0, len(plan))
@@ -403,17 +428,17 @@ def _copy(
                 if cancel is not None and cancel.is_set():
                     raise RunnerError("cancelled", code=ErrorCode.COMMAND_TIMEOUT)
                 copier.copy(ckpt.fds[entry.file], entry, dst)
-                done += 1
-                if progress is not None:
-                    progress(done, len(plan))
+                report()
             copier.finish()
+            report()
             if sync is not None:
                 sync()
     except Exception as exc:
+        copier.abandon()  # every reader has stopped before the failure is reported
         reason = exc.message if isinstance(exc, RunnerError) else f"{type(exc).__name__}: {exc}"
         raise WeightsCorrupted(
-            f"reload to {version!r} failed after {done} of {len(plan)} tensors were written "
-            f"({reason}); the model mixes {from_version!r} and {version!r}",
+            f"reload to {version!r} failed after {copier.done} of {len(plan)} tensors were "
+            f"written ({reason}); the model mixes {from_version!r} and {version!r}",
             from_version=from_version,
             to_version=version,
         ) from exc
@@ -422,7 +447,12 @@ def _copy(
 
 
 class _Copier:
-    """Moves one tensor's bytes from a file into its destination without a second model copy."""
+    """Moves tensors' bytes from a file into their destinations without a second model copy.
+
+    Host-memory destinations are read in chunks by a pool of readers, with a window of chunks in
+    flight across tensor boundaries: the readers never idle at the end of a tensor waiting for the
+    next one to be submitted. ``done`` counts the tensors (in plan order) whose every byte is in.
+    """
 
     def __init__(
         self,
@@ -435,6 +465,11 @@ class _Copier:
         self._threads = threads
         self._read_chunk = read_chunk
         self._pool: ThreadPoolExecutor | None = None  # started by the first chunked read
+        #: Chunks submitted and not yet collected, in submission order, each with the number of
+        #: tensors that are complete once it is (1 for a tensor's last chunk, else 0).
+        self._in_flight: collections.deque[tuple[Future[None], int]] = collections.deque()
+        self._window = READ_WINDOW_CHUNKS_PER_THREAD * threads
+        self.done = 0
         self._budget = staging_bytes
         self._chunk = max(1024 * 1024, staging_bytes // 2)
         self._staging: list[torch.Tensor] = []
@@ -444,11 +479,15 @@ class _Copier:
         self._pending = 0
 
     def copy(self, fd: int, entry: TensorEntry, dst: torch.Tensor) -> None:
+        """Copy one tensor, or (host memory, several readers) submit its chunks and return."""
         if entry.nbytes == 0:
-            return
-        if dst.device.type == "cpu" and dst.is_contiguous():
+            pass
+        elif dst.device.type == "cpu" and dst.is_contiguous():
             # Page cache -> parameter memory: no mmap, no temporary; chunks from several threads.
-            self._read_into(fd, _byte_view(dst.detach()), entry)
+            if self._threads > 1:
+                self._submit(fd, _byte_view(dst.detach()), entry)
+                return
+            _read_exact(fd, _byte_view(dst.detach()), entry)
         elif dst.device.type == "cuda" and dst.is_contiguous():
             self._copy_staged(fd, entry, dst)
         else:
@@ -462,27 +501,40 @@ class _Copier:
             if self._flush is not None and self._pending >= self._budget:
                 self._flush()
                 self._pending = 0
+        if not self._in_flight:
+            self.done += 1
+        else:  # counted when the chunks submitted before it are in, to keep plan order
+            self._in_flight.append((_DONE, 1))
 
-    def _read_into(self, fd: int, buf: memoryview, entry: TensorEntry) -> None:
-        """Fill ``buf`` with the tensor's bytes; returns once every chunk is in."""
-        chunk = self._read_chunk
-        if self._threads <= 1 or entry.nbytes <= chunk:
-            _read_exact(fd, buf, entry)
-            return
+    def _submit(self, fd: int, buf: memoryview, entry: TensorEntry) -> None:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="reload-pread")
-        futures: list[Future[None]] = []
-        try:
-            for start in range(0, entry.nbytes, chunk):
-                futures.append(
-                    self._pool.submit(_read_exact, fd, buf[start : start + chunk], entry, start)
-                )
-        finally:
-            # Every chunk has finished (or failed) before this tensor counts or an error is raised:
-            # no reader writes into the tensor after its failure is reported.
-            wait_futures(futures)
-        for future in futures:
-            future.result()  # the first chunk's error, in file order
+        chunk = self._read_chunk
+        for start in range(0, entry.nbytes, chunk):
+            while len(self._in_flight) >= self._window:
+                self._collect_oldest()
+            future = self._pool.submit(_read_exact, fd, buf[start : start + chunk], entry, start)
+            self._in_flight.append((future, 1 if start + chunk >= entry.nbytes else 0))
+        while self._in_flight and self._in_flight[0][0].done():
+            self._collect_oldest()
+
+    def _collect_oldest(self) -> None:
+        future, completes = self._in_flight.popleft()
+        future.result()  # the first error in plan (= file) order; the caller abandons the rest
+        self.done += completes
+
+    def finish(self) -> None:
+        """Wait until every submitted byte is in (raising the first read error)."""
+        while self._in_flight:
+            self._collect_oldest()
+        for event in self._events:
+            if event is not None:
+                event.synchronize()
+
+    def abandon(self) -> None:
+        """After a failure: wait for every chunk still in flight, so none writes after it."""
+        wait_futures([future for future, _ in self._in_flight])
+        self._in_flight.clear()
 
     def close(self) -> None:
         if self._pool is not None:
@@ -508,11 +560,6 @@ class _Copier:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(torch.cuda.current_stream(dst.device))  # type: ignore[no-untyped-call]
             self._events[turn] = event
-
-    def finish(self) -> None:
-        for event in self._events:
-            if event is not None:
-                event.synchronize()
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
