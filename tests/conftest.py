@@ -35,6 +35,27 @@ def say(config: pytest.Config, line: str) -> None:
         reporter.write_line(line)
 
 
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without a usable CUDA device the ``gpu`` tests are deselected (counted, not skipped).
+
+    They run wherever a GPU is (``bash bench/gpu.sh OUTDIR`` runs exactly them with ``-m gpu``).
+    """
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu or _cuda_available():
+        return
+    config.hook.pytest_deselected(items=gpu)
+    items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
+    say(config, f"[gpu] no CUDA device: {len(gpu)} GPU tests deselected (run: bash bench/gpu.sh)")
+
+
 @pytest.fixture(scope="session")
 def kafka_bootstrap(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory

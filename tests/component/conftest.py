@@ -1,5 +1,8 @@
 """Fixtures for the runner component tests: tiny seeded checkpoints and runners that close.
 
+Runners: torch on the CPU, XLA on PJRT's CPU device, and torch on CUDA (``gpu``: deselected
+without a GPU, see tests/conftest.py).
+
 PJRT_DEVICE is set here, before anything imports torch_xla, so XLA runs on the CPU.
 """
 
@@ -30,6 +33,8 @@ TINY: dict[str, Any] = {
 RUNNER_KINDS = [
     pytest.param("torch", id="torch"),
     pytest.param("xla", id="xla", marks=pytest.mark.xla),
+    # The torch runner on an NVIDIA GPU: reads through pinned, double-buffered staging.
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
 ]
 
 MakeRunner = Callable[..., TorchRunner]
@@ -61,6 +66,8 @@ def make_runner(runner_kind: str) -> Iterator[MakeRunner]:
             from workers.xla_runner import XlaRunner
 
             runner: TorchRunner = XlaRunner(opts)
+        elif runner_kind == "cuda":
+            runner = TorchRunner({"device": "cuda", **opts})
         else:
             runner = TorchRunner(opts)
         created.append(runner)

@@ -1,6 +1,7 @@
 """The torch and XLA runners on real checkpoints: reloads, refusals, corruption, config.
 
-Every test runs on both runners (XLA through PJRT on the CPU, marked ``xla``).
+Every test runs on each runner: torch on the CPU, XLA through PJRT on the CPU (marked ``xla``),
+and torch on CUDA where a GPU is (marked ``gpu``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def reference(seed: int, model_kwargs: dict[str, Any] | None = None) -> torch.Te
 def assert_same_model(runner: TorchRunner, seed: int, **kw: Any) -> None:
     got = runner.forward_logits(IDS)
     want = reference(seed, **kw)
-    if runner.name == "torch":
+    if runner.name == "torch" and runner.options.device == "cpu":
         assert torch.equal(got, want)
     else:  # a different backend: same weights, float rounding may differ
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
@@ -224,11 +225,13 @@ def test_initial_checkpoint_option(
     assert_same_model(runner, 8)
 
 
-def test_describe_reports_device(make_runner: MakeRunner) -> None:
+def test_describe_reports_device(make_runner: MakeRunner, runner_kind: str) -> None:
     described = make_runner().describe()
     assert described.runner in ("torch", "xla") and described.model_loaded
     if described.runner == "xla":
         assert described.device.startswith("xla:") and "(CPU)" in described.device
+    elif runner_kind == "cuda":
+        assert described.device.startswith("cuda")
     else:
         assert described.device == "cpu"
     assert described.extra["phase"] == "idle"
