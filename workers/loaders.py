@@ -396,6 +396,10 @@ def _completed() -> Future[None]:
 
 #: Stands in the window for a tensor copied synchronously behind chunks still in flight.
 _DONE: Final = _completed()
+#: A read in the copier's window: the read, tensors it completes, what to do once it is in.
+_Read = tuple[Future[None], int, Callable[[], None] | None]
+#: The smallest staging slot (a smaller ``staging_bytes`` still gets two slots of this size).
+_MIN_SLOT_BYTES: Final = 512 * 1024
 
 
 def _copy(
@@ -449,9 +453,18 @@ def _copy(
 class _Copier:
     """Moves tensors' bytes from a file into their destinations without a second model copy.
 
-    Host-memory destinations are read in chunks by a pool of readers, with a window of chunks in
-    flight across tensor boundaries: the readers never idle at the end of a tensor waiting for the
-    next one to be submitted. ``done`` counts the tensors (in plan order) whose every byte is in.
+    Reads go to a pool of readers, chunk by chunk, with a window of chunks in flight across
+    tensor boundaries, so that no reader idles at the end of a tensor waiting for the next one:
+
+    * host-memory destinations (CPU tensors, host aliases of device buffers) are read straight
+      into, in ``read_chunk`` chunks;
+    * CUDA destinations are read into a ring of pinned staging slots (``staging_bytes`` in all),
+      and each slot is copied to the device asynchronously as soon as its read is in, then reused
+      once that copy has finished: reads overlap each other and the host-to-device copies;
+    * anything else (XLA's own path, strided tensors) goes through one host tensor at a time.
+
+    ``done`` counts the tensors, in plan order, whose every byte has been read (and, for CUDA,
+    whose copies have been issued; :meth:`finish` waits for those).
     """
 
     def __init__(
@@ -464,32 +477,38 @@ class _Copier:
     ) -> None:
         self._threads = threads
         self._read_chunk = read_chunk
-        self._pool: ThreadPoolExecutor | None = None  # started by the first chunked read
-        #: Chunks submitted and not yet collected, in submission order, each with the number of
-        #: tensors that are complete once it is (1 for a tensor's last chunk, else 0).
-        self._in_flight: collections.deque[tuple[Future[None], int]] = collections.deque()
+        self._pool: ThreadPoolExecutor | None = None  # started by the first pooled read
+        #: Reads submitted and not yet collected, in submission order: the read, the number of
+        #: tensors complete once it is in (1 for a tensor's last chunk, else 0), and what the
+        #: calling thread does with it then (issue a staged chunk's device copy), if anything.
+        self._in_flight: collections.deque[_Read] = collections.deque()
         self._window = READ_WINDOW_CHUNKS_PER_THREAD * threads
         self.done = 0
         self._budget = staging_bytes
-        self._chunk = max(1024 * 1024, staging_bytes // 2)
-        self._staging: list[torch.Tensor] = []
-        self._events: list[torch.cuda.Event | None] = [None, None]
-        self._turn = 0
         self._flush = flush
         self._pending = 0
+        self._slot_bytes = min(read_chunk, max(_MIN_SLOT_BYTES, staging_bytes // 2))
+        self._slot_count = max(2, staging_bytes // self._slot_bytes)
+        self._slots: list[torch.Tensor] = []  # free staging slots
+        self._slots_made = 0
+        #: Slots whose device copy was issued, oldest first, with the event that marks its end.
+        self._copying: collections.deque[tuple[torch.Tensor, torch.cuda.Event | None]] = (
+            collections.deque()
+        )
 
     def copy(self, fd: int, entry: TensorEntry, dst: torch.Tensor) -> None:
-        """Copy one tensor, or (host memory, several readers) submit its chunks and return."""
+        """Copy one tensor, or submit its chunks to the readers and return."""
         if entry.nbytes == 0:
             pass
         elif dst.device.type == "cpu" and dst.is_contiguous():
             # Page cache -> parameter memory: no mmap, no temporary; chunks from several threads.
             if self._threads > 1:
-                self._submit(fd, _byte_view(dst.detach()), entry)
+                self._submit_direct(fd, _byte_view(dst.detach()), entry)
                 return
             _read_exact(fd, _byte_view(dst.detach()), entry)
         elif dst.device.type == "cuda" and dst.is_contiguous():
-            self._copy_staged(fd, entry, dst)
+            self.copy_staged(fd, entry, dst)
+            return
         else:
             # XLA and other devices (or strided tensors): one host tensor at a time.
             host = torch.empty(entry.shape, dtype=dst.dtype)
@@ -501,65 +520,110 @@ class _Copier:
             if self._flush is not None and self._pending >= self._budget:
                 self._flush()
                 self._pending = 0
+        self._count_done()
+
+    def copy_staged(self, fd: int, entry: TensorEntry, dst: torch.Tensor) -> None:
+        """Read ``entry`` through the staging slots into ``dst`` (CUDA; any contiguous tensor)."""
+        if entry.nbytes == 0:
+            self._count_done()
+            return
+        pool = self._readers()
+        dst_bytes = dst.detach().reshape(-1).view(torch.uint8)
+        size = self._slot_bytes
+        for start in range(0, entry.nbytes, size):
+            n = min(size, entry.nbytes - start)
+            slot = self._free_slot(pinned=dst.device.type == "cuda")
+            read = pool.submit(_read_exact, fd, slot.numpy().data[:n], entry, start)
+            target = dst_bytes[start : start + n]
+            self._in_flight.append(
+                (read, 1 if start + n >= entry.nbytes else 0, self._device_copy(slot, target))
+            )
+
+    def _count_done(self) -> None:
+        """A tensor copied synchronously: counted after those still in flight, in plan order."""
         if not self._in_flight:
             self.done += 1
-        else:  # counted when the chunks submitted before it are in, to keep plan order
-            self._in_flight.append((_DONE, 1))
+        else:
+            self._in_flight.append((_DONE, 1, None))
 
-    def _submit(self, fd: int, buf: memoryview, entry: TensorEntry) -> None:
+    def _readers(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="reload-pread")
+        return self._pool
+
+    def _submit_direct(self, fd: int, buf: memoryview, entry: TensorEntry) -> None:
+        pool = self._readers()
         chunk = self._read_chunk
         for start in range(0, entry.nbytes, chunk):
             while len(self._in_flight) >= self._window:
                 self._collect_oldest()
-            future = self._pool.submit(_read_exact, fd, buf[start : start + chunk], entry, start)
-            self._in_flight.append((future, 1 if start + chunk >= entry.nbytes else 0))
+            read = pool.submit(_read_exact, fd, buf[start : start + chunk], entry, start)
+            self._in_flight.append((read, 1 if start + chunk >= entry.nbytes else 0, None))
         while self._in_flight and self._in_flight[0][0].done():
             self._collect_oldest()
 
     def _collect_oldest(self) -> None:
-        future, completes = self._in_flight.popleft()
-        future.result()  # the first error in plan (= file) order; the caller abandons the rest
+        read, completes, then = self._in_flight.popleft()
+        read.result()  # the first error in plan (= file) order; the caller abandons the rest
+        if then is not None:
+            then()
         self.done += completes
 
+    def _free_slot(self, *, pinned: bool) -> torch.Tensor:
+        """A staging slot nobody reads into or copies from, waiting for one if need be."""
+        while not self._slots:
+            if self._slots_made < self._slot_count:
+                self._slots_made += 1
+                return torch.empty(self._slot_bytes, dtype=torch.uint8, pin_memory=pinned)
+            if self._copying:
+                slot, event = self._copying.popleft()
+                if event is not None:
+                    event.synchronize()  # its device copy has finished: the slot is free
+                self._slots.append(slot)
+            else:
+                self._collect_oldest()  # a read into a slot is in: its copy is issued
+        return self._slots.pop()
+
+    def _device_copy(self, slot: torch.Tensor, target: torch.Tensor) -> Callable[[], None]:
+        def issue() -> None:
+            n = target.numel()
+            if target.device.type != "cuda":  # a synchronous copy: the slot is free again
+                target.copy_(slot[:n])
+                self._slots.append(slot)
+                return
+            target.copy_(slot[:n], non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(target.device))  # type: ignore[no-untyped-call]
+            self._copying.append((slot, event))
+
+        return issue
+
     def finish(self) -> None:
-        """Wait until every submitted byte is in (raising the first read error)."""
+        """Wait until every byte is in place (raising the first read error)."""
         while self._in_flight:
             self._collect_oldest()
-        for event in self._events:
-            if event is not None:
-                event.synchronize()
+        self._wait_for_copies()
 
     def abandon(self) -> None:
-        """After a failure: wait for every chunk still in flight, so none writes after it."""
-        wait_futures([future for future, _ in self._in_flight])
+        """After a failure: wait for every read and device copy still in flight, so that none
+        writes after the failure is reported."""
+        wait_futures([read for read, _, _ in self._in_flight])
         self._in_flight.clear()
+        self._wait_for_copies()
+
+    def _wait_for_copies(self) -> None:
+        while self._copying:
+            slot, event = self._copying.popleft()
+            if event is not None:
+                event.synchronize()
+            self._slots.append(slot)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-
-    def _copy_staged(self, fd: int, entry: TensorEntry, dst: torch.Tensor) -> None:
-        if not self._staging:
-            self._staging = [
-                torch.empty(self._chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)
-            ]
-        dst_bytes = dst.detach().reshape(-1).view(torch.uint8)
-        for start in range(0, entry.nbytes, self._chunk):
-            n = min(self._chunk, entry.nbytes - start)
-            turn = self._turn
-            self._turn ^= 1
-            event = self._events[turn]
-            if event is not None:
-                event.synchronize()  # the previous copy out of this buffer has finished
-            buf = self._staging[turn]
-            _read_exact(fd, buf.numpy().data[:n], entry, start)
-            dst_bytes[start : start + n].copy_(buf[:n], non_blocking=True)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(torch.cuda.current_stream(dst.device))  # type: ignore[no-untyped-call]
-            self._events[turn] = event
+        self._wait_for_copies()  # no device copy may still read a slot that is freed
+        self._slots.clear()
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from controlplane.errors import CommandRejected, ErrorCode, RunnerError, WeightsCorrupted
 from workers.checkpoints import sha256_manifest, write_safetensors
-from workers.loaders import load_checkpoint, module_targets, open_checkpoint
+from workers.loaders import _Copier, load_checkpoint, module_targets, open_checkpoint
 
 
 def targets() -> dict[str, torch.Tensor]:
@@ -398,6 +398,64 @@ def test_truncated_mid_tensor_during_chunked_reads_is_weights_corrupted(tmp_path
     )
     assert all(torch.equal(dst[k], odd_sizes()[k]) for k in ("tiny", "odd"))  # before the cut
     assert reader_threads() == [], "no reader outlives a failed reload"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_staged_reads_through_a_bounded_ring_of_slots(
+    tmp_path: Path, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA path's staging (read into a slot, copy out, reuse the slot), on CPU targets:
+    every byte lands, at most ``staging_bytes`` of slots exist, reads are off the calling thread."""
+    path = tmp_path / "m.safetensors"
+    src = odd_sizes()
+    write_safetensors(path, src)
+    dst = {k: torch.full_like(v, 7) for k, v in src.items()}
+    copier = _Copier(4000, threads=threads, read_chunk=1000)  # 4 slots of 1000 bytes
+    readers: set[int] = set()
+    preadv = os.preadv
+
+    def spy(fd: int, buffers: Any, offset: int) -> int:
+        readers.add(threading.get_ident())
+        return preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", spy)
+    try:
+        with open_checkpoint(path) as ckpt:
+            for name, entry in sorted(ckpt.entries.items(), key=lambda kv: kv[1].offset):
+                copier.copy_staged(ckpt.fds[entry.file], entry, dst[name])
+            copier.finish()
+    finally:
+        copier.close()
+    monkeypatch.undo()
+    assert copier.done == len(src)
+    for name in src:
+        assert torch.equal(dst[name].view(torch.uint8), src[name].view(torch.uint8)), name
+    assert copier._slots_made == 4, "a ring of staging_bytes / slot size slots, reused"
+    assert threading.get_ident() not in readers and len(readers) <= threads
+
+
+def test_staged_reads_of_a_truncated_file_fail_and_stop_every_reader(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    src = odd_sizes()
+    write_safetensors(path, src)
+    with open_checkpoint(path) as ckpt:
+        big = ckpt.entries["big"]
+        os.truncate(path, big.offset + 5500)  # inside big's 6th chunk
+        dst = {k: torch.zeros_like(v) for k, v in src.items()}
+        copier = _Copier(4000, threads=2, read_chunk=1000)
+        with pytest.raises(OSError, match=r"ended inside tensor 'big' \(5500 of 132612"):
+            try:
+                for name, entry in sorted(ckpt.entries.items(), key=lambda kv: kv[1].offset):
+                    copier.copy_staged(ckpt.fds[entry.file], entry, dst[name])
+                copier.finish()
+            except OSError:
+                copier.abandon()
+                raise
+            finally:
+                copier.close()
+    assert reader_threads() == []
+    big_bytes = dst["big"].view(torch.uint8).reshape(-1)
+    assert torch.equal(big_bytes[:5000], src["big"].view(torch.uint8).reshape(-1)[:5000])
 
 
 def test_read_threads_and_chunk_must_be_positive(tmp_path: Path) -> None:
