@@ -531,77 +531,17 @@ def section_cuda(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) -
     print(f"cuda: {out['device']}, {len(targets)} tensors, {nbytes / 1e9:.3f} GB", flush=True)
     runs.extend(h2d_baselines(nbytes, r))
     gc.collect()
-    runs.append(
-        measure(
-            "sequential read (64 MiB buffer)", sequential_read(path), nbytes, repeats=r, path=path
-        )
-    )
-    runs.append(
-        measure(
-            "ours: TorchRunner.reload_weights",
-            runner_reload(runner, path),
-            nbytes,
-            repeats=r,
-            path=path,
-            sync=sync,
-            gpu=True,
-        )
-    )
-    runs.append(
-        measure(
-            "naive: safe_open+get_tensor+copy_",
-            naive_loop(path, targets, sync),
-            nbytes,
-            repeats=r,
-            path=path,
-            gpu=True,
-        )
-    )
-    model = runner._model
-    runs.append(
-        measure(
-            "load_file(cuda) + load_state_dict",
-            load_file_state_dict(path, model, sync, device="cuda"),
-            nbytes,
-            repeats=r,
-            path=path,
-            gpu=True,
-        )
-    )
-    if c:
-        runs.append(
-            measure(
-                "sequential read (64 MiB buffer)",
-                sequential_read(path),
-                nbytes,
-                repeats=c,
-                path=path,
-                cold=True,
-            )
-        )
-        runs.append(
-            measure(
-                "ours: TorchRunner.reload_weights",
-                runner_reload(runner, path),
-                nbytes,
-                repeats=c,
-                path=path,
-                cold=True,
-                sync=sync,
-                gpu=True,
-            )
-        )
-        runs.append(
-            measure(
-                "naive: safe_open+get_tensor+copy_",
-                naive_loop(path, targets, sync),
-                nbytes,
-                repeats=c,
-                path=path,
-                cold=True,
-                gpu=True,
-            )
-        )
+    on_gpu: dict[str, Any] = {"gpu": True}
+    readers: list[tuple[str, Callable[[], object], dict[str, Any]]] = [
+        ("sequential read (64 MiB buffer)", sequential_read(path), {}),
+        ("ours: TorchRunner.reload_weights", runner_reload(runner, path), {"sync": sync, **on_gpu}),
+        ("naive: safe_open+get_tensor+copy_", naive_loop(path, targets, sync), on_gpu),
+    ]
+    state_dict = load_file_state_dict(path, runner._model, sync, device="cuda")
+    for label, fn, kw in [*readers, ("load_file(cuda) + load_state_dict", state_dict, on_gpu)]:
+        runs.append(measure(label, fn, nbytes, repeats=r, path=path, **kw))
+    for label, fn, kw in readers if c else []:
+        runs.append(measure(label, fn, nbytes, repeats=c, path=path, cold=True, **kw))
     out["last_reload"] = runner.describe().extra.get("last_reload")
     runner.close()
     return out
