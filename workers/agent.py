@@ -2,7 +2,21 @@
 
 One command at a time, in log order. The position is committed only after the terminal ack is
 published; application is idempotent by command id (journal in state.py). Heartbeats run beside
-the command loop and never wait for the runner. No signals or asyncio.run here (see cli.py).
+the command loop and never wait for the runner or the disk. No signals or asyncio.run here (see
+cli.py).
+
+Per command, in this order (acks are keyed by worker id: one partition, kept in order):
+
+1. the ``accepted`` and ``running`` acks are handed to the producer together, not awaited: the
+   runner starts at once (:meth:`Agent._send_progress`);
+2. the runner applies the command (in a thread);
+3. journal phase 1: what it applied (weights or config) and the terminal outcome, one ``fsync``
+   off the loop; the outcome is durable before anyone can see its ack (failpoint
+   ``after_apply``);
+4. the non-terminal acks are awaited (re-sent, all and in order, if the cluster did not take
+   them), then the terminal ack is published, retried until it is;
+5. journal phase 2: "published" and the next offset, one ``fsync`` off the loop (failpoint
+   ``after_ack``); then the offset is committed to Kafka.
 """
 
 from __future__ import annotations
@@ -56,6 +70,10 @@ log = logging.getLogger("workers.agent")
 AGENT_VERSION = "0.1.0"
 #: After a runner ignores cancellation this long past its deadline, we stop waiting for it.
 _CANCEL_GRACE_S = 30.0
+#: A command still running after this long (at most one heartbeat period) wakes a heartbeat
+#: that reports the worker busy; a quicker one needs none: its acks say as much, and the
+#: heartbeat at its end reports what it changed.
+_BUSY_HEARTBEAT_GRACE_S = 0.25
 
 
 @dataclass
@@ -64,6 +82,8 @@ class _Outcome:
     error: AckError | None = None
     result: dict[str, Any] | None = None
     started_at: datetime | None = None
+    #: The runner's description after the command, when the runner returned one.
+    description: RunnerDescription | None = None
 
 
 class Agent:
@@ -95,6 +115,8 @@ class Agent:
         self._producer: Producer | None = None
         self._consumer: Consumer | None = None
         self._state: WorkerState | None = None
+        #: The non-terminal acks of the command in hand, on their way (see _send_progress).
+        self._progress: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -136,6 +158,8 @@ class Agent:
                         self._status = WorkerStatus.STOPPED
                         self._hb_done.set()
                         self._hb_wakeup.set()
+                        if self._progress is not None:  # only if the command loop was cancelled
+                            self._progress.cancel()
         finally:
             self._state.close()
             await asyncio.to_thread(self.runner.close)
@@ -170,6 +194,7 @@ class Agent:
         self._consumer.seek(topic, 0, start)
         # Remember where this incarnation starts, so a crash before its first commit resumes here.
         self._state.set_offset(start)
+        await self._sync()
         self._log(logging.INFO, "reading %s from offset %d (%s)", topic, start, source)
 
     async def _publish_pending_acks(self) -> None:
@@ -178,6 +203,7 @@ class Agent:
         pending = [cid for cid, o in self._state.outcomes.items() if not o.published]
         for command_id in pending:
             await self._replay_outcome(command_id)
+        await self._sync()
 
     async def _load_runner(self) -> None:
         assert self._state is not None
@@ -224,29 +250,33 @@ class Agent:
             for record in records:
                 if self._stop.is_set():
                     break  # not committed: seen again after a restart
-                await self._handle(record)
-                await self._commit(topic, record.offset + 1)
+                acked = await self._handle(record)
+                await self._commit(topic, record.offset + 1, acked=acked)
 
-    async def _commit(self, topic: str, next_offset: int) -> None:
+    async def _commit(self, topic: str, next_offset: int, *, acked: bool) -> None:
+        """Journal phase 2, then Kafka: the next offset (with the "published" mark of the ack
+        just sent, staged by _finish or _replay_outcome) in one fsync, then the commit."""
         assert self._consumer is not None and self._state is not None
         self._state.set_offset(next_offset)
+        await self._sync()
+        if acked:
+            failpoints.hit("after_ack")
         try:
             await self._consumer.commit(topic, 0, next_offset)
         except BusError as exc:  # the local state still has it; Kafka catches up at the next one
             self._log(logging.WARNING, "commit of offset %d failed: %s", next_offset, exc)
 
-    async def _handle(self, record: Record) -> None:
+    async def _handle(self, record: Record) -> bool:
+        """Handle one record. True if it ended with a terminal ack published (now or before)."""
         received = self.clock()
         try:
             command = decode_command(record.value or b"", max_bytes=self.settings.max_message_bytes)
         except ProtocolError as exc:
-            await self._handle_garbage(record, exc, received)
-            return
+            return await self._handle_garbage(record, exc, received)
         if not command.selector.matches(self.worker_id, self.settings.labels):
-            return
+            return False
         if await self._replay_outcome(command.command_id):
-            return
-        log_ctx = {"command_id": command.command_id, "rollout_id": command.rollout_id}
+            return True
         rejected = self._precheck(command, received)
         if isinstance(rejected, ControlPlaneError):
             await self._finish(
@@ -256,13 +286,8 @@ class Agent:
                 received,
                 _Outcome(AckState.REJECTED, _ack_error(rejected)),
             )
-            return
+            return True
         path = rejected
-        await self._publish(
-            self._ack(
-                command.command_id, command.rollout_id, command.kind, AckState.ACCEPTED, received
-            )
-        )
         started = self.clock()
         self._in_flight = InFlight(
             command_id=command.command_id,
@@ -271,8 +296,10 @@ class Agent:
             since=started,
         )
         self._status = WorkerStatus.BUSY
-        self._hb_wakeup.set()
-        await self._publish(
+        self._send_progress(
+            self._ack(
+                command.command_id, command.rollout_id, command.kind, AckState.ACCEPTED, received
+            ),
             self._ack(
                 command.command_id,
                 command.rollout_id,
@@ -280,20 +307,38 @@ class Agent:
                 AckState.RUNNING,
                 received,
                 started_at=started,
-            )
+            ),
         )
-        self._log(logging.INFO, "applying %s", command.kind.value, **log_ctx)
-        outcome = await self._execute(command, path)
+        self._log(
+            logging.INFO,
+            "applying %s",
+            command.kind.value,
+            command_id=command.command_id,
+            rollout_id=command.rollout_id,
+        )
+        busy_beat = asyncio.get_running_loop().call_later(
+            min(_BUSY_HEARTBEAT_GRACE_S, self.settings.heartbeat_interval_s), self._hb_wakeup.set
+        )
+        try:
+            outcome = await self._execute(command, path)
+        finally:
+            busy_beat.cancel()
         outcome.started_at = started
         self._in_flight = None
-        await self._refresh()
+        if outcome.description is not None:
+            self._describe = outcome.description
+        else:
+            await self._refresh()
         self._status = self._idle_status()
         await self._finish(command.command_id, command.rollout_id, command.kind, received, outcome)
+        return True
 
-    async def _handle_garbage(self, record: Record, exc: ProtocolError, received: datetime) -> None:
+    async def _handle_garbage(self, record: Record, exc: ProtocolError, received: datetime) -> bool:
         self._log(logging.WARNING, "unreadable command at offset %d: %s", record.offset, exc)
-        if exc.command_id is None or await self._replay_outcome(exc.command_id):
-            return
+        if exc.command_id is None:
+            return False
+        if await self._replay_outcome(exc.command_id):
+            return True
         await self._finish(
             exc.command_id,
             exc.rollout_id or "unknown",
@@ -301,6 +346,7 @@ class Agent:
             received,
             _Outcome(AckState.REJECTED, _ack_error(exc)),
         )
+        return True
 
     def _precheck(self, command: Command, now: datetime) -> Path | ControlPlaneError | None:
         """Checks before anything is touched: expiry and weights path. Returns the resolved path."""
@@ -317,7 +363,10 @@ class Agent:
         return None
 
     async def _replay_outcome(self, command_id: str) -> bool:
-        """Already ended here (redelivery after a crash)? Then re-publish its ack if needed."""
+        """Already ended here (redelivery after a crash)? Then re-publish its ack if needed.
+
+        The "published" mark is staged; the caller syncs it (with the next offset, or at start).
+        """
         assert self._state is not None
         prior = self._state.outcome(command_id)
         if prior is None:
@@ -421,9 +470,13 @@ class Agent:
         if isinstance(spec, ReloadWeightsSpec) and isinstance(value, ReloadResult):
             self._state.set_weights(spec)
             return _Outcome(AckState.SUCCEEDED, result=value.as_dict())
-        if isinstance(spec, UpdateConfigSpec):
+        if isinstance(spec, UpdateConfigSpec) and isinstance(value, RunnerDescription):
             self._state.add_config(dict(spec.overrides))
-            return _Outcome(AckState.SUCCEEDED, result={"overrides": sorted(spec.overrides)})
+            return _Outcome(
+                AckState.SUCCEEDED,
+                result={"overrides": sorted(spec.overrides)},
+                description=value,  # the runner's state after the update: no describe() call
+            )
         return _Outcome(  # pragma: no cover - a runner returned the wrong type
             AckState.FAILED,
             AckError(code=ErrorCode.INTERNAL, message=f"runner returned {type(value).__name__}"),
@@ -437,7 +490,12 @@ class Agent:
         received: datetime,
         outcome: _Outcome,
     ) -> None:
-        """Record the terminal ack durably, publish it, then mark it published."""
+        """Record the terminal ack durably, publish it, then mark it published (staged).
+
+        Journal phase 1 is the outcome plus what _execute staged (weights or config): one fsync,
+        off the loop, done before the ack can be seen. The "published" mark goes to disk with the
+        next offset in _commit.
+        """
         assert self._state is not None
         ack = self._ack(
             command_id,
@@ -451,10 +509,11 @@ class Agent:
             result=outcome.result,
         )
         self._state.record(ack, published=False)
+        await self._sync()
         failpoints.hit("after_apply")
+        await self._settle_progress()
         await self._publish(ack)
         self._state.mark_published(command_id)
-        failpoints.hit("after_ack")
         self.outcomes[outcome.error.code if outcome.error else "OK"] += 1
         level = logging.INFO if outcome.state is AckState.SUCCEEDED else logging.WARNING
         self._log(
@@ -494,6 +553,50 @@ class Agent:
             sent_at=self.clock(),
             result=result or {},
         )
+
+    def _send_progress(self, *acks: Ack) -> None:
+        """Hand non-terminal acks to the producer without waiting for the cluster.
+
+        One task, one ``send_many``: appended to the producer in this order, they go out in one
+        request, and the idempotent producer keeps them in order within the worker's partition.
+        :meth:`_settle_progress` waits for them before the terminal ack is published.
+        """
+        assert self._progress is None, "the previous command's progress acks were not settled"
+        self._progress = asyncio.create_task(self._publish_progress(acks))
+
+    async def _publish_progress(self, acks: tuple[Ack, ...]) -> None:
+        """Publish non-terminal acks; if the cluster did not take them, all again, in order.
+
+        Not dropped and not logged-and-forgotten: a coordinator shows "running" from them while
+        a long reload runs. Re-sent from the first, so the log reads accepted, running, terminal
+        even after a failure (an ambiguous failure may leave a duplicate; readers keep the
+        earliest of each state). The command does not wait: the runner works meanwhile.
+        """
+        assert self._producer is not None
+        key = worker_key(self.worker_id)
+        items: list[tuple[bytes | None, bytes | None]] = [(key, encode(a)) for a in acks]
+        delay = 0.5
+        while True:
+            try:
+                await self._producer.send_many(self.topics.acks.name, items)
+                return
+            except BusError as exc:
+                self._log(
+                    logging.WARNING,
+                    "%s ack publish failed, re-sending in %.1fs: %s",
+                    "/".join(a.state.value for a in acks),
+                    delay,
+                    exc,
+                    command_id=acks[0].command_id,
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    async def _settle_progress(self) -> None:
+        """Wait until the non-terminal acks in flight are published (before the terminal one)."""
+        task, self._progress = self._progress, None
+        if task is not None:
+            await task
 
     async def _publish(self, ack: Ack) -> None:
         """Publish an ack, retrying while Kafka is away (commands wait; nothing is dropped)."""
@@ -571,6 +674,12 @@ class Agent:
 
     # ------------------------------------------------------------------ helpers
 
+    async def _sync(self) -> None:
+        """Make the journal's staged mutations durable: one fsync, off the loop (heartbeats go on)."""
+        assert self._state is not None
+        if self._state.dirty:
+            await asyncio.to_thread(self._state.sync)
+
     async def _refresh(self) -> None:
         try:
             self._describe = await asyncio.to_thread(self.runner.describe)
@@ -597,6 +706,8 @@ class Agent:
         command_id: str | None = None,
         rollout_id: str | None = None,
     ) -> None:
+        if not log.isEnabledFor(level):
+            return
         ctx = f"worker={self.worker_id}"
         if command_id:
             ctx += f" command={command_id}"

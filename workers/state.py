@@ -1,8 +1,13 @@
 """The worker's durable local state: terminal acks by command id, its position, what is applied.
 
 Kafka's committed offsets can expire on a quiet topic; this journal makes application
-idempotent by command id across restarts regardless. Append-only JSON lines with fsync, a torn
-last line is ignored, and the file is compacted when it grows. No Kafka, no asyncio.
+idempotent by command id across restarts regardless. Append-only JSON lines, a torn last line is
+ignored, and the file is compacted when it grows. No Kafka, no asyncio.
+
+Mutations change the state in memory at once and are *staged*; :meth:`WorkerState.sync` makes
+everything staged durable with one write and one ``fsync``. The agent groups a phase's mutations
+(what a command applied and its outcome; then "published" and the next offset) into one sync and
+runs it off its event loop. The memory may be ahead of the disk until then, never behind.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +39,11 @@ class Outcome:
 
 
 class WorkerState:
-    """Open with :meth:`open`; every mutation is durable when the method returns."""
+    """Open with :meth:`open`; a mutation is durable once a later :meth:`sync` has returned.
+
+    Mutations come from one thread (the agent's event loop); :meth:`sync` may run in another
+    (``asyncio.to_thread``), and concurrent syncs write in the order the lines were staged.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -46,6 +56,12 @@ class WorkerState:
         self.config_overrides: dict[str, Any] = {}
         self._lines = 0
         self._fh: IO[str] | None = None
+        #: Journal lines staged by mutations, not yet written (guarded by ``_lock``).
+        self._pending: list[str] = []
+        #: Guards the in-memory state and ``_pending`` (a sync may snapshot them from a thread).
+        self._lock = threading.Lock()
+        #: Held while writing: syncs and compaction reach the file one at a time, in order.
+        self._io_lock = threading.Lock()
 
     @classmethod
     def open(cls, directory: Path) -> WorkerState:
@@ -58,9 +74,27 @@ class WorkerState:
         return state
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        """Sync what is staged (it happened: the memory says so) and close the file."""
+        with self._io_lock:
+            if self._fh is not None:
+                self._write_pending()
+                self._fh.close()
+                self._fh = None
+
+    @property
+    def dirty(self) -> bool:
+        """Whether mutations are staged that a :meth:`sync` would make durable."""
+        return bool(self._pending)
+
+    def sync(self) -> None:
+        """Make every staged mutation durable: one write, one ``fsync`` (none if nothing staged).
+
+        Blocking; safe to call from a worker thread while the owner thread stages more.
+        """
+        with self._io_lock:
+            if self._fh is None:
+                raise RuntimeError("worker state is closed")
+            self._write_pending()
 
     # ------------------------------------------------------------------ queries
 
@@ -69,44 +103,83 @@ class WorkerState:
 
     # ------------------------------------------------------------------ mutations
 
+    # All staged: durable at the next sync().
+
     def record(self, ack: Ack, *, published: bool) -> None:
-        self._apply_outcome(ack, published)
-        self._append({"t": "outcome", "ack": json.loads(encode(ack)), "published": published})
+        # The ack's own wire JSON is spliced in: no parse and re-dump of what encode() wrote.
+        line = (
+            '{"t":"outcome","ack":'
+            + encode(ack).decode("utf-8")
+            + (',"published":true}' if published else ',"published":false}')
+        )
+        with self._lock:
+            self._apply_outcome(ack, published)
+            self._pending.append(line)
 
     def mark_published(self, command_id: str) -> None:
-        item = self.outcomes.get(command_id)
-        if item is not None and not item.published:
-            item.published = True
-            self._append({"t": "published", "id": command_id})
+        with self._lock:
+            item = self.outcomes.get(command_id)
+            if item is not None and not item.published:
+                item.published = True
+                self._stage({"t": "published", "id": command_id})
 
     def set_offset(self, next_offset: int) -> None:
-        if next_offset != self.next_offset:
-            self.next_offset = next_offset
-            self._append({"t": "offset", "next": next_offset})
+        with self._lock:
+            if next_offset != self.next_offset:
+                self.next_offset = next_offset
+                self._stage({"t": "offset", "next": next_offset})
 
     def set_weights(self, spec: ReloadWeightsSpec) -> None:
-        self.weights = spec
-        self._append({"t": "weights", "spec": spec.model_dump(mode="json")})
+        with self._lock:
+            self.weights = spec
+            self._stage({"t": "weights", "spec": spec.model_dump(mode="json")})
 
     def add_config(self, overrides: dict[str, Any]) -> None:
-        self.config_overrides.update(overrides)
-        self._append({"t": "config", "overrides": overrides})
+        with self._lock:
+            self.config_overrides.update(overrides)
+            self._stage({"t": "config", "overrides": overrides})
 
     def compact(self) -> None:
-        """Rewrite the journal as the current state (atomically: temp file, fsync, rename)."""
+        """Rewrite the journal as the current state (atomically: temp file, fsync, rename).
+
+        What is staged is part of the current state, so it is durable afterwards too.
+        """
+        with self._io_lock:
+            self._compact()
+
+    # ------------------------------------------------------------------ internals
+
+    def _stage(self, entry: dict[str, Any]) -> None:  # under _lock
+        self._pending.append(json.dumps(entry, separators=(",", ":")))
+
+    def _write_pending(self) -> None:  # under _io_lock
+        assert self._fh is not None
+        with self._lock:
+            lines, self._pending = self._pending, []
+        if not lines:
+            return
+        self._fh.write("\n".join(lines) + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._lines += len(lines)
+        if self._lines > 2 * MAX_REMEMBERED + 100:
+            self._compact()
+
+    def _compact(self) -> None:  # under _io_lock
+        with self._lock:  # the snapshot includes everything staged so far, so drop that
+            entries = self._snapshot()
+            self._pending = []
         tmp = self.path.with_suffix(".tmp")
         with open(tmp, "w", encoding="utf-8") as fh:
-            for entry in self._snapshot():
+            for entry in entries:
                 fh.write(json.dumps(entry, separators=(",", ":")) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, self.path)
-        self._lines = len(self.outcomes) + 3
+        self._lines = len(entries)
         if self._fh is not None:
             self._fh.close()
             self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
-
-    # ------------------------------------------------------------------ internals
 
     def _snapshot(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = [
@@ -126,16 +199,6 @@ class WorkerState:
         self.outcomes.move_to_end(ack.command_id)
         while len(self.outcomes) > MAX_REMEMBERED:
             self.outcomes.popitem(last=False)
-
-    def _append(self, entry: dict[str, Any]) -> None:
-        if self._fh is None:
-            raise RuntimeError("worker state is closed")
-        self._fh.write(json.dumps(entry, separators=(",", ":")) + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self._lines += 1
-        if self._lines > 2 * MAX_REMEMBERED + 100:
-            self.compact()
 
     def _replay(self) -> None:
         try:

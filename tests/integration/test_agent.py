@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from controlplane.bus import Consumer
-from controlplane.errors import ErrorCode, RunnerError
+from controlplane.bus import Consumer, Producer
+from controlplane.errors import BusError, ErrorCode, RunnerError
 from controlplane.protocol import (
     AckState,
     ReloadWeightsSpec,
@@ -33,6 +33,7 @@ from tests.fleet import (
     publish,
     terminal,
 )
+from workers import agent as agent_module
 from workers.agent import Agent
 from workers.runner import ReloadResult, RunnerDescription, config_digest
 from workers.settings import WorkerSettings
@@ -335,3 +336,64 @@ async def test_commits_position_only_after_terminal_ack(
         async with Consumer(kafka, group_id=kafka.topics.worker_group("w1")) as probe:
             await probe.assign(kafka.topics.commands.name, [0])
             assert await probe.committed(kafka.topics.commands.name, 0) == 1
+
+
+@pytest.mark.parametrize("landed", [False, True], ids=["lost", "ambiguous"])
+async def test_progress_acks_that_fail_are_sent_again_before_the_terminal_ack(
+    kafka: KafkaSettings,
+    tmp_path: Path,
+    weights: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    landed: bool,
+) -> None:
+    """accepted/running are not awaited one by one; if the cluster does not take them (or says
+    so after taking them), they are sent again, in order, and the terminal ack waits for that."""
+    failures: list[str] = []
+
+    class FlakyProducer(Producer):
+        async def send_many(
+            self, topic: str, items: Sequence[tuple[bytes | None, bytes | None]]
+        ) -> None:
+            if not failures:
+                failures.append(topic)
+                if landed:
+                    await super().send_many(topic, items)
+                raise BusError("publishing: Kafka unreachable (injected)")
+            await super().send_many(topic, items)
+
+    monkeypatch.setattr(agent_module, "Producer", FlakyProducer)
+    runner = RecordingRunner()
+    async with running_agent(kafka, tmp_path, runner), acks_tail(kafka) as acks:
+        cmd = reload(weights, "v2")
+        await publish(kafka, cmd)
+        await acks.until(has_terminal(cmd.command_id))
+    states = [a.state for a in acks.items if a.command_id == cmd.command_id]
+    progress = [AckState.ACCEPTED, AckState.RUNNING]
+    assert states == (progress * 2 if landed else progress) + [AckState.SUCCEEDED]
+    assert failures == [kafka.topics.acks.name]
+    assert "accepted/running ack publish failed, re-sending" in caplog.text
+    assert runner.applied == ["v2"]
+
+
+async def test_a_quick_command_needs_no_busy_heartbeat_and_its_end_sends_one(
+    kafka: KafkaSettings, tmp_path: Path, weights: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The busy heartbeat waits for a grace period (the slow-reload test above shows it sent);
+    a command done within it is reported by its acks and by the heartbeat at its end."""
+    monkeypatch.setattr(agent_module, "_BUSY_HEARTBEAT_GRACE_S", 3600.0)
+    runner = RecordingRunner()
+    async with (
+        running_agent(kafka, tmp_path, runner, heartbeat_interval_s=3600.0),
+        acks_tail(kafka) as acks,
+        heartbeats_tail(kafka) as hbs,
+    ):
+        await hbs.until(lambda items: latest(items, "w1") is not None)
+        cmd = reload(weights, "v2")
+        await publish(kafka, cmd)
+        await acks.until(has_terminal(cmd.command_id))
+        await hbs.until(lambda items: any(h.weights_version == "v2" for h in items))
+    assert WorkerStatus.BUSY not in {h.status for h in hbs.items}
+    assert all(h.in_flight is None for h in hbs.items)
+    last = hbs.items[-1]
+    assert last.status is WorkerStatus.READY and last.weights_version == "v2"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.protocol import AckState, ReloadWeightsSpec, WorkerStatus
+from controlplane.protocol import AckState, ReloadWeightsSpec, Selector, WorkerStatus
 from controlplane.settings import KafkaSettings
 from tests.fleet import (
     acks_tail,
@@ -116,17 +116,34 @@ async def _ready(kafka: KafkaSettings, after_seq_of: int | None = None) -> None:
         )
 
 
+@pytest.mark.parametrize("committed_before", [False, True], ids=["first-commit", "committed"])
 @pytest.mark.parametrize("failpoint", ["after_apply", "after_ack"])
 async def test_sigkill_between_apply_and_commit_applies_once_and_acks_once(
-    kafka: KafkaSettings, ckpt: Path, worker: WorkerProcess, failpoint: str
+    kafka: KafkaSettings, ckpt: Path, worker: WorkerProcess, failpoint: str, committed_before: bool
 ) -> None:
     """The worker dies (SIGKILL, from a failpoint) after applying: before the ack, or after the
-    ack and before the commit. Restarted, it neither applies again nor ends with two terminal acks."""
+    ack and before the commit. Restarted, it neither applies again nor ends with two terminal acks.
+
+    ``after_apply``: the outcome (and the weights it applied) is durable, the ack never left.
+    ``after_ack``: the ack left, and the journal has it published and the next offset (Kafka has
+    no commit of it). ``committed``: a command for another worker went first and its offset was
+    committed to Kafka, so the restart reads the killed command again from Kafka's (stale)
+    position and must recognise it; ``first-commit``: no Kafka commit yet, the journal's own
+    offset decides where the restart reads from.
+    """
     worker.start({"FLEET_FAILPOINTS": f"{failpoint}=kill"})
     await _ready(kafka)
     cmd = make_command(ReloadWeightsSpec(path=str(ckpt), version="v2"))
-    await publish(kafka, cmd)
+    if committed_before:  # not for w1: no ack, so no failpoint; only its offset is committed
+        other = make_command(
+            ReloadWeightsSpec(path=str(ckpt), version="v-other"),
+            selector=Selector(worker_ids=["w9"]),
+        )
+        await publish(kafka, other, cmd)
+    else:
+        await publish(kafka, cmd)
     assert worker.wait(60) == -signal.SIGKILL
+    before_restart = worker.journal()
     worker.start()  # same state directory, no failpoint
     async with acks_tail(kafka) as acks:
         await acks.until(has_terminal(cmd.command_id))
@@ -136,17 +153,36 @@ async def test_sigkill_between_apply_and_commit_applies_once_and_acks_once(
     finals = terminal(acks.items, cmd.command_id)
     assert len(finals) == 1, finals
     assert finals[0].state is AckState.SUCCEEDED and finals[0].weights_version == "v2"
+    # What the journal held when the process died: the outcome and the weights it applied,
+    # and, after the ack, the "published" mark and the next offset.
+    kinds = [e["t"] for e in before_restart]
+    recorded = [
+        i
+        for i, e in enumerate(before_restart)
+        if e["t"] == "outcome" and e["ack"]["command_id"] == cmd.command_id
+    ]
+    assert len(recorded) == 1, "the outcome was not durable when the process died"
+    outcome_at = recorded[0]
+    assert "weights" in kinds[:outcome_at] and before_restart[outcome_at]["published"] is False
+    after_outcome = before_restart[outcome_at + 1 :]
+    cmd_offset = 1 if committed_before else 0
+    published = {"t": "published", "id": cmd.command_id}
     if failpoint == "after_apply":  # the ack never left: the restart publishes the recorded one
         assert finals[0].attempt == 2 and finals[0].result.get("replayed") is True
+        assert published not in after_outcome
     else:
         assert finals[0].attempt == 1
+        assert after_outcome[-2:] == [published, {"t": "offset", "next": cmd_offset + 1}]
     outcomes = [
         e
         for e in worker.journal()
         if e["t"] == "outcome" and e["ack"]["command_id"] == cmd.command_id
     ]
     assert len(outcomes) == 1, "the command was applied (recorded) more than once"
-    assert "duplicate delivery ignored" in worker.log.read_text() or failpoint == "after_apply"
+    # Read again after the restart: from Kafka's stale commit, or from the journal's offset
+    # when the crash came before the journal had moved past the command.
+    redelivered = committed_before or failpoint == "after_apply"
+    assert ("duplicate delivery ignored" in worker.log.read_text()) is redelivered
 
 
 async def test_sigterm_during_a_reload_drains(

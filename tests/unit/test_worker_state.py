@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import threading
 from datetime import UTC, datetime
 from pathlib import Path
+
+import pytest
 
 from controlplane.protocol import Ack, AckError, AckState, ReloadWeightsSpec, Timings
 from workers import state as state_module
@@ -63,6 +68,7 @@ def test_compaction_bounds_the_journal_and_keeps_the_newest(tmp_path: Path, monk
     for i in range(60):
         st.record(ack(f"c{i}"), published=True)
         st.set_offset(i + 1)
+        st.sync()
     st.close()
     lines = (tmp_path / "state.jsonl").read_text().splitlines()
     assert len(lines) <= 2 * 10 + 100 + 1
@@ -70,3 +76,96 @@ def test_compaction_bounds_the_journal_and_keeps_the_newest(tmp_path: Path, monk
     assert list(again.outcomes) == [f"c{i}" for i in range(50, 60)]
     assert again.next_offset == 60
     again.close()
+
+
+def journal(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in (path / "state.jsonl").read_text().splitlines()]
+
+
+def test_mutations_are_staged_until_one_sync_with_one_fsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fsyncs: list[int] = []
+    real_fsync = os.fsync
+
+    def counting_fsync(fd: int) -> None:
+        fsyncs.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counting_fsync)
+    st = WorkerState.open(tmp_path)
+    st.set_weights(ReloadWeightsSpec(path="/x", version="v9"))
+    st.record(ack("c1"), published=False)
+    # Applied in memory at once, on disk only after the sync (a crash now loses both together).
+    assert st.dirty and st.weights is not None and st.outcome("c1") is not None
+    assert journal(tmp_path) == []
+    st.sync()
+    assert not st.dirty and len(fsyncs) == 1
+    assert [e["t"] for e in journal(tmp_path)] == ["weights", "outcome"]
+    st.mark_published("c1")
+    st.set_offset(8)
+    st.sync()
+    st.sync()  # nothing staged: no write, no fsync
+    assert len(fsyncs) == 2
+    assert journal(tmp_path)[2:] == [{"t": "published", "id": "c1"}, {"t": "offset", "next": 8}]
+    st.mark_published("c1")  # already published: nothing staged
+    assert not st.dirty
+    again = WorkerState.open(tmp_path)
+    assert again.outcome("c1") is not None and again.outcome("c1").published is True
+    assert again.next_offset == 8 and again.weights is not None
+    again.close()
+    st.close()
+
+
+def test_a_crash_before_the_sync_loses_only_the_staged_mutations(tmp_path: Path) -> None:
+    st = WorkerState.open(tmp_path)
+    st.record(ack("c1"), published=False)
+    st.sync()
+    st.mark_published("c1")
+    st.set_offset(3)
+    # The process dies here: no sync, no close (the file is what another process would read).
+    after_crash = WorkerState.open(tmp_path)
+    assert after_crash.outcome("c1") is not None and after_crash.outcome("c1").published is False
+    assert after_crash.next_offset is None
+    after_crash.close()
+    st._pending.clear()  # the dead process's memory, gone with it
+    st.close()
+
+
+def test_close_syncs_what_is_staged(tmp_path: Path) -> None:
+    st = WorkerState.open(tmp_path)
+    st.add_config({"max_new_tokens": 3})
+    st.close()
+    assert journal(tmp_path) == [{"t": "config", "overrides": {"max_new_tokens": 3}}]
+    with pytest.raises(RuntimeError, match="closed"):
+        st.sync()
+
+
+def test_syncs_from_another_thread_keep_the_order_of_mutations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(state_module, "MAX_REMEMBERED", 50)  # compactions happen meanwhile
+    st = WorkerState.open(tmp_path)
+    done = threading.Event()
+
+    def syncer() -> None:
+        while not done.is_set():
+            st.sync()
+
+    thread = threading.Thread(target=syncer)
+    thread.start()
+    try:
+        for i in range(400):
+            st.record(ack(f"c{i}"), published=False)
+            st.mark_published(f"c{i}")
+            st.set_offset(i + 1)
+    finally:
+        done.set()
+        thread.join()
+    st.sync()
+    again = WorkerState.open(tmp_path)
+    assert again.next_offset == 400
+    assert list(again.outcomes) == [f"c{i}" for i in range(350, 400)]
+    assert all(o.published for o in again.outcomes.values())
+    again.close()
+    st.close()
