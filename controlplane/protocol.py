@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal, TypeVar
 
@@ -37,19 +37,33 @@ MAX_MESSAGE_BYTES: Final = 1024 * 1024
 _IDENTIFIER: Final = r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}"
 _IDENTIFIER_RE: Final = re.compile(_IDENTIFIER)
 #: RFC 3339 date-time with an offset, as JSON Schema's "date-time" format means it (no unix
-#: timestamps, no space separator, no naive times).
+#: timestamps, no space separator, no naive times). Group 1: the fraction's digits.
 _RFC3339_RE: Final = re.compile(
-    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]+)?(?:[Zz]|[+-][0-9]{2}:[0-9]{2})"
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.([0-9]+))?(?:[Zz]|[+-][0-9]{2}:[0-9]{2})"
 )
+_MICROSECOND: Final = timedelta(microseconds=1)
 
 
 def _rfc3339_only(value: object) -> object:
-    """Parse a wire date-time ourselves: strict JSON validation takes no str after a validator."""
+    """Parse a wire date-time ourselves: strict JSON validation takes no str after a validator.
+
+    Digits past the microsecond round to the nearest microsecond, half up on the 7th digit:
+    exactly what msgspec does, so that the coordinator's compiled ack decoder
+    (:mod:`controlplane.ack_codec`) and this one give equal values.
+    """
     if not isinstance(value, str):
         return value
-    if not _RFC3339_RE.fullmatch(value):
+    match = _RFC3339_RE.fullmatch(value)
+    if match is None:
         raise ValueError("expected an RFC 3339 date-time with an offset, like 2025-01-01T12:00:00Z")
-    return datetime.fromisoformat(value.upper())
+    parsed = datetime.fromisoformat(value.upper())  # keeps the first 6 fraction digits
+    fraction = match.group(1)
+    if fraction is not None and len(fraction) > 6 and fraction[6] >= "5":
+        try:
+            parsed += _MICROSECOND
+        except OverflowError:
+            raise ValueError("date-time out of range after rounding to microseconds") from None
+    return parsed
 
 
 def _exact_int(value: object) -> object:
