@@ -21,8 +21,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from controlplane.ack_codec import AckLike
 from controlplane.follower import Batch
-from controlplane.protocol import Ack, Command
+from controlplane.protocol import Command
 from controlplane.rollout_models import RolloutPhase
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ class AckLatency:
 
     def __init__(self) -> None:
         self._issued: dict[str, tuple[datetime, str]] = {}
-        self._held: dict[str, dict[str, Ack]] = {}
+        self._held: dict[str, dict[str, AckLike]] = {}
         self._sampled: dict[str, set[str]] = {}
 
     def command(self, command: Command) -> list[Sample]:
@@ -80,7 +81,7 @@ class AckLatency:
         held = self._held.pop(command.command_id, {})
         return [self._sample(ack) for _, ack in sorted(held.items())]
 
-    def ack(self, ack: Ack) -> list[Sample]:
+    def ack(self, ack: AckLike) -> list[Sample]:
         """Note an ack; returns its sample when it is the first terminal one of a known command."""
         if not ack.state.terminal or ack.worker_id in self._sampled.get(ack.command_id, ()):
             return []
@@ -97,7 +98,7 @@ class AckLatency:
         """Terminal acks held because their command has not been seen yet."""
         return sum(len(held) for held in self._held.values())
 
-    def _sample(self, ack: Ack) -> Sample:
+    def _sample(self, ack: AckLike) -> Sample:
         issued_at, kind = self._issued[ack.command_id]
         self._sampled.setdefault(ack.command_id, set()).add(ack.worker_id)
         seconds = max(0.0, (ack.sent_at - issued_at).total_seconds())  # clock skew: never negative

@@ -47,7 +47,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Final
 
-from controlplane.protocol import Ack, Command, Heartbeat, ReloadWeightsSpec
+from controlplane.ack_codec import AckLike
+from controlplane.protocol import Command, Heartbeat, ReloadWeightsSpec
 from controlplane.registry import Registry, is_alive
 from controlplane.rollout_ledger import CommandLedger
 from controlplane.rollout_models import (
@@ -112,12 +113,13 @@ class Fleet:
         if command not in held:
             held.append(command)
 
-    def observe_ack(self, ack: Ack) -> None:
+    def observe_ack(self, ack: AckLike) -> None:
+        """Fold one ack: the pydantic :class:`~controlplane.protocol.Ack` or the fast decoder's."""
         self._n_acks += 1
         key = (ack.rollout_id, ack.command_id)
         ledger = self._ledgers.get(key)
         if ledger is None:
-            ledger = self._ledgers[key] = CommandLedger(ack.rollout_id, ack.command_id)
+            ledger = self._ledgers[key] = CommandLedger(*key)
         ledger.add(ack)
 
     def observe_heartbeat(self, heartbeat: Heartbeat) -> bool:

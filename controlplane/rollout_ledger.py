@@ -9,7 +9,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import NamedTuple
 
-from controlplane.protocol import Ack, AckError, AckState
+from controlplane.ack_codec import AckLike, as_model_error
+from controlplane.protocol import AckError, AckState
 
 _ACCEPTED = AckState.ACCEPTED
 _RUNNING = AckState.RUNNING
@@ -28,15 +29,16 @@ class Report(NamedTuple):
     finished_at: datetime | None
 
     @classmethod
-    def of(cls, ack: Ack) -> Report:
+    def of(cls, ack: AckLike) -> Report:
         t = ack.timings
+        error = ack.error
         return cls(
             ack.sent_at,
             ack.attempt,
             ack.state,
             ack.weights_version,
             ack.config_digest,
-            ack.error,
+            None if error is None else as_model_error(error),
             t.started_at,
             t.finished_at,
         )
@@ -76,7 +78,7 @@ class WorkerLedger:
         "terminals",
     )
 
-    def __init__(self, ack: Ack) -> None:
+    def __init__(self, ack: AckLike) -> None:
         sent = ack.sent_at
         timings = ack.timings
         state = ack.state
@@ -93,7 +95,7 @@ class WorkerLedger:
             {} if state is _ACCEPTED or state is _RUNNING else {state: Report.of(ack)}
         )
 
-    def add(self, ack: Ack) -> None:
+    def add(self, ack: AckLike) -> None:
         self.acks += 1
         sent = ack.sent_at
         if sent < self.first_sent:
@@ -148,13 +150,14 @@ class CommandLedger:
         self.acks = 0
         self.workers: dict[str, WorkerLedger] = {}
 
-    def add(self, ack: Ack) -> None:
+    def add(self, ack: AckLike) -> None:
         self.acks += 1
-        held = self.workers.get(ack.worker_id)
+        worker_id = ack.worker_id
+        held = self.workers.get(worker_id)
         if held is not None:
             held.add(ack)
         else:
-            self.workers[ack.worker_id] = WorkerLedger(ack)
+            self.workers[worker_id] = WorkerLedger(ack)
 
     @property
     def first_sent(self) -> datetime | None:

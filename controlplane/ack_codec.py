@@ -1,0 +1,253 @@
+"""A compiled decoder for acks, for the coordinator's fold of the acks topic (about 1 µs an ack).
+
+:func:`controlplane.protocol.decode_ack` validates with pydantic and costs 10-15 µs an ack, more
+than reading the record from Kafka does; a coordinator replaying a million acks spends most of
+its catch-up there. :func:`decode_ack_fast` decodes with msgspec into frozen structs that mirror
+:class:`~controlplane.protocol.Ack`, :class:`~controlplane.protocol.Timings` and
+:class:`~controlplane.protocol.AckError` (same attribute names, same value types: enums, aware
+datetimes, plain JSON values in ``result``).
+
+The pydantic models stay the single source of truth. The fast path accepts a *subset* of what
+``decode_ack`` accepts and gives equal values for it; whatever it does not accept (a msgspec
+error, or one of the guards below) goes to ``decode_ack``, which raises the canonical
+:class:`~controlplane.errors.ProtocolError` (same codes, same messages) or, rarely, accepts,
+and its :class:`Ack` is then converted. msgspec is stricter or equal everywhere except in these
+places, each guarded here (``tests/unit/test_ack_codec.py`` shows each one):
+
+* date-times: msgspec also takes a space for the ``T`` separator and an offset without its
+  colon (``+0100``); a message holding either form goes to the canonical decoder. (Digits past
+  the microsecond: msgspec rounds half up on the 7th digit; ``protocol._rfc3339_only`` does the
+  same since this module exists, so no guard is needed.)
+* escapes: the date-time guards read the raw bytes, where ``\\u0020`` could hide a space, so a
+  message with any backslash goes to the canonical decoder (rare: our producers escape only
+  quotes and control characters in error messages);
+* identifiers (``command_id``, ``rollout_id``, ``worker_id``) must fullmatch the protocol's
+  pattern; validated ones are remembered in a bounded set (the ids repeat a lot);
+* ``result`` values nest at most :data:`MAX_RESULT_DEPTH` containers deep here (pydantic's JSON
+  parser refuses past about 200 levels, msgspec only near Python's recursion limit);
+* the model validator: a failed or rejected ack must carry an error, a succeeded one must not.
+
+Equal elsewhere (verified by the differential tests): strict types (no ``true`` for 1, no
+``1.0`` for an int, ``schema_version`` required and exactly the integer 1), unknown fields
+refused, duplicate keys (last wins), lone surrogates and invalid UTF-8 refused, integers up to
+4300 digits, floats (msgspec refuses ``1e400`` where pydantic makes ``inf`` that
+``_finite_json`` then refuses), string lengths in code points, the UTF-8 BOM and the size limit.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, Protocol, TypeAlias
+
+import msgspec
+
+from controlplane.protocol import (
+    _IDENTIFIER,
+    MAX_MESSAGE_BYTES,
+    Ack,
+    AckError,
+    AckState,
+    CommandKind,
+    decode_ack,
+)
+
+# --------------------------------------------------------------------------- the read-only shape
+
+
+class AckErrorLike(Protocol):
+    """What the fold reads of an ack's error: :class:`AckError` or :class:`FastAckError`."""
+
+    @property
+    def code(self) -> str: ...
+    @property
+    def message(self) -> str: ...
+    @property
+    def retryable(self) -> bool: ...
+
+
+class TimingsLike(Protocol):
+    @property
+    def received_at(self) -> datetime: ...
+    @property
+    def started_at(self) -> datetime | None: ...
+    @property
+    def finished_at(self) -> datetime | None: ...
+
+
+class AckLike(Protocol):
+    """An ack as the fold reads it: the pydantic :class:`Ack` or the fast :class:`FastAck`."""
+
+    @property
+    def schema_version(self) -> int: ...
+    @property
+    def command_id(self) -> str: ...
+    @property
+    def rollout_id(self) -> str: ...
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def kind(self) -> CommandKind | None: ...
+    @property
+    def state(self) -> AckState: ...
+    @property
+    def weights_version(self) -> str | None: ...
+    @property
+    def config_digest(self) -> str | None: ...
+    @property
+    def error(self) -> AckErrorLike | None: ...
+    @property
+    def timings(self) -> TimingsLike: ...
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def sent_at(self) -> datetime: ...
+    @property
+    def result(self) -> Mapping[str, Any]: ...
+
+
+# --------------------------------------------------------------------------- the structs
+
+#: Containers nested in ``result`` at most this deep on the fast path (pydantic: about 200).
+#: msgspec builds a node per union member, 2**depth of them: keep it small.
+MAX_RESULT_DEPTH: Final = 8
+
+_Scalar: TypeAlias = str | int | float | bool | None
+if TYPE_CHECKING:
+    _JsonValue: TypeAlias = Any
+else:
+    # Bounded-depth JSON values: msgspec refuses anything deeper, and the canonical decoder decides.
+    _JsonValue = _Scalar
+    for _ in range(MAX_RESULT_DEPTH):
+        _JsonValue = _Scalar | list[_JsonValue] | dict[str, _JsonValue]
+
+_Aware = Annotated[datetime, msgspec.Meta(tz=True)]
+
+
+class FastAckError(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
+    code: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    message: Annotated[str, msgspec.Meta(max_length=4096)]
+    retryable: bool = False
+
+
+class FastTimings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
+    received_at: _Aware
+    started_at: _Aware | None = None
+    finished_at: _Aware | None = None
+
+    @property
+    def duration_s(self) -> float | None:
+        if self.started_at is None or self.finished_at is None:
+            return None
+        return (self.finished_at - self.started_at).total_seconds()
+
+
+class FastAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
+    """An :class:`Ack` as msgspec decodes it; not tracked by the garbage collector (no cycles)."""
+
+    schema_version: Literal[1]
+    command_id: str
+    rollout_id: str
+    worker_id: str
+    state: AckState
+    timings: FastTimings
+    sent_at: _Aware
+    kind: CommandKind | None = None
+    weights_version: str | None = None
+    config_digest: str | None = None
+    error: FastAckError | None = None
+    attempt: Annotated[int, msgspec.Meta(ge=1)] = 1
+    result: dict[str, _JsonValue] = {}
+
+    @classmethod
+    def of(cls, ack: Ack) -> FastAck:
+        """The same ack as a FastAck (for what only the canonical decoder accepted)."""
+        t, e = ack.timings, ack.error
+        return cls(
+            schema_version=1,
+            command_id=ack.command_id,
+            rollout_id=ack.rollout_id,
+            worker_id=ack.worker_id,
+            state=ack.state,
+            timings=FastTimings(t.received_at, t.started_at, t.finished_at),
+            sent_at=ack.sent_at,
+            kind=ack.kind,
+            weights_version=ack.weights_version,
+            config_digest=ack.config_digest,
+            error=None if e is None else FastAckError(e.code, e.message, e.retryable),
+            attempt=ack.attempt,
+            result=dict(ack.result),
+        )
+
+
+def as_model_error(error: AckErrorLike) -> AckError:
+    """The pydantic AckError of either kind of error (status models are pydantic)."""
+    if isinstance(error, AckError):
+        return error
+    return AckError(code=error.code, message=error.message, retryable=error.retryable)
+
+
+# --------------------------------------------------------------------------- the decoder
+
+_decode: Final = msgspec.json.Decoder(FastAck).decode  # strict: no "1" for 1, no 1.0 for 1
+_UTF8_BOM: Final = b"\xef\xbb\xbf"
+_IDENTIFIER_FULLMATCH: Final = re.compile(_IDENTIFIER).fullmatch
+#: "-DD HH:" of a date-time with a space separator.
+_SPACED_DATETIME: Final = re.compile(rb"-[0-9]{2} [0-9]{2}:")
+#: The tail of a date-time whose offset lacks its colon: ":MM:SS[.fff]+HHMM" and the quote.
+_COLONLESS_OFFSET: Final = re.compile(rb":[0-9]{2}:[0-9]{2}(?:\.[0-9]+)?[+-][0-9]{4}\"")
+_FAILED, _REJECTED, _SUCCEEDED = AckState.FAILED, AckState.REJECTED, AckState.SUCCEEDED
+
+#: Identifiers known to fullmatch the protocol's pattern. Cleared when it reaches the bound.
+_valid_ids: set[str] = set()
+_MAX_VALID_IDS: Final = 1 << 16
+
+
+def decode_ack_fast(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> FastAck:
+    """Decode an ack: equal in value to ``decode_ack(data)``, and refused exactly when it is
+    (with its ProtocolError), only faster for the acks our producers write."""
+    if len(data) <= max_bytes:
+        try:
+            ack = _decode(data[3:] if data[:3] == _UTF8_BOM else data)
+        except Exception:  # any refusal is the canonical decoder's to explain
+            pass
+        else:
+            if _plausible(ack, data):
+                return ack
+    return FastAck.of(decode_ack(data, max_bytes=max_bytes))
+
+
+def _plausible(ack: FastAck, data: bytes) -> bool:
+    """Whether msgspec's acceptance is also pydantic's, with equal values (the module's guards)."""
+    if data.find(b"\\") >= 0:
+        return False
+    if data.find(b" ") >= 0 and _SPACED_DATETIME.search(data) is not None:
+        return False
+    # A colonless offset: either a non-UTC datetime, or +0000 / -0000.
+    t = ack.timings
+    started, finished = t.started_at, t.finished_at
+    if (
+        ack.sent_at.tzinfo is not UTC
+        or t.received_at.tzinfo is not UTC
+        or (started is not None and started.tzinfo is not UTC)
+        or (finished is not None and finished.tzinfo is not UTC)
+        or data.find(b"+") >= 0
+        or data.find(b'-0000"') >= 0
+    ) and _COLONLESS_OFFSET.search(data) is not None:
+        return False
+    state = ack.state
+    if ack.error is None:
+        if state is _FAILED or state is _REJECTED:
+            return False
+    elif state is _SUCCEEDED:
+        return False
+    ids = _valid_ids
+    for value in (ack.command_id, ack.rollout_id, ack.worker_id):
+        if value not in ids:
+            if _IDENTIFIER_FULLMATCH(value) is None:
+                return False
+            if len(ids) >= _MAX_VALID_IDS:
+                ids.clear()
+            ids.add(value)
+    return True
