@@ -7,16 +7,20 @@ cli.py).
 
 Per command, in this order (acks are keyed by worker id: one partition, kept in order):
 
-1. the ``accepted`` and ``running`` acks are handed to the producer together, not awaited: the
-   runner starts at once (:meth:`Agent._send_progress`);
-2. the runner applies the command (in a thread);
-3. journal phase 1: what it applied (weights or config) and the terminal outcome, one ``fsync``
-   off the loop; the outcome is durable before anyone can see its ack (failpoint
+1. the ``accepted`` and ``running`` acks are built and held; the runner starts at once, in a
+   thread. If it is still running after a grace period (``_PROGRESS_GRACE_S``), the held acks
+   are handed to the producer together, not awaited, beside a "busy" heartbeat;
+2. journal phase 1: what the command applied (weights or config) and its terminal outcome, one
+   ``fsync`` off the loop: the outcome is durable before anyone can see its ack (failpoint
    ``after_apply``);
-4. the non-terminal acks are awaited (re-sent, all and in order, if the cluster did not take
-   them), then the terminal ack is published, retried until it is;
-5. journal phase 2: "published" and the next offset, one ``fsync`` off the loop (failpoint
+3. acks released at the grace are awaited (re-sent, all and in order, if the cluster did not
+   take them); then the terminal ack is published, after any acks still held, in one request,
+   retried until published; the heartbeat reporting the result goes out beside it;
+4. journal phase 2: "published" and the next offset, one ``fsync`` off the loop (failpoint
    ``after_ack``); then the offset is committed to Kafka.
+
+A quick command thus costs one produce request (three acks and a heartbeat), one fsync before
+its ack and one after, and one offset commit.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -70,10 +74,10 @@ log = logging.getLogger("workers.agent")
 AGENT_VERSION = "0.1.0"
 #: After a runner ignores cancellation this long past its deadline, we stop waiting for it.
 _CANCEL_GRACE_S = 30.0
-#: A command still running after this long (at most one heartbeat period) wakes a heartbeat
-#: that reports the worker busy; a quicker one needs none: its acks say as much, and the
-#: heartbeat at its end reports what it changed.
-_BUSY_HEARTBEAT_GRACE_S = 0.25
+#: How long a command's accepted and running acks are held, and its "busy" heartbeat waits (at
+#: most one heartbeat period). A command done within it sends its three acks in one request,
+#: and no busy heartbeat (its acks say as much; the heartbeat at its end reports the result).
+_PROGRESS_GRACE_S = 0.25
 
 
 @dataclass
@@ -112,11 +116,16 @@ class Agent:
         self._describe: RunnerDescription | None = None
         self._started_at = self.clock()
         self._seq = 0
+        self._last_beat = 0.0  # time.monotonic() of the last heartbeat built
         self._producer: Producer | None = None
         self._consumer: Consumer | None = None
         self._state: WorkerState | None = None
-        #: The non-terminal acks of the command in hand, on their way (see _send_progress).
+        #: The command in hand's accepted and running acks, until the grace or its end.
+        self._held: tuple[Ack, ...] = ()
+        #: Those acks once released at the grace, on their way (see _release_progress).
         self._progress: asyncio.Task[None] | None = None
+        #: Heartbeats sent beside the command path (see _beat_soon), until sent.
+        self._beats: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -160,6 +169,7 @@ class Agent:
                         self._hb_wakeup.set()
                         if self._progress is not None:  # only if the command loop was cancelled
                             self._progress.cancel()
+                await asyncio.gather(*self._beats, return_exceptions=True)
         finally:
             self._state.close()
             await asyncio.to_thread(self.runner.close)
@@ -296,7 +306,7 @@ class Agent:
             since=started,
         )
         self._status = WorkerStatus.BUSY
-        self._send_progress(
+        self._held = (
             self._ack(
                 command.command_id, command.rollout_id, command.kind, AckState.ACCEPTED, received
             ),
@@ -316,13 +326,13 @@ class Agent:
             command_id=command.command_id,
             rollout_id=command.rollout_id,
         )
-        busy_beat = asyncio.get_running_loop().call_later(
-            min(_BUSY_HEARTBEAT_GRACE_S, self.settings.heartbeat_interval_s), self._hb_wakeup.set
+        grace = asyncio.get_running_loop().call_later(
+            min(_PROGRESS_GRACE_S, self.settings.heartbeat_interval_s), self._grace_over
         )
         try:
             outcome = await self._execute(command, path)
         finally:
-            busy_beat.cancel()
+            grace.cancel()
         outcome.started_at = started
         self._in_flight = None
         if outcome.description is not None:
@@ -386,7 +396,7 @@ class Agent:
                 command_id=command_id,
                 rollout_id=ack.rollout_id,
             )
-            await self._publish(ack)
+            await self._publish_acks((ack,))
             self._state.mark_published(command_id)
         else:
             self._log(
@@ -493,8 +503,10 @@ class Agent:
         """Record the terminal ack durably, publish it, then mark it published (staged).
 
         Journal phase 1 is the outcome plus what _execute staged (weights or config): one fsync,
-        off the loop, done before the ack can be seen. The "published" mark goes to disk with the
-        next offset in _commit.
+        off the loop, done before the ack can be seen. The ack follows the accepted and running
+        acks (released ones awaited first, held ones in the same request), and the heartbeat
+        reporting the result goes beside it. The "published" mark goes to disk with the next
+        offset in _commit.
         """
         assert self._state is not None
         ack = self._ack(
@@ -512,7 +524,9 @@ class Agent:
         await self._sync()
         failpoints.hit("after_apply")
         await self._settle_progress()
-        await self._publish(ack)
+        held, self._held = self._held, ()
+        self._beat_soon()  # appended right after the acks below: one request for both
+        await self._publish_acks((*held, ack))
         self._state.mark_published(command_id)
         self.outcomes[outcome.error.code if outcome.error else "OK"] += 1
         level = logging.INFO if outcome.state is AckState.SUCCEEDED else logging.WARNING
@@ -524,7 +538,6 @@ class Agent:
             command_id=command_id,
             rollout_id=rollout_id,
         )
-        self._hb_wakeup.set()
 
     def _ack(
         self,
@@ -554,23 +567,36 @@ class Agent:
             result=result or {},
         )
 
-    def _send_progress(self, *acks: Ack) -> None:
-        """Hand non-terminal acks to the producer without waiting for the cluster.
+    def _grace_over(self) -> None:
+        """The command in hand still runs after the grace: say so, acks and heartbeat, now."""
+        self._release_progress()
+        self._beat_soon()
 
-        One task, one ``send_many``: appended to the producer in this order, they go out in one
-        request, and the idempotent producer keeps them in order within the worker's partition.
+    def _release_progress(self) -> None:
+        """Hand the held accepted and running acks to the producer without waiting for them.
+
+        One task, one ``send_many``: appended in this order, they go out in one request, and the
+        idempotent producer keeps them in order within the worker's partition.
         :meth:`_settle_progress` waits for them before the terminal ack is published.
         """
-        assert self._progress is None, "the previous command's progress acks were not settled"
-        self._progress = asyncio.create_task(self._publish_progress(acks))
+        acks, self._held = self._held, ()
+        if acks:
+            assert self._progress is None, "the previous command's acks were not settled"
+            self._progress = asyncio.create_task(self._publish_acks(acks))
 
-    async def _publish_progress(self, acks: tuple[Ack, ...]) -> None:
-        """Publish non-terminal acks; if the cluster did not take them, all again, in order.
+    async def _settle_progress(self) -> None:
+        """Wait until the released acks are published (before the terminal one follows)."""
+        task, self._progress = self._progress, None
+        if task is not None:
+            await task
 
-        Not dropped and not logged-and-forgotten: a coordinator shows "running" from them while
-        a long reload runs. Re-sent from the first, so the log reads accepted, running, terminal
-        even after a failure (an ambiguous failure may leave a duplicate; readers keep the
-        earliest of each state). The command does not wait: the runner works meanwhile.
+    async def _publish_acks(self, acks: Sequence[Ack]) -> None:
+        """Publish acks in this order, in one request; retried until the cluster has them all.
+
+        Nothing is dropped, non-terminal acks included: a coordinator shows "running" from them
+        while a long reload runs. After a failure all are sent again, in order, so the log still
+        reads accepted, running, terminal; a failure after the cluster took them (a timeout)
+        leaves duplicates, which readers expect (the earliest of each state counts).
         """
         assert self._producer is not None
         key = worker_key(self.worker_id)
@@ -583,7 +609,7 @@ class Agent:
             except BusError as exc:
                 self._log(
                     logging.WARNING,
-                    "%s ack publish failed, re-sending in %.1fs: %s",
+                    "%s ack publish failed, retrying in %.1fs: %s",
                     "/".join(a.state.value for a in acks),
                     delay,
                     exc,
@@ -592,55 +618,53 @@ class Agent:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
-    async def _settle_progress(self) -> None:
-        """Wait until the non-terminal acks in flight are published (before the terminal one)."""
-        task, self._progress = self._progress, None
-        if task is not None:
-            await task
-
-    async def _publish(self, ack: Ack) -> None:
-        """Publish an ack, retrying while Kafka is away (commands wait; nothing is dropped)."""
-        assert self._producer is not None
-        delay = 0.5
-        while True:
-            try:
-                await self._producer.send(
-                    self.topics.acks.name, encode(ack), key=worker_key(self.worker_id)
-                )
-                return
-            except BusError as exc:
-                self._log(
-                    logging.WARNING,
-                    "ack publish failed, retrying in %.1fs: %s",
-                    delay,
-                    exc,
-                    command_id=ack.command_id,
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
-
     # ------------------------------------------------------------------ heartbeats
 
     async def _heartbeat_loop(self) -> None:
-        assert self._producer is not None
+        """Every interval, at start, at stop and when stopped; the command path adds its own."""
         while True:
+            self._hb_wakeup.clear()  # before reading the state: a wake-up from now on counts
             final = self._hb_done.is_set()
             if final:
                 self._status = WorkerStatus.STOPPED
             elif self._stop.is_set():
                 self._status = WorkerStatus.STOPPING
-            hb = self._heartbeat()
-            try:
-                await self._producer.send(
-                    self.topics.workers.name, encode(hb), key=worker_key(self.worker_id)
-                )
-            except BusError as exc:
-                self._log(logging.WARNING, "heartbeat failed: %s", exc)
+            await self._beat()
             if final:
                 return
-            self._hb_wakeup.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._hb_wakeup.wait(), self.settings.heartbeat_interval_s)
+            # Until woken (stop, end), or an interval has passed since the last heartbeat,
+            # whoever sent it: one sent beside a command (_beat_soon) restarts the period.
+            while (
+                due := self._last_beat + self.settings.heartbeat_interval_s - time.monotonic()
+            ) > 0:
+                try:
+                    await asyncio.wait_for(self._hb_wakeup.wait(), due)
+                    break
+                except TimeoutError:
+                    pass
+
+    def _beat_soon(self) -> None:
+        """Send a heartbeat now, beside the command path (not awaited).
+
+        Its task appends it to the producer at the loop's next turn, before the producer's
+        sender runs, so it shares a request with what the command path appends just after
+        this call. Out of order with the loop's own beats is harmless: readers order by ``seq``.
+        """
+        task = asyncio.create_task(self._beat())
+        self._beats.add(task)
+        task.add_done_callback(self._beats.discard)
+
+    async def _beat(self) -> None:
+        """Build a heartbeat of the current state and send it (built when sent: seq in order)."""
+        assert self._producer is not None
+        hb = self._heartbeat()
+        self._last_beat = time.monotonic()
+        try:
+            await self._producer.send(
+                self.topics.workers.name, encode(hb), key=worker_key(self.worker_id)
+            )
+        except BusError as exc:
+            self._log(logging.WARNING, "heartbeat failed: %s", exc)
 
     def _heartbeat(self) -> Heartbeat:
         desc = self._describe

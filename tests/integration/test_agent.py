@@ -339,16 +339,24 @@ async def test_commits_position_only_after_terminal_ack(
 
 
 @pytest.mark.parametrize("landed", [False, True], ids=["lost", "ambiguous"])
-async def test_progress_acks_that_fail_are_sent_again_before_the_terminal_ack(
+@pytest.mark.parametrize("quick", [True, False], ids=["quick", "slow"])
+async def test_acks_that_fail_are_sent_again_in_order(
     kafka: KafkaSettings,
     tmp_path: Path,
     weights: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
+    quick: bool,
     landed: bool,
 ) -> None:
-    """accepted/running are not awaited one by one; if the cluster does not take them (or says
-    so after taking them), they are sent again, in order, and the terminal ack waits for that."""
+    """The first ack publish fails: the cluster did not take the acks ("lost"), or took them
+    and the answer failed ("ambiguous"). All are sent again, in order, before anything later.
+
+    ``quick``: the command ends within the grace: accepted, running and the terminal ack go in
+    one request. ``slow``: the grace ran out first (it is 0 here): accepted and running went
+    alone, not awaited, and the terminal ack waits until they are published.
+    """
+    monkeypatch.setattr(agent_module, "_PROGRESS_GRACE_S", 3600.0 if quick else 0.0)
     failures: list[str] = []
 
     class FlakyProducer(Producer):
@@ -363,16 +371,21 @@ async def test_progress_acks_that_fail_are_sent_again_before_the_terminal_ack(
             await super().send_many(topic, items)
 
     monkeypatch.setattr(agent_module, "Producer", FlakyProducer)
-    runner = RecordingRunner()
+    sent = [AckState.ACCEPTED, AckState.RUNNING] + ([AckState.SUCCEEDED] if quick else [])
+    then = [] if quick else [AckState.SUCCEEDED]
+    expected = (sent * 2 if landed else sent) + then
+    runner = RecordingRunner(delay_s=0.0 if quick else 1.0)
+    cmd = reload(weights, "v2")
     async with running_agent(kafka, tmp_path, runner), acks_tail(kafka) as acks:
-        cmd = reload(weights, "v2")
         await publish(kafka, cmd)
-        await acks.until(has_terminal(cmd.command_id))
-    states = [a.state for a in acks.items if a.command_id == cmd.command_id]
-    progress = [AckState.ACCEPTED, AckState.RUNNING]
-    assert states == (progress * 2 if landed else progress) + [AckState.SUCCEEDED]
+        await acks.until(
+            lambda items: len([a for a in items if a.command_id == cmd.command_id]) >= len(expected)
+        )
+        await acks.drain(0.3)
+    assert [a.state for a in acks.items if a.command_id == cmd.command_id] == expected
     assert failures == [kafka.topics.acks.name]
-    assert "accepted/running ack publish failed, re-sending" in caplog.text
+    failed = "accepted/running/succeeded" if quick else "accepted/running"
+    assert f"{failed} ack publish failed, retrying" in caplog.text
     assert runner.applied == ["v2"]
 
 
@@ -381,7 +394,7 @@ async def test_a_quick_command_needs_no_busy_heartbeat_and_its_end_sends_one(
 ) -> None:
     """The busy heartbeat waits for a grace period (the slow-reload test above shows it sent);
     a command done within it is reported by its acks and by the heartbeat at its end."""
-    monkeypatch.setattr(agent_module, "_BUSY_HEARTBEAT_GRACE_S", 3600.0)
+    monkeypatch.setattr(agent_module, "_PROGRESS_GRACE_S", 3600.0)
     runner = RecordingRunner()
     async with (
         running_agent(kafka, tmp_path, runner, heartbeat_interval_s=3600.0),
