@@ -219,12 +219,15 @@ def decode_ack_fast(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> FastA
 
 
 def _plausible(ack: FastAck, data: bytes) -> bool:
-    """Whether msgspec's acceptance is also pydantic's, with equal values (the module's guards)."""
+    """Whether msgspec's acceptance is also pydantic's, with equal values (the module's guards).
+
+    The raw-bytes checks are single C scans of the message; the precise regexes run only when
+    a scan finds something (an error message with spaces, a non-UTC offset)."""
     if data.find(b"\\") >= 0:
         return False
     if data.find(b" ") >= 0 and _SPACED_DATETIME.search(data) is not None:
         return False
-    # A colonless offset: either a non-UTC datetime, or +0000 / -0000.
+    # A colonless offset: a datetime not in UTC, or one in UTC written +0000 or -0000.
     t = ack.timings
     started, finished = t.started_at, t.finished_at
     if (
@@ -232,8 +235,7 @@ def _plausible(ack: FastAck, data: bytes) -> bool:
         or t.received_at.tzinfo is not UTC
         or (started is not None and started.tzinfo is not UTC)
         or (finished is not None and finished.tzinfo is not UTC)
-        or data.find(b"+") >= 0
-        or data.find(b'-0000"') >= 0
+        or data.find(b'0000"') >= 0
     ) and _COLONLESS_OFFSET.search(data) is not None:
         return False
     state = ack.state
@@ -243,7 +245,10 @@ def _plausible(ack: FastAck, data: bytes) -> bool:
     elif state is _SUCCEEDED:
         return False
     ids = _valid_ids
-    for value in (ack.command_id, ack.rollout_id, ack.worker_id):
+    command_id, rollout_id, worker_id = ack.command_id, ack.rollout_id, ack.worker_id
+    if command_id in ids and rollout_id in ids and worker_id in ids:
+        return True
+    for value in (command_id, rollout_id, worker_id):
         if value not in ids:
             if _IDENTIFIER_FULLMATCH(value) is None:
                 return False
