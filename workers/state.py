@@ -62,6 +62,8 @@ class WorkerState:
         self._lock = threading.Lock()
         #: Held while writing: syncs and compaction reach the file one at a time, in order.
         self._io_lock = threading.Lock()
+        #: A write failed part-way: the next one starts on a fresh line (guarded by _io_lock).
+        self._torn = False
 
     @classmethod
     def open(cls, directory: Path) -> WorkerState:
@@ -158,9 +160,18 @@ class WorkerState:
             lines, self._pending = self._pending, []
         if not lines:
             return
-        self._fh.write("\n".join(lines) + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        try:
+            self._fh.write(("\n" if self._torn else "") + "\n".join(lines) + "\n")
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+        except BaseException:
+            # Not durable: staged again, ahead of anything staged since (a line written twice
+            # replays to the same state; a torn one is skipped).
+            self._torn = True
+            with self._lock:
+                self._pending[:0] = lines
+            raise
+        self._torn = False
         self._lines += len(lines)
         if self._lines > 2 * MAX_REMEMBERED + 100:
             self._compact()
@@ -207,6 +218,8 @@ class WorkerState:
             return
         for number, line in enumerate(text.splitlines(), 1):
             self._lines += 1
+            if not line:
+                continue  # after a failed write (see _write_pending)
             try:
                 entry = json.loads(line)
                 self._replay_entry(entry)

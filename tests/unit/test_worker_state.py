@@ -169,3 +169,31 @@ def test_syncs_from_another_thread_keep_the_order_of_mutations(
     assert all(o.published for o in again.outcomes.values())
     again.close()
     st.close()
+
+
+def test_a_failed_sync_stays_staged_and_the_retry_replays_to_the_same_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    real_fsync = os.fsync
+    failures = [OSError(5, "Input/output error")]
+
+    def flaky_fsync(fd: int) -> None:
+        if failures:
+            raise failures.pop()
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", flaky_fsync)
+    st = WorkerState.open(tmp_path)
+    st.add_config({"max_new_tokens": 3})
+    st.record(ack("c1"), published=False)
+    with pytest.raises(OSError):
+        st.sync()
+    assert st.dirty  # not known durable: staged again
+    st.add_config({"max_new_tokens": 4})
+    st.sync()
+    st.close()
+    again = WorkerState.open(tmp_path)
+    assert again.config_overrides == {"max_new_tokens": 4}
+    assert list(again.outcomes) == ["c1"]
+    assert "ignored" not in caplog.text
+    again.close()
