@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -410,3 +411,46 @@ async def test_a_quick_command_needs_no_busy_heartbeat_and_its_end_sends_one(
     assert all(h.in_flight is None for h in hbs.items)
     last = hbs.items[-1]
     assert last.status is WorkerStatus.READY and last.weights_version == "v2"
+
+
+async def test_heartbeats_go_on_while_the_journal_syncs_and_the_ack_waits_for_it(
+    kafka: KafkaSettings, tmp_path: Path, weights: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The journal's fsync runs off the event loop: while it hangs, heartbeats still go out,
+    and the terminal ack does not (its outcome is not durable yet)."""
+    real_fsync = os.fsync
+    armed, inside, release = threading.Event(), threading.Event(), threading.Event()
+
+    def hanging_fsync(fd: int) -> None:
+        if armed.is_set():
+            inside.set()
+            release.wait(15)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", hanging_fsync)
+    runner = RecordingRunner()
+    cmd = reload(weights, "v2")
+    try:
+        async with (
+            running_agent(kafka, tmp_path, runner, heartbeat_interval_s=0.2),
+            acks_tail(kafka) as acks,
+            heartbeats_tail(kafka) as hbs,
+        ):
+            armed.set()
+            await publish(kafka, cmd)
+            assert await asyncio.to_thread(inside.wait, 60), "the journal was never synced"
+            seen = len(hbs.items)
+            await hbs.until(lambda items: len(items) >= seen + 3)  # the loop is not blocked
+            await acks.drain(0.3)
+            assert not [a for a in acks.items if a.command_id == cmd.command_id]
+            assert runner.applied == ["v2"]  # applied, but not durable: nothing said yet
+            armed.clear()
+            release.set()
+            await acks.until(has_terminal(cmd.command_id))
+    finally:
+        release.set()
+    assert [a.state for a in acks.items if a.command_id == cmd.command_id] == [
+        AckState.ACCEPTED,
+        AckState.RUNNING,
+        AckState.SUCCEEDED,
+    ]
