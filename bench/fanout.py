@@ -17,8 +17,10 @@ For each N, on a fresh set of topics and in this order:
    shows. Per worker: command-to-ack latency (terminal ack ``sent_at`` - command ``issued_at``).
 4. **idle**: CPU of the agent processes (and of the broker) over a quiet window, as % of a core.
 
-Journals default to /dev/shm: on one machine, N agents' fsyncs would queue on one disk (and on
-one event loop per process), which N real hosts would not; ``--state-dir`` puts them on a disk.
+Journals default to /dev/shm: on one machine, N agents' fsyncs (two per command, in each agent
+process's thread pool) would queue on one disk, which N real hosts would not; ``--state-dir``
+puts them on a disk. ``--profile`` also reports, per command, the agent's steps and its produce
+requests, offset commits and fetches.
 
     .venv/bin/python -m bench.fanout --quick            # N in 1, 10, 50   (< 2 minutes)
     .venv/bin/python -m bench.fanout                    # N in 1, 10, 100, 500
@@ -575,12 +577,27 @@ def profile_summary(files: Sequence[str], commands: int, top: int = 18) -> dict[
         )
     by_tot = sorted(rows, key=lambda r: r["tottime_s"], reverse=True)[:top]
     by_cum = sorted(rows, key=lambda r: r["cumtime_s"], reverse=True)[:top]
+    # Per command: how often the agent's own steps ran, and what it asked of Kafka (produce
+    # requests, each carrying any number of records; offset commits; fetches), with their
+    # cumulative CPU ms. A coroutine counts one call per resumption, not per await of it.
+    counted = {
+        r["function"]: [
+            round(r["calls"] / max(commands, 1), 3),
+            round(r["cumtime_s"] / max(commands, 1) * 1e3, 3),
+        ]
+        for r in rows
+        if r["function"].startswith(("agent.py:", "state.py:"))
+        or r["function"].endswith(
+            ("(_send_produce_req)", "(commit_offsets)", "(_fetch_requests_routine)")
+        )
+    }
     return {
         "profiled_s": round(total, 3),
         "commands": commands,
         "cpu_ms_per_command": round(total / max(commands, 1) * 1e3, 3),
         "top_tottime": by_tot,
         "top_cumtime": by_cum,
+        "calls_per_command": dict(sorted(counted.items())),
     }
 
 
@@ -753,6 +770,15 @@ def report(result: dict[str, Any]) -> str:
                         for x in prof["top_tottime"]
                     ],
                     ["function (by tottime)", "calls", "tottime s", "cumtime s"],
+                )
+            )
+            calls = prof.get("calls_per_command", {})
+            lines.append(
+                "per command, calls and cumulative CPU ms: "
+                + ", ".join(
+                    f"{name} {per:g} ({ms:g} ms)"
+                    for name, (per, ms) in calls.items()
+                    if per >= 0.01
                 )
             )
     return "\n".join(lines)
