@@ -81,8 +81,10 @@ class WorkerLedger(msgspec.Struct, gc=False):
     received_at: datetime
     started_at: datetime | None
     max_attempt: int
-    #: The earliest terminal report of each terminal state; more than one is a conflict.
-    terminals: dict[AckState, Report]
+    #: The earliest report of the first terminal state that arrived, and of each other terminal
+    #: state (a conflict, rare): apart, so that a ledger holds no dict for the GC to track.
+    one_terminal: Report | None
+    other_terminals: dict[AckState, Report] | None = None
 
     @classmethod
     def first(cls, ack: AckLike) -> WorkerLedger:
@@ -98,7 +100,7 @@ class WorkerLedger(msgspec.Struct, gc=False):
             timings.received_at,
             timings.started_at,
             ack.attempt,
-            {} if state is _ACCEPTED or state is _RUNNING else {state: Report.of(ack)},
+            None if state is _ACCEPTED or state is _RUNNING else Report.of(ack),
         )
 
     def add(self, ack: AckLike) -> None:
@@ -116,11 +118,23 @@ class WorkerLedger(msgspec.Struct, gc=False):
             if self.accepted_sent is None or sent < self.accepted_sent:
                 self.accepted_sent = sent
         else:
-            held = self.terminals.get(state)
-            if held is None or sent <= held.sent_at:
-                report = Report.of(ack)
-                if held is None or report.order() < held.order():
-                    self.terminals[state] = report
+            one = self.one_terminal
+            if one is None:
+                self.one_terminal = Report.of(ack)
+            elif one.state is state:
+                if sent <= one.sent_at:
+                    report = Report.of(ack)
+                    if report.order() < one.order():
+                        self.one_terminal = report
+            else:
+                others = self.other_terminals
+                if others is None:
+                    others = self.other_terminals = {}
+                held = others.get(state)
+                if held is None or sent <= held.sent_at:
+                    report = Report.of(ack)
+                    if held is None or report.order() < held.order():
+                        others[state] = report
         timings = ack.timings
         if timings.received_at < self.received_at:
             self.received_at = timings.received_at
@@ -130,14 +144,22 @@ class WorkerLedger(msgspec.Struct, gc=False):
         if ack.attempt > self.max_attempt:
             self.max_attempt = ack.attempt
 
+    @property
+    def terminals(self) -> dict[AckState, Report]:
+        """The earliest terminal report of each terminal state; more than one is a conflict."""
+        one = self.one_terminal
+        if one is None:
+            return {}
+        out = {one.state: one}
+        if self.other_terminals:
+            out.update(self.other_terminals)
+        return out
+
     def terminal(self) -> Report | None:
         """The terminal report that counts: the earliest sent. None while none arrived."""
-        terminals = self.terminals
-        if not terminals:
-            return None
-        if len(terminals) == 1:
-            return next(iter(terminals.values()))
-        return min(terminals.values(), key=Report.order)
+        if not self.other_terminals:
+            return self.one_terminal
+        return min(self.terminals.values(), key=Report.order)
 
     def conflicts(self) -> list[Report]:
         """Terminal reports of other states than the one that counts, earliest first."""
