@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -57,6 +58,26 @@ class ClusterInfo:
     brokers: int
     controller_id: int | None
     cluster_id: str | None
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside the block; only for synchronous code (no await).
+
+    For code that builds or folds a fetch's records: they make no reference cycles, but a
+    collection triggered meanwhile finds tens of thousands of them alive, promotes them to the
+    oldest generation and so sets off full collections of the whole heap (on a 300,000-ack
+    catch-up: 16 full collections, half its time). After the block they are freed by reference
+    counting and the collector resumes with nothing to promote.
+    """
+    if not gc.isenabled():  # someone else's pause: theirs to end
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 @contextlib.contextmanager
@@ -271,18 +292,19 @@ class Consumer(_Lifecycle):
                 timeout_ms=int(timeout_s * 1000), max_records=max_records
             )
         out: list[tuple[str, int, list[Record]]] = []
-        for tp, msgs in batches.items():
-            topic, partition = tp.topic, tp.partition
-            out.append(
-                (
-                    topic,
-                    partition,
-                    [
-                        _new_record((topic, partition, m.offset, m.key, m.value, m.timestamp))
-                        for m in msgs
-                    ],
+        with collector_paused():
+            for tp, msgs in batches.items():
+                topic, partition = tp.topic, tp.partition
+                out.append(
+                    (
+                        topic,
+                        partition,
+                        [
+                            _new_record((topic, partition, m.offset, m.key, m.value, m.timestamp))
+                            for m in msgs
+                        ],
+                    )
                 )
-            )
         return out
 
 

@@ -9,6 +9,7 @@ Follower: the same log folded with either decoder gives the same status.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -23,7 +24,7 @@ from hypothesis import strategies as st
 
 from controlplane import ack_codec
 from controlplane.ack_codec import MAX_RESULT_DEPTH, AckLike, FastAck, decode_ack_fast
-from controlplane.bus import Record
+from controlplane.bus import Record, collector_paused
 from controlplane.errors import ErrorCode, ProtocolError
 from controlplane.follower import Follower
 from controlplane.metrics import AckLatency
@@ -689,3 +690,20 @@ async def test_batches_hold_fast_acks_and_the_metrics_take_both() -> None:
         assert latency.command(command) == []
         [sample] = latency.ack(ack)
         assert (sample.kind, sample.state, sample.seconds) == ("reload_weights", "failed", 3.0)
+
+
+def test_the_collector_pause_is_restored_and_leaves_an_outer_pause_alone() -> None:
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), collector_paused():
+        raise RuntimeError
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # someone else's pause stays
+    finally:
+        gc.enable()
