@@ -8,7 +8,7 @@ cli.py).
 Per command, in this order (acks are keyed by worker id: one partition, kept in order):
 
 1. the ``accepted`` and ``running`` acks are built and held; the runner starts at once, in a
-   thread. If it is still running after a grace period (``_PROGRESS_GRACE_S``), the held acks
+   thread. If it is still running after a grace period (setting ``progress_grace_s``), the held acks
    are handed to the producer together, not awaited, beside a "busy" heartbeat;
 2. journal phase 1: what the command applied (weights or config) and its terminal outcome, one
    ``fsync`` off the loop: the outcome is durable before anyone can see its ack (failpoint
@@ -74,10 +74,6 @@ log = logging.getLogger("workers.agent")
 AGENT_VERSION = "0.1.0"
 #: After a runner ignores cancellation this long past its deadline, we stop waiting for it.
 _CANCEL_GRACE_S = 30.0
-#: How long a command's accepted and running acks are held, and its "busy" heartbeat waits (at
-#: most one heartbeat period). A command done within it sends its three acks in one request,
-#: and no busy heartbeat (its acks say as much; the heartbeat at its end reports the result).
-_PROGRESS_GRACE_S = 0.25
 
 
 @dataclass
@@ -327,7 +323,10 @@ class Agent:
             rollout_id=command.rollout_id,
         )
         grace = asyncio.get_running_loop().call_later(
-            min(_PROGRESS_GRACE_S, self.settings.heartbeat_interval_s), self._grace_over
+            # A command done within it sends its three acks in one request, and no busy
+            # heartbeat (its acks say as much; the heartbeat at its end reports the result).
+            min(self.settings.progress_grace_s, self.settings.heartbeat_interval_s),
+            self._grace_over,
         )
         try:
             outcome = await self._execute(command, path)

@@ -51,6 +51,15 @@ class WorkerSettings(BaseSettings):
     drain_timeout_s: float = Field(
         default=60.0, ge=0, description="On SIGTERM, how long the command in flight may still run."
     )
+    progress_grace_s: float = Field(
+        default=0.25,
+        ge=0,
+        description=(
+            "How long a command's accepted and running acks are held (like a producer's linger) and"
+            " its busy heartbeat waits, at most one heartbeat period. A command done within it"
+            " publishes its three acks in one request; 0 releases them as soon as it starts."
+        ),
+    )
     max_message_bytes: int = Field(default=MAX_MESSAGE_BYTES, gt=0)
     restore_on_start: bool = Field(
         default=True, description="Re-apply the last applied weights and config after a restart."

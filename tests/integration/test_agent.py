@@ -357,7 +357,6 @@ async def test_acks_that_fail_are_sent_again_in_order(
     one request. ``slow``: the grace ran out first (it is 0 here): accepted and running went
     alone, not awaited, and the terminal ack waits until they are published.
     """
-    monkeypatch.setattr(agent_module, "_PROGRESS_GRACE_S", 3600.0 if quick else 0.0)
     failures: list[str] = []
 
     class FlakyProducer(Producer):
@@ -377,7 +376,11 @@ async def test_acks_that_fail_are_sent_again_in_order(
     expected = (sent * 2 if landed else sent) + then
     runner = RecordingRunner(delay_s=0.0 if quick else 1.0)
     cmd = reload(weights, "v2")
-    async with running_agent(kafka, tmp_path, runner), acks_tail(kafka) as acks:
+    grace = 3600.0 if quick else 0.0
+    async with (
+        running_agent(kafka, tmp_path, runner, progress_grace_s=grace),
+        acks_tail(kafka) as acks,
+    ):
         await publish(kafka, cmd)
         await acks.until(
             lambda items: len([a for a in items if a.command_id == cmd.command_id]) >= len(expected)
@@ -395,10 +398,11 @@ async def test_a_quick_command_needs_no_busy_heartbeat_and_its_end_sends_one(
 ) -> None:
     """The busy heartbeat waits for a grace period (the slow-reload test above shows it sent);
     a command done within it is reported by its acks and by the heartbeat at its end."""
-    monkeypatch.setattr(agent_module, "_PROGRESS_GRACE_S", 3600.0)
     runner = RecordingRunner()
     async with (
-        running_agent(kafka, tmp_path, runner, heartbeat_interval_s=3600.0),
+        running_agent(
+            kafka, tmp_path, runner, heartbeat_interval_s=3600.0, progress_grace_s=3600.0
+        ),
         acks_tail(kafka) as acks,
         heartbeats_tail(kafka) as hbs,
     ):
