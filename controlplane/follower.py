@@ -2,11 +2,18 @@
 
 The log is the source of truth: the coordinator and ``controlplane ... --wait`` both rebuild
 their state with this, then follow live. No HTTP, no printing; listeners get each folded batch.
+
+While the log is replayed, Python's cyclic garbage collector is off (reference counting still
+frees every record and ack as soon as it is folded). A replay allocates millions of short-lived
+objects beside a growing fleet, and the collector, triggered by allocation counts, scans that
+growing heap again and again: a third of a 300,000-ack replay (docs/benchmarks.md, section 2).
+It is switched back on when the replay ends, or when the follower stops.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -71,6 +78,7 @@ class Follower(AsyncService):
         self._consumer = Consumer(settings, max_partition_fetch_bytes=4 * 1024 * 1024)
         self._targets: dict[tuple[str, int], int] = {}
         self._positions: dict[tuple[str, int], int] = {}
+        self._paused_collector = False  # whether the replay switched the cyclic GC off
         #: topic -> (decode, observe, the Batch list it goes to)
         self._decoders: dict[str, tuple[Callable[[bytes], Any], Callable[[Any], Any], str]] = {
             self.topics.commands.name: (decode_command, self.fleet.observe_command, "commands"),
@@ -92,9 +100,18 @@ class Follower(AsyncService):
                 self._targets[(name, partition)] = end
         if all(end == 0 for end in self._targets.values()):
             self.caught_up.set()
+        elif gc.isenabled():  # (someone else's pause is theirs to end)
+            gc.disable()
+            self._paused_collector = True
 
     async def stop(self) -> None:
+        self._resume_collector()
         await self._consumer.stop()
+
+    def _resume_collector(self) -> None:
+        if self._paused_collector:
+            self._paused_collector = False
+            gc.enable()
 
     async def catch_up(self) -> None:
         """Fold everything that was in the log when we started."""
@@ -115,6 +132,7 @@ class Follower(AsyncService):
                 self._fold_partition(batch, topic, partition, records)
         if not self.caught_up.is_set() and self._reached_targets():
             self.caught_up.set()
+            self._resume_collector()
             log.info("caught up with the log: %d records folded", self.records)
         if batch:
             for listener in self.listeners:
