@@ -210,7 +210,7 @@ def decode_ack_fast(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> FastA
     (with its ProtocolError), only faster for the acks our producers write."""
     if len(data) <= max_bytes:
         try:
-            ack = _decode(data[3:] if data[:3] == _UTF8_BOM else data)
+            ack = _decode(data[3:] if data.startswith(_UTF8_BOM) else data)
         except Exception:  # any refusal is the canonical decoder's to explain
             pass
         else:
@@ -224,9 +224,9 @@ def _plausible(ack: FastAck, data: bytes) -> bool:
 
     The raw-bytes checks are single C scans of the message; the precise regexes run only when
     a scan finds something (an error message with spaces, a non-UTC offset)."""
-    if data.find(b"\\") >= 0:
+    if b"\\" in data:
         return False
-    if data.find(b" ") >= 0 and _SPACED_DATETIME.search(data) is not None:
+    if b" " in data and _SPACED_DATETIME.search(data) is not None:
         return False
     # A colonless offset: a datetime not in UTC, or one in UTC written +0000 or -0000.
     t = ack.timings
@@ -236,7 +236,7 @@ def _plausible(ack: FastAck, data: bytes) -> bool:
         or t.received_at.tzinfo is not UTC
         or (started is not None and started.tzinfo is not UTC)
         or (finished is not None and finished.tzinfo is not UTC)
-        or data.find(b'0000"') >= 0
+        or b'0000"' in data
     ) and _COLONLESS_OFFSET.search(data) is not None:
         return False
     state = ack.state
