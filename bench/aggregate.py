@@ -41,6 +41,7 @@ from typing import Any
 
 from bench.common import (
     Broker,
+    conclude,
     ensure_topics,
     envelope,
     fmt,
@@ -48,7 +49,6 @@ from bench.common import (
     ratio,
     rss,
     table,
-    write_results,
 )
 
 log = logging.getLogger("bench.aggregate")
@@ -591,15 +591,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["broker"] = {"start_s": broker.start_s}
         print(f"broker up at {broker.bootstrap} in {broker.start_s:.1f} s", flush=True)
         asyncio.run(run(args, broker.bootstrap, result))
-    result["elapsed_s"] = time.perf_counter() - started
-    print()
-    print(report(result))
-    path = write_results(result, args.out_dir)
-    print(
-        f"\nloadavg {result['loadavg_start']} -> {result['loadavg_end']}; "
-        f"{result['elapsed_s']:.0f} s; results: {path}"
-    )
-    return 0
+    return conclude(result, report(result), args.out_dir, started)
 
 
 if __name__ == "__main__":

@@ -116,6 +116,19 @@ def write_results(result: dict[str, Any], out_dir: Path | None = None) -> Path:
     return path
 
 
+def conclude(result: dict[str, Any], report: str, out_dir: Path | None, started: float) -> int:
+    """End a run: its elapsed time, the printed report, the JSON file and a closing line."""
+    result["elapsed_s"] = time.perf_counter() - started
+    print()
+    print(report)
+    path = write_results(result, out_dir)
+    print(
+        f"\nloadavg {result['loadavg_start']} -> {result['loadavg_end']}; "
+        f"{result['elapsed_s']:.0f} s; results: {path}"
+    )
+    return 0
+
+
 def mode_of(quick: bool, tiny: bool) -> str:
     return "tiny" if tiny else "quick" if quick else "full"
 

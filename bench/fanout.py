@@ -52,6 +52,7 @@ from typing import Any
 from bench.common import (
     REPO_ROOT,
     Broker,
+    conclude,
     cpu_seconds,
     ensure_topics,
     envelope,
@@ -61,18 +62,14 @@ from bench.common import (
     ratio,
     summary,
     table,
-    write_results,
 )
 
 log = logging.getLogger("bench.fanout")
 
 OVERRIDE_KEY = "max_new_tokens"
-#: How often at most the CLI's --wait re-judges a rollout while acks stream in (mirrored here).
+#: The fixed judging interval of the `cli`/`cli-fixed` policies (the CLI's --wait before it
+#: judged by cost, 4063a89; `adaptive` is what it does now).
 JUDGE_INTERVAL_S: float = 0.1
-with contextlib.suppress(ImportError):  # the CLI's own value, where it names one
-    from controlplane.cli_rollout import (  # type: ignore[no-redef]
-        _MIN_JUDGE_INTERVAL_S as JUDGE_INTERVAL_S,
-    )
 
 
 # =========================================================================== child: agent host
@@ -935,15 +932,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if own_state:
             shutil.rmtree(args.state_dir, ignore_errors=True)
-    result["elapsed_s"] = time.perf_counter() - started
-    print()
-    print(report(result))
-    path = write_results(result, args.out_dir)
-    print(
-        f"\nloadavg {result['loadavg_start']} -> {result['loadavg_end']}; "
-        f"{result['elapsed_s']:.0f} s; results: {path}"
-    )
-    return 0
+    return conclude(result, report(result), args.out_dir, started)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO_ROOT, envelope, fmt, mode_of, peak_rss, ratio, table, write_results
+from bench.common import REPO_ROOT, conclude, envelope, fmt, mode_of, peak_rss, ratio, table
 
 MB = 2**20
 READ_BUFFER = 64 * MB
@@ -841,15 +841,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             result["sections"][name] = run_section(name, path, kwargs, args)
     derive(result)
-    result["elapsed_s"] = time.perf_counter() - started
-    print()
-    print(report(result))
-    out = write_results(result, args.out_dir)
-    print(
-        f"\nloadavg {result['loadavg_start']} -> {result['loadavg_end']}; "
-        f"{result['elapsed_s']:.0f} s; results: {out}"
-    )
-    return 0
+    return conclude(result, report(result), args.out_dir, started)
 
 
 if __name__ == "__main__":
