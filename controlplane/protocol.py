@@ -349,6 +349,11 @@ class Heartbeat(_Wire):
     seq: Annotated[int, Field(ge=0)]
     sent_at: Timestamp
     started_at: Timestamp
+    incarnation: Annotated[int, Field(ge=0, le=2**53)] = Field(
+        default=0,
+        description="A counter the worker persists and increments at every start: it orders "
+        "incarnations whatever the worker's clock says (0: not reported).",
+    )
     interval_s: Annotated[float, Field(gt=0)] = Field(
         description="Heartbeat period; a worker silent for 3 periods is considered lost."
     )

@@ -106,8 +106,11 @@ class Registry:
     def __init__(self) -> None:
         self._latest: dict[str, Heartbeat] = {}
 
-    def observe(self, hb: Heartbeat) -> bool:
-        """Fold in one heartbeat; True when it became the worker's latest."""
+    def observe(self, hb: Heartbeat, received_at: datetime | None = None) -> bool:
+        """Fold in one heartbeat; True when it became the worker's latest.
+
+        ``received_at`` (not used yet): when the reader got it; None means ``hb.sent_at``.
+        """
         held = self._latest.get(hb.worker_id)
         if held is not None and (hb.started_at, hb.seq) <= (held.started_at, held.seq):
             return False

@@ -122,10 +122,14 @@ class Fleet:
             ledger = self._ledgers[key] = CommandLedger(*key)
         ledger.add(ack)
 
-    def observe_heartbeat(self, heartbeat: Heartbeat) -> bool:
-        """True when it became its worker's latest heartbeat."""
+    def observe_heartbeat(self, heartbeat: Heartbeat, received_at: datetime | None = None) -> bool:
+        """True when it became its worker's latest heartbeat.
+
+        ``received_at``: when the reader's side of the log got it (the record's broker
+        timestamp, or the reader's clock at the fetch); None: its own ``sent_at``.
+        """
         self._n_heartbeats += 1
-        return self._registry.observe(heartbeat)
+        return self._registry.observe(heartbeat, received_at)
 
     def abort(self, rollout_id: str, reason: str, now: datetime) -> None:
         """Abort a rollout at ``now``, unless it ended before; the earliest abort counts."""
