@@ -18,6 +18,7 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from operator import attrgetter
 from typing import Any
 
@@ -25,7 +26,7 @@ from controlplane.ack_codec import AckLike, decode_ack_fast
 from controlplane.bus import Consumer, Record, collector_paused
 from controlplane.errors import ProtocolError
 from controlplane.lifecycle import AsyncService
-from controlplane.protocol import Command, Heartbeat, decode_command, decode_heartbeat
+from controlplane.protocol import Command, Heartbeat, decode_command, decode_heartbeat, utcnow
 from controlplane.rollout import Fleet
 from controlplane.settings import KafkaSettings
 
@@ -172,6 +173,12 @@ class Follower(AsyncService):
                 continue
             observe(message)
             append(message)
+
+    def current_as_of(self) -> datetime | None:
+        """The time up to which this reader knows it has folded everything in the log: None
+        before it caught up. Judge liveness at this time, never later (a reader cut off from
+        Kafka knows nothing about workers since). (To be refined: the last fetch at the end.)"""
+        return utcnow() if self.caught_up.is_set() else None
 
     def _reached_targets(self) -> bool:
         return all(

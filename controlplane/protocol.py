@@ -322,12 +322,14 @@ class InFlight(_Wire):
 
 
 class Degraded(_Wire):
-    """A reload that failed after copying began: the model holds a mix of two versions."""
+    """Why a worker cannot serve as it should: a reload that failed after copying began (the
+    model holds a mix of ``from_version`` and ``to_version``), a runner that failed to load, a
+    journal that cannot be written. ``code`` is an ErrorCode value."""
 
     code: str
     message: str
-    from_version: str | None
-    to_version: str
+    from_version: str | None = None
+    to_version: str | None = None
     since: Timestamp
 
 
