@@ -18,11 +18,8 @@ if ((${#need_apt[@]})); then
 fi
 
 PY="${PYTHON:-python3}"
-if ! command -v uv >/dev/null 2>&1; then
-  echo "setup: installing uv"
-  "$PY" -m pip install -q --user uv 2>/dev/null || "$PY" -m pip install -q uv
-  export PATH="$HOME/.local/bin:$PATH"
-fi
+# shellcheck source=scripts/uv.sh
+source scripts/uv.sh
 
 if [[ ! -x .venv/bin/python ]]; then
   uv venv -q -p "$PY" .venv
