@@ -360,8 +360,9 @@ class LocalBroker:
                 "kafka.tools.StorageTool",
                 "format",
                 "--standalone",
-                "-t",
-                cluster_id,
+                # One argument: a random id can start with '-' (about 1 in 64), which the
+                # two-argument form ("-t ID") would parse as an option.
+                f"--cluster-id={cluster_id}",
                 "-c",
                 str(self.properties_file),
             ],

@@ -156,3 +156,24 @@ def test_cli_style_module_runs_without_traceback_on_error(tmp_path: Path) -> Non
     assert out.returncode != 0
     assert "JAVA_NOT_FOUND" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.kafka
+def test_a_cluster_id_that_starts_with_a_dash_formats(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """About 1 in 64 random ids start with '-' (base64url of a first byte 0xF8-0xFB); kafka-storage
+    must not read such an id as an option."""
+    import uuid
+
+    import controlplane.broker as broker_module
+
+    forced = uuid.UUID(bytes=bytes([0xF8]) + uuid.uuid4().bytes[1:])
+    monkeypatch.setattr(broker_module.uuid, "uuid4", lambda: forced)
+    broker = LocalBroker(_config(tmp_path))
+    try:
+        broker.start(timeout=120)
+        cluster_id = probe_sync(broker.bootstrap).cluster_id
+        assert cluster_id is not None and cluster_id.startswith("-"), cluster_id
+    finally:
+        broker.stop()
