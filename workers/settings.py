@@ -61,6 +61,22 @@ class WorkerSettings(BaseSettings):
         ),
     )
     max_message_bytes: int = Field(default=MAX_MESSAGE_BYTES, gt=0)
+    max_ttl_s: float = Field(
+        default=7 * 24 * 3600,
+        gt=0,
+        description=(
+            "The longest lifetime (expires_at - issued_at) a command may have; a longer one is"
+            " rejected with TTL_TOO_LONG."
+        ),
+    )
+    max_clock_skew_s: float = Field(
+        default=300.0,
+        ge=0,
+        description=(
+            "How far in this worker's future a command's issued_at may be (clocks differ); a"
+            " command issued later than that is rejected with ISSUED_IN_FUTURE."
+        ),
+    )
     restore_on_start: bool = Field(
         default=True, description="Re-apply the last applied weights and config after a restart."
     )

@@ -54,6 +54,9 @@ class WorkerState:
         self.weights: ReloadWeightsSpec | None = None
         #: All config overrides applied so far, re-applied after a restart.
         self.config_overrides: dict[str, Any] = {}
+        #: How many times this state has been opened, this time included (durable before
+        #: :meth:`open` returns): orders a worker's incarnations whatever its clock says.
+        self.incarnation = 0
         self._lines = 0
         self._fh: IO[str] | None = None
         #: Journal lines staged by mutations, not yet written (guarded by ``_lock``).
@@ -73,6 +76,10 @@ class WorkerState:
         if state._lines > 2 * MAX_REMEMBERED + 100:
             state.compact()
         state._fh = open(state.path, "a", encoding="utf-8")  # noqa: SIM115 - lives with the state
+        with state._lock:
+            state.incarnation += 1
+            state._stage({"t": "incarnation", "n": state.incarnation})
+        state.sync()
         return state
 
     def close(self) -> None:
@@ -203,6 +210,8 @@ class WorkerState:
             out.append({"t": "weights", "spec": self.weights.model_dump(mode="json")})
         if self.config_overrides:
             out.append({"t": "config", "overrides": self.config_overrides})
+        if self.incarnation:
+            out.append({"t": "incarnation", "n": self.incarnation})
         return out
 
     def _apply_outcome(self, ack: Ack, published: bool) -> None:
@@ -216,6 +225,8 @@ class WorkerState:
             text = self.path.read_text(encoding="utf-8")
         except FileNotFoundError:
             return
+        # A torn last line (a crash mid-write): the next write must not extend it.
+        self._torn = bool(text) and not text.endswith("\n")
         for number, line in enumerate(text.splitlines(), 1):
             self._lines += 1
             if not line:
@@ -242,3 +253,5 @@ class WorkerState:
             self.weights = ReloadWeightsSpec.model_validate(entry["spec"])
         elif kind == "config":
             self.config_overrides.update(entry["overrides"])
+        elif kind == "incarnation":
+            self.incarnation = max(self.incarnation, int(entry["n"]))

@@ -98,16 +98,17 @@ def test_mutations_are_staged_until_one_sync_with_one_fsync(
     st.record(ack("c1"), published=False)
     # Applied in memory at once, on disk only after the sync (a crash now loses both together).
     assert st.dirty and st.weights is not None and st.outcome("c1") is not None
-    assert journal(tmp_path) == []
+    assert [e["t"] for e in journal(tmp_path)] == ["incarnation"]  # written by open()
+    fsyncs.clear()
     st.sync()
     assert not st.dirty and len(fsyncs) == 1
-    assert [e["t"] for e in journal(tmp_path)] == ["weights", "outcome"]
+    assert [e["t"] for e in journal(tmp_path)] == ["incarnation", "weights", "outcome"]
     st.mark_published("c1")
     st.set_offset(8)
     st.sync()
     st.sync()  # nothing staged: no write, no fsync
     assert len(fsyncs) == 2
-    assert journal(tmp_path)[2:] == [{"t": "published", "id": "c1"}, {"t": "offset", "next": 8}]
+    assert journal(tmp_path)[3:] == [{"t": "published", "id": "c1"}, {"t": "offset", "next": 8}]
     st.mark_published("c1")  # already published: nothing staged
     assert not st.dirty
     again = WorkerState.open(tmp_path)
@@ -136,7 +137,7 @@ def test_close_syncs_what_is_staged(tmp_path: Path) -> None:
     st = WorkerState.open(tmp_path)
     st.add_config({"max_new_tokens": 3})
     st.close()
-    assert journal(tmp_path) == [{"t": "config", "overrides": {"max_new_tokens": 3}}]
+    assert journal(tmp_path)[1:] == [{"t": "config", "overrides": {"max_new_tokens": 3}}]
     with pytest.raises(RuntimeError, match="closed"):
         st.sync()
 
@@ -182,8 +183,8 @@ def test_a_failed_sync_stays_staged_and_the_retry_replays_to_the_same_state(
             raise failures.pop()
         real_fsync(fd)
 
-    monkeypatch.setattr(os, "fsync", flaky_fsync)
     st = WorkerState.open(tmp_path)
+    monkeypatch.setattr(os, "fsync", flaky_fsync)
     st.add_config({"max_new_tokens": 3})
     st.record(ack("c1"), published=False)
     with pytest.raises(OSError):
@@ -196,4 +197,48 @@ def test_a_failed_sync_stays_staged_and_the_retry_replays_to_the_same_state(
     assert again.config_overrides == {"max_new_tokens": 4}
     assert list(again.outcomes) == ["c1"]
     assert "ignored" not in caplog.text
+    again.close()
+
+
+def test_every_open_increments_a_durable_incarnation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(state_module, "MAX_REMEMBERED", 10)
+    st = WorkerState.open(tmp_path)
+    assert st.incarnation == 1
+    st.close()
+    st = WorkerState.open(tmp_path)
+    assert st.incarnation == 2
+    # Durable before open() returns: a crash right now (no sync, no close) keeps it.
+    st._pending.clear()
+    st.close()
+    for i in range(60):  # compactions keep it
+        st = WorkerState.open(tmp_path)
+        st.record(ack(f"c{i}"), published=True)
+        st.sync()
+        st.close()
+    assert any(e["t"] == "incarnation" for e in journal(tmp_path))
+    again = WorkerState.open(tmp_path)
+    assert again.incarnation == 63
+    again.close()
+
+
+def test_an_old_journal_without_the_counter_starts_at_one(tmp_path: Path) -> None:
+    (tmp_path / "state.jsonl").write_text('{"t":"offset","next":4}\n')
+    st = WorkerState.open(tmp_path)
+    assert st.incarnation == 1 and st.next_offset == 4
+    st.close()
+
+
+def test_the_line_after_a_torn_last_line_is_kept(tmp_path: Path) -> None:
+    st = WorkerState.open(tmp_path)
+    st.close()
+    with open(tmp_path / "state.jsonl", "a") as fh:
+        fh.write('{"t":"outcome","ack":{"command_id":"c2"')  # a crash mid-write
+    st = WorkerState.open(tmp_path)  # its incarnation line must not extend the torn one
+    assert st.incarnation == 2
+    st.record(ack("c3"), published=True)
+    st.close()
+    again = WorkerState.open(tmp_path)
+    assert again.incarnation == 3 and list(again.outcomes) == ["c3"]
     again.close()
