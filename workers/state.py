@@ -8,10 +8,18 @@ Mutations change the state in memory at once and are *staged*; :meth:`WorkerStat
 everything staged durable with one write and one ``fsync``. The agent groups a phase's mutations
 (what a command applied and its outcome; then "published" and the next offset) into one sync and
 runs it off its event loop. The memory may be ahead of the disk until then, never behind.
+
+One agent at a time: :meth:`WorkerState.open` takes an exclusive ``flock`` on ``lock`` in the
+directory (held until :meth:`WorkerState.close`), so a second agent with the same id and state
+directory stops with STATE_DIR_LOCKED instead of applying commands twice. A write or ``fsync``
+that fails is JOURNAL_WRITE_FAILED (the lines stay staged for a retry); the directory is
+fsynced whenever a journal file is created or renamed into place.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -19,15 +27,19 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from controlplane.errors import ProtocolError
+from controlplane.errors import ControlPlaneError, ErrorCode, ProtocolError
 from controlplane.protocol import Ack, ReloadWeightsSpec, decode_ack, encode
 
 log = logging.getLogger(__name__)
 
 #: Terminal outcomes remembered per worker (oldest forgotten first).
 MAX_REMEMBERED = 10_000
+
+JOURNAL_NAME = "state.jsonl"
+#: Locked (``flock``) by the agent that has the directory open; holds its pid, for the error.
+LOCK_NAME = "lock"
 
 
 @dataclass
@@ -58,7 +70,10 @@ class WorkerState:
         #: :meth:`open` returns): orders a worker's incarnations whatever its clock says.
         self.incarnation = 0
         self._lines = 0
-        self._fh: IO[str] | None = None
+        #: The journal, opened O_APPEND; None when closed (guarded by _io_lock).
+        self._fd: int | None = None
+        #: The locked lock file, held from open() to close().
+        self._lock_fd: int | None = None
         #: Journal lines staged by mutations, not yet written (guarded by ``_lock``).
         self._pending: list[str] = []
         #: Guards the in-memory state and ``_pending`` (a sync may snapshot them from a thread).
@@ -70,25 +85,66 @@ class WorkerState:
 
     @classmethod
     def open(cls, directory: Path) -> WorkerState:
-        directory.mkdir(parents=True, exist_ok=True)
-        state = cls(directory / "state.jsonl")
-        state._replay()
-        if state._lines > 2 * MAX_REMEMBERED + 100:
-            state.compact()
-        state._fh = open(state.path, "a", encoding="utf-8")  # noqa: SIM115 - lives with the state
-        with state._lock:
-            state.incarnation += 1
-            state._stage({"t": "incarnation", "n": state.incarnation})
-        state.sync()
+        """Lock ``directory``, replay its journal and count this incarnation (durably).
+
+        Raises :class:`ControlPlaneError` with STATE_DIR_LOCKED when another process (or another
+        open state) holds the directory, JOURNAL_WRITE_FAILED when it cannot be created, read or
+        written.
+        """
+        state = cls(directory / JOURNAL_NAME)
+        try:
+            _make_dir(directory)
+            state._lock_fd = _lock(directory)
+            state._replay()
+            with state._io_lock:
+                if state._lines > 2 * MAX_REMEMBERED + 100:
+                    state._compact()  # leaves the new journal open
+                if state._fd is None:
+                    created = not state.path.exists()
+                    state._fd = os.open(state.path, _APPEND_FLAGS, 0o644)
+                    if created:
+                        _fsync_dir(directory)
+                with state._lock:
+                    state.incarnation += 1
+                    state._stage({"t": "incarnation", "n": state.incarnation})
+                state._write_pending()
+        except BaseException as exc:
+            state._release()
+            if isinstance(exc, OSError):
+                raise _write_failed(f"cannot open the worker journal in {directory}", exc) from exc
+            raise
         return state
 
-    def close(self) -> None:
-        """Sync what is staged (it happened: the memory says so) and close the file."""
+    def close(self) -> ControlPlaneError | None:
+        """Sync what is staged (it happened: the memory says so), close the journal, unlock.
+
+        Never raises, so it cannot hide the error that made its caller close: what could not
+        be written is logged and returned (JOURNAL_WRITE_FAILED), and the directory is
+        unlocked whatever happened. Closing a closed state does nothing.
+        """
         with self._io_lock:
-            if self._fh is not None:
-                self._write_pending()
-                self._fh.close()
-                self._fh = None
+            error: ControlPlaneError | None = None
+            try:
+                if self._fd is not None:
+                    self._write_pending()
+            except Exception as exc:
+                error = (
+                    exc
+                    if isinstance(exc, ControlPlaneError)
+                    else _write_failed(f"cannot write the worker journal {self.path}", exc)
+                )
+                with self._lock:
+                    lost = list(self._pending)
+                log.error(
+                    "worker state %s closed with %d journal line(s) not written (%s): %s",
+                    self.path,
+                    len(lost),
+                    error,
+                    _preview(lost),
+                )
+            finally:
+                self._release()
+            return error
 
     @property
     def dirty(self) -> bool:
@@ -101,7 +157,7 @@ class WorkerState:
         Blocking; safe to call from a worker thread while the owner thread stages more.
         """
         with self._io_lock:
-            if self._fh is None:
+            if self._fd is None:
                 raise RuntimeError("worker state is closed")
             self._write_pending()
 
@@ -149,11 +205,14 @@ class WorkerState:
             self._stage({"t": "config", "overrides": overrides})
 
     def compact(self) -> None:
-        """Rewrite the journal as the current state (atomically: temp file, fsync, rename).
+        """Rewrite the journal as the current state (atomically: temp file, fsync, rename,
+        fsync of the directory).
 
         What is staged is part of the current state, so it is durable afterwards too.
         """
         with self._io_lock:
+            if self._fd is None:
+                raise RuntimeError("worker state is closed")
             self._compact()
 
     # ------------------------------------------------------------------ internals
@@ -162,21 +221,23 @@ class WorkerState:
         self._pending.append(json.dumps(entry, separators=(",", ":")))
 
     def _write_pending(self) -> None:  # under _io_lock
-        assert self._fh is not None
+        assert self._fd is not None
         with self._lock:
             lines, self._pending = self._pending, []
         if not lines:
             return
         try:
-            self._fh.write(("\n" if self._torn else "") + "\n".join(lines) + "\n")
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
-        except BaseException:
+            data = ("\n" if self._torn else "") + "\n".join(lines) + "\n"
+            _write_all(self._fd, data.encode("utf-8"))
+            os.fsync(self._fd)
+        except BaseException as exc:
             # Not durable: staged again, ahead of anything staged since (a line written twice
             # replays to the same state; a torn one is skipped).
             self._torn = True
             with self._lock:
                 self._pending[:0] = lines
+            if isinstance(exc, OSError):
+                raise _write_failed(f"cannot write the worker journal {self.path}", exc) from exc
             raise
         self._torn = False
         self._lines += len(lines)
@@ -184,20 +245,54 @@ class WorkerState:
             self._compact()
 
     def _compact(self) -> None:  # under _io_lock
+        """Write the snapshot to a temp file and rename it over the journal; the temp file's
+        descriptor (O_APPEND) becomes the journal's, so nothing is reopened by name."""
         with self._lock:  # the snapshot includes everything staged so far, so drop that
             entries = self._snapshot()
-            self._pending = []
+            taken, self._pending = self._pending, []
         tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            for entry in entries:
-                fh.write(json.dumps(entry, separators=(",", ":")) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path)
-        self._lines = len(entries)
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        fd: int | None = None
+        renamed = False
+        try:
+            data = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in entries)
+            fd = os.open(tmp, _APPEND_FLAGS | os.O_TRUNC, 0o644)
+            _write_all(fd, data.encode("utf-8"))
+            os.fsync(fd)
+            os.replace(tmp, self.path)
+            renamed = True
+            old, self._fd, fd = self._fd, fd, None
+            if old is not None:
+                os.close(old)
+            self._torn = False
+            self._lines = len(entries)
+            _fsync_dir(self.path.parent)
+        except BaseException as exc:
+            # Staged again: written to whichever journal is current at the next sync (a line
+            # that is also in the snapshot replays to the same state).
+            with self._lock:
+                self._pending[:0] = taken
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            if not renamed:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+            if isinstance(exc, OSError):
+                raise _write_failed(f"cannot compact the worker journal {self.path}", exc) from exc
+            raise
+
+    def _release(self) -> None:  # under _io_lock, or before the state is shared
+        """Close the journal and unlock the directory, whatever fails."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError as exc:
+                log.error("worker state %s: closing the journal failed: %s", self.path, exc)
+        lock_fd, self._lock_fd = self._lock_fd, None
+        if lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(lock_fd)  # releases the flock
 
     def _snapshot(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = [
@@ -222,9 +317,10 @@ class WorkerState:
 
     def _replay(self) -> None:
         try:
-            text = self.path.read_text(encoding="utf-8")
+            raw = self.path.read_bytes()
         except FileNotFoundError:
             return
+        text = raw.decode("utf-8", errors="replace")  # a line with bad bytes fails to parse
         # A torn last line (a crash mid-write): the next write must not extend it.
         self._torn = bool(text) and not text.endswith("\n")
         for number, line in enumerate(text.splitlines(), 1):
@@ -255,3 +351,67 @@ class WorkerState:
             self.config_overrides.update(entry["overrides"])
         elif kind == "incarnation":
             self.incarnation = max(self.incarnation, int(entry["n"]))
+
+
+# ---------------------------------------------------------------------- files
+
+_APPEND_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+
+
+def _write_failed(what: str, exc: Exception) -> ControlPlaneError:
+    reason = (exc.strerror if isinstance(exc, OSError) else None) or f"{type(exc).__name__}: {exc}"
+    return ControlPlaneError(f"{what}: {reason}", code=ErrorCode.JOURNAL_WRITE_FAILED)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a new or renamed entry in ``directory`` durable (its own fsync, on Linux)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_dir(directory: Path) -> None:
+    if directory.is_dir():
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    _fsync_dir(directory.parent)
+
+
+def _lock(directory: Path) -> int:
+    """Lock ``directory`` for this process (exclusive, non-blocking ``flock``) and return the
+    lock file's descriptor; closing it unlocks (so does the process's death)."""
+    path = directory / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = ""
+        with contextlib.suppress(OSError, ValueError):
+            holder = f" (pid {int(os.pread(fd, 32, 0).decode().strip())})"
+        os.close(fd)
+        raise ControlPlaneError(
+            f"worker state directory {directory} is in use by another agent{holder}: run one"
+            " agent per worker id and state directory",
+            code=ErrorCode.STATE_DIR_LOCKED,
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    with contextlib.suppress(OSError):  # only to name the holder in the error above
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _preview(lines: list[str], limit: int = 2000) -> str:
+    text = " | ".join(lines)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"

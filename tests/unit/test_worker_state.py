@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
+import subprocess
+import sys
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
+from controlplane.errors import ControlPlaneError, ErrorCode
 from controlplane.protocol import Ack, AckError, AckState, ReloadWeightsSpec, Timings
 from workers import state as state_module
 from workers.state import WorkerState
@@ -111,11 +116,11 @@ def test_mutations_are_staged_until_one_sync_with_one_fsync(
     assert journal(tmp_path)[3:] == [{"t": "published", "id": "c1"}, {"t": "offset", "next": 8}]
     st.mark_published("c1")  # already published: nothing staged
     assert not st.dirty
+    st.close()
     again = WorkerState.open(tmp_path)
     assert again.outcome("c1") is not None and again.outcome("c1").published is True
     assert again.next_offset == 8 and again.weights is not None
     again.close()
-    st.close()
 
 
 def test_a_crash_before_the_sync_loses_only_the_staged_mutations(tmp_path: Path) -> None:
@@ -124,13 +129,13 @@ def test_a_crash_before_the_sync_loses_only_the_staged_mutations(tmp_path: Path)
     st.sync()
     st.mark_published("c1")
     st.set_offset(3)
-    # The process dies here: no sync, no close (the file is what another process would read).
+    # The process dies here: no sync, its memory is gone, its lock released with it.
+    st._pending.clear()
+    st.close()
     after_crash = WorkerState.open(tmp_path)
     assert after_crash.outcome("c1") is not None and after_crash.outcome("c1").published is False
     assert after_crash.next_offset is None
     after_crash.close()
-    st._pending.clear()  # the dead process's memory, gone with it
-    st.close()
 
 
 def test_close_syncs_what_is_staged(tmp_path: Path) -> None:
@@ -164,12 +169,12 @@ def test_syncs_from_another_thread_keep_the_order_of_mutations(
         done.set()
         thread.join()
     st.sync()
+    st.close()
     again = WorkerState.open(tmp_path)
     assert again.next_offset == 400
     assert list(again.outcomes) == [f"c{i}" for i in range(350, 400)]
     assert all(o.published for o in again.outcomes.values())
     again.close()
-    st.close()
 
 
 def test_a_failed_sync_stays_staged_and_the_retry_replays_to_the_same_state(
@@ -187,8 +192,10 @@ def test_a_failed_sync_stays_staged_and_the_retry_replays_to_the_same_state(
     monkeypatch.setattr(os, "fsync", flaky_fsync)
     st.add_config({"max_new_tokens": 3})
     st.record(ack("c1"), published=False)
-    with pytest.raises(OSError):
+    with pytest.raises(ControlPlaneError) as failed:
         st.sync()
+    assert failed.value.code is ErrorCode.JOURNAL_WRITE_FAILED
+    assert "Input/output error" in failed.value.message and str(tmp_path) in failed.value.message
     assert st.dirty  # not known durable: staged again
     st.add_config({"max_new_tokens": 4})
     st.sync()
@@ -241,4 +248,200 @@ def test_the_line_after_a_torn_last_line_is_kept(tmp_path: Path) -> None:
     st.close()
     again = WorkerState.open(tmp_path)
     assert again.incarnation == 3 and list(again.outcomes) == ["c3"]
+    again.close()
+
+
+# ---------------------------------------------------------------------- one agent per directory
+
+
+def test_a_second_open_of_the_directory_is_refused_until_the_first_closes(tmp_path: Path) -> None:
+    first = WorkerState.open(tmp_path)
+    with pytest.raises(ControlPlaneError) as refused:
+        WorkerState.open(tmp_path)
+    assert refused.value.code is ErrorCode.STATE_DIR_LOCKED
+    assert str(tmp_path) in refused.value.message
+    assert f"pid {os.getpid()}" in refused.value.message
+    first.record(ack("c1"), published=False)  # the holder is untouched
+    first.sync()
+    first.close()
+    second = WorkerState.open(tmp_path)
+    assert list(second.outcomes) == ["c1"] and second.incarnation == 2
+    second.close()
+
+
+def test_the_lock_is_held_by_another_process_until_it_dies(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path; from workers.state import WorkerState;"
+            f" WorkerState.open(Path({str(tmp_path)!r})); print('open', flush=True);"
+            " sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "open\n"
+        with pytest.raises(ControlPlaneError, match=f"pid {holder.pid}") as refused:
+            WorkerState.open(tmp_path)
+        assert refused.value.code is ErrorCode.STATE_DIR_LOCKED
+    finally:
+        holder.kill()  # no close(): the kernel releases the lock with the process
+        holder.communicate()
+    again = WorkerState.open(tmp_path)
+    assert again.incarnation == 2
+    again.close()
+
+
+def test_an_open_that_fails_leaves_the_directory_unlocked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(fd: int, data: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(ControlPlaneError) as failed:
+        WorkerState.open(tmp_path)
+    assert failed.value.code is ErrorCode.JOURNAL_WRITE_FAILED
+    assert "No space left on device" in failed.value.message
+    monkeypatch.undo()
+    st = WorkerState.open(tmp_path)
+    assert st.incarnation == 1
+    st.close()
+
+
+# ---------------------------------------------------------------------- a disk that fails
+
+
+class Disk:
+    """os.write and os.fsync that fail on demand (ENOSPC), the first write possibly half done."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.full = False
+        self.half_written = False
+        self.real_write = os.write
+        monkeypatch.setattr(os, "write", self.write)
+
+    def write(self, fd: int, data: bytes | memoryview) -> int:
+        if self.full:
+            if self.half_written:
+                self.half_written = False
+                return self.real_write(fd, bytes(data)[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.real_write(fd, data)
+
+
+@pytest.mark.parametrize("half_written", [False, True], ids=["nothing-written", "torn"])
+def test_a_full_disk_is_a_coded_error_and_the_retry_replays_to_the_same_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, half_written: bool
+) -> None:
+    st = WorkerState.open(tmp_path)
+    disk = Disk(monkeypatch)
+    st.record(ack("c1"), published=False)
+    st.set_offset(1)
+    disk.full, disk.half_written = True, half_written
+    with pytest.raises(ControlPlaneError) as failed:
+        st.sync()
+    assert failed.value.code is ErrorCode.JOURNAL_WRITE_FAILED
+    assert "No space left on device" in failed.value.message
+    assert st.dirty
+    with pytest.raises(ControlPlaneError):  # still full: still staged
+        st.sync()
+    disk.full = False
+    st.mark_published("c1")
+    st.sync()
+    assert not st.dirty
+    st.close()
+    again = WorkerState.open(tmp_path)
+    assert list(again.outcomes) == ["c1"] and again.outcomes["c1"].published
+    assert again.next_offset == 1
+    again.close()
+
+
+def test_close_never_raises_logs_what_it_lost_and_unlocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    st = WorkerState.open(tmp_path)
+    disk = Disk(monkeypatch)
+    st.record(ack("c-lost"), published=False)
+    disk.full = True
+    # The error that made the caller close is the one that propagates.
+    with pytest.raises(KeyError, match="the first error"):
+        try:
+            raise KeyError("the first error")
+        finally:
+            error = st.close()
+    assert error is not None and error.code is ErrorCode.JOURNAL_WRITE_FAILED
+    assert "1 journal line(s) not written" in caplog.text and "c-lost" in caplog.text
+    assert st.close() is None  # closed: nothing more to do
+    disk.full = False
+    again = WorkerState.open(tmp_path)  # unlocked although the write failed
+    assert again.outcome("c-lost") is None and again.incarnation == 2
+    again.close()
+
+
+def test_a_failed_compaction_keeps_the_journal_and_what_was_staged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    st = WorkerState.open(tmp_path)
+    st.record(ack("c1"), published=True)
+    st.sync()
+    disk = Disk(monkeypatch)
+    st.set_offset(7)
+    disk.full = True
+    with pytest.raises(ControlPlaneError) as failed:
+        st.compact()
+    assert failed.value.code is ErrorCode.JOURNAL_WRITE_FAILED
+    assert st.dirty and not (tmp_path / "state.tmp").exists()
+    disk.full = False
+    st.sync()
+    st.close()
+    again = WorkerState.open(tmp_path)
+    assert list(again.outcomes) == ["c1"] and again.next_offset == 7
+    again.close()
+
+
+# ---------------------------------------------------------------------- directory fsyncs
+
+
+class Fsyncs:
+    """Records every fsync: (is a directory, inode) of the descriptor, at the time of the call."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[bool, int]] = []
+        self.real = os.fsync
+        monkeypatch.setattr(os, "fsync", self.fsync)
+
+    def fsync(self, fd: int) -> None:
+        st = os.fstat(fd)
+        self.calls.append((stat.S_ISDIR(st.st_mode), st.st_ino))
+        self.real(fd)
+
+    def of_dir(self, path: Path) -> list[int]:
+        """Indexes of the fsyncs of directory ``path``."""
+        ino = path.stat().st_ino
+        return [i for i, call in enumerate(self.calls) if call == (True, ino)]
+
+
+def test_the_directory_is_fsynced_when_the_journal_is_created_and_compacted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fsyncs = Fsyncs(monkeypatch)
+    directory = tmp_path / "workers" / "w1"
+    st = WorkerState.open(directory)
+    assert fsyncs.of_dir(directory), "the new journal's directory entry was not fsynced"
+    assert fsyncs.of_dir(directory.parent), "the new directory's entry was not fsynced"
+    st.record(ack("c1"), published=True)
+    st.sync()
+    fsyncs.calls.clear()
+    st.compact()
+    # The temp file first, then (after the rename) its directory.
+    (file_sync,) = [i for i, (is_dir, _) in enumerate(fsyncs.calls) if not is_dir]
+    assert fsyncs.of_dir(directory) and fsyncs.of_dir(directory)[0] > file_sync
+    st.close()
+    fsyncs.calls.clear()
+    again = WorkerState.open(directory)  # the journal exists: no directory fsync needed
+    assert not fsyncs.of_dir(directory) and list(again.outcomes) == ["c1"]
     again.close()
