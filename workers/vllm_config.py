@@ -66,8 +66,11 @@ def check_overrides(
                 "\"Field '_hf_config_revision' not found in ModelConfig\")",
                 code=ErrorCode.CONFIG_KEY_REJECTED,
             )
-        known = fields.get(section, {})
-        unknown = sorted(n for n in values if n not in known or n.startswith("_"))
+        known = fields.get(section)
+        if known is None:  # fields unknown (a sidecar whose /server_info failed): vLLM judges
+            unknown = sorted(n for n in values if n.startswith("_"))
+        else:
+            unknown = sorted(n for n in values if n not in known or n.startswith("_"))
         if unknown:
             names = ", ".join(f"{_CLASS_NAMES[section]}.{n}" for n in unknown)
             raise RunnerError(

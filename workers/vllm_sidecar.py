@@ -255,6 +255,8 @@ class SidecarEngine:
         self.device = "unknown"
         self.dtype = "unknown"
         self._fields: dict[str, dict[str, Any]] = {}
+        #: Why /server_info gave nothing (None: it answered, or it was not asked yet).
+        self.server_info_error: str | None = None
 
     def start(self) -> bool:
         """Wait for the server, check it serves ``model`` in dev mode; True if found paused."""
@@ -277,13 +279,33 @@ class SidecarEngine:
             )
         self.served_model_name = str(wanted[0].get("id"))
         paused = self.client.is_paused()  # also proves dev mode (404 otherwise)
-        info = self.client.server_info()
-        self._fields = {s: dict(info.get(s) or {}) for s in ("model_config", "load_config")}
-        self.dtype = str(self._fields["model_config"].get("dtype", "unknown"))
-        self.dtype = self.dtype.removeprefix("torch.")
-        device = info.get("device_config") or {}
-        self.device = str(device.get("device_type") or device.get("device") or "unknown")
+        self._describe_from_server_info()
         return paused
+
+    def _describe_from_server_info(self) -> None:
+        """Config fields, dtype and device from /server_info, if it answers; nothing needs them.
+
+        vLLM's /server_info also runs its ``collect_env``, which shells out (``pip list``, or
+        ``uv pip list`` in a uv-made environment without pip, found through the server's PATH)
+        and answers HTTP 500 when that command is missing. So it is asked once, at start, and a
+        failure only leaves the fields unknown: vLLM then judges override names itself.
+        """
+        try:
+            info = self.client.server_info()
+        except SidecarError as exc:
+            if exc.status is None:
+                raise  # no answer at all: the server went away after /health
+            self.server_info_error = exc.message
+            return
+        self.server_info_error = None
+        self._fields = {
+            s: dict(info[s]) for s in ("model_config", "load_config") if isinstance(info.get(s), dict)
+        }
+        model_config = self._fields.get("model_config", {})
+        self.dtype = str(model_config.get("dtype", "unknown")).removeprefix("torch.")
+        device = info.get("device_config") or {}
+        if isinstance(device, dict):
+            self.device = str(device.get("device_type") or device.get("device") or "unknown")
 
     def config_fields(self) -> dict[str, dict[str, Any]]:
         return {s: dict(v) for s, v in self._fields.items()}

@@ -1,0 +1,164 @@
+"""The sidecar runner against a stand-in ``vllm serve`` on loopback (real HTTP, no vLLM needed).
+
+vLLM's /server_info shells out (``pip list`` / ``uv pip list``) and answers HTTP 500 when that
+command is not on the server's PATH; the runner must start and work without it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controlplane.errors import ErrorCode, RunnerError
+from tests.component.conftest import TINY
+from workers.checkpoints import write_checkpoint
+from workers.vllm_runner import VllmRunner
+
+#: What vLLM 0.32 answers on /server_info when `uv` is not on the server's PATH.
+SERVER_INFO_500 = {"error": {"message": "'NoneType' object has no attribute 'splitlines'"}}
+
+
+class FakeVllm:
+    """The endpoints the runner calls, answering as vLLM 0.32 does; records every call."""
+
+    def __init__(self, model: str, *, server_info_ok: bool) -> None:
+        self.model = model
+        self.server_info_ok = server_info_ok
+        self.calls: list[tuple[str, str, Any]] = []
+
+    def answer(self, method: str, path: str, body: Any) -> tuple[int, Any]:
+        self.calls.append((method, path, body))
+        route = path.split("?", 1)[0]
+        if route == "/health":
+            return 200, None
+        if route == "/version":
+            return 200, {"version": "0.32.0"}
+        if route == "/v1/models":
+            return 200, {"data": [{"id": self.model, "root": self.model}]}
+        if route == "/is_paused":
+            return 200, {"is_paused": False}
+        if route == "/server_info":
+            if not self.server_info_ok:
+                return 500, SERVER_INFO_500
+            return 200, {
+                "vllm_config": {
+                    "model_config": {"dtype": "torch.float32", "max_logprobs": 20},
+                    "load_config": {"load_format": "auto", "ignore_patterns": []},
+                    "device_config": {"device_type": "cpu"},
+                }
+            }
+        if route == "/collective_rpc" and body.get("method") == "update_config":
+            (overrides,) = body["args"]
+            if "model_config" in overrides:
+                msg = "Field '_hf_config_revision' not found in ModelConfig"
+                return 500, {"error": {"message": msg}}
+            unknown = [k for k in overrides.get("load_config", {}) if k != "load_format"]
+            if unknown:
+                msg = f"LoadConfig.{unknown[0]} is not a valid config field"
+                return 500, {"error": {"message": msg}}
+            return 200, {"results": [None]}
+        return 404, {"detail": "Not Found"}
+
+
+@pytest.fixture
+def fake_server() -> Iterator[tuple[str, list[FakeVllm]]]:
+    holder: list[FakeVllm] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def _serve(self, method: str) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            status, body = holder[0].answer(method, self.path, json.loads(raw) if raw else None)
+            data = b"" if body is None else json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self._serve("GET")
+
+        def do_POST(self) -> None:
+            self._serve("POST")
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", holder
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def _runner(tmp_path: Path, url: str, holder: list[FakeVllm], *, server_info_ok: bool) -> VllmRunner:
+    model = tmp_path / "ckpt"
+    write_checkpoint(model, model_kwargs=TINY, seed=1)
+    holder.append(FakeVllm(str(model), server_info_ok=server_info_ok))
+    return VllmRunner(
+        {"mode": "sidecar", "model": str(model), "base_url": url, "startup_timeout_s": 30}
+    )
+
+
+def test_sidecar_starts_and_applies_config_when_server_info_fails(
+    tmp_path: Path, fake_server: tuple[str, list[FakeVllm]]
+) -> None:
+    url, holder = fake_server
+    runner = _runner(tmp_path, url, holder, server_info_ok=False)
+    runner.load()
+    try:
+        described = runner.describe()
+        assert described.model_loaded and described.weights_version == "init"
+        assert "splitlines" in str(described.extra["server_info_error"])
+        assert described.device == "unknown" and described.extra["dtype"] == "unknown"
+        # Field names are unknown here: vLLM judges them (its refusal is still our code).
+        ok = runner.update_config({"load_config.load_format": "safetensors"})
+        assert ok.config == {"load_config": {"load_format": "safetensors"}}
+        with pytest.raises(RunnerError) as caught:
+            runner.update_config({"load_config.no_such_field": 1})
+        assert caught.value.code is ErrorCode.CONFIG_KEY_REJECTED
+        # Our own checks still stand before vLLM is asked.
+        for overrides, code in (
+            ({"load_config.load_format": "bogus"}, ErrorCode.CONFIG_VALUE_INVALID),
+            ({"load_config.ignore_patterns": ["*"]}, ErrorCode.CONFIG_KEY_REJECTED),
+            ({"model_config.max_logprobs": 3}, ErrorCode.CONFIG_KEY_REJECTED),
+        ):
+            with pytest.raises(RunnerError) as caught:
+                runner.update_config(overrides)
+            assert caught.value.code is code, overrides
+    finally:
+        runner.close()
+    sent = [body for _, path, body in holder[0].calls if path == "/collective_rpc"]
+    assert {"load_config": {"load_format": "bogus"}} not in [b["args"][0] for b in sent]
+
+
+def test_sidecar_uses_server_info_when_it_answers(
+    tmp_path: Path, fake_server: tuple[str, list[FakeVllm]]
+) -> None:
+    url, holder = fake_server
+    runner = _runner(tmp_path, url, holder, server_info_ok=True)
+    runner.load()
+    try:
+        described = runner.describe()
+        assert described.device == "cpu" and described.extra["dtype"] == "float32"
+        assert "server_info_error" not in described.extra
+        assert "load_config.load_format" in described.accepts
+        with pytest.raises(RunnerError) as caught:
+            runner.update_config({"load_config.no_such_field": 1})
+        assert caught.value.code is ErrorCode.CONFIG_KEY_REJECTED
+    finally:
+        runner.close()
+    # Refused by our own check against the known fields: vLLM never saw it.
+    sent = [body["args"][0] for _, path, body in holder[0].calls if path == "/collective_rpc"]
+    assert {"load_config": {"no_such_field": 1}} not in sent
