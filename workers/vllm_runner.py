@@ -442,6 +442,8 @@ class VllmRunner:
             }
             if self.options.mode == "sidecar":
                 extra["base_url"] = self.options.base_url
+                if isinstance(engine, SidecarEngine) and engine.server_info_error:
+                    extra["server_info_error"] = engine.server_info_error
             if engine is not None:
                 extra.update(vllm_version=engine.vllm_version, dtype=engine.dtype)
             return RunnerDescription(
