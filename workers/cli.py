@@ -1,6 +1,9 @@
 """The `fleet-worker` command line: run an agent beside a model server; write checkpoints.
 
 Entry point only: settings from environment and flags, signals, asyncio.run. No logic here.
+
+`fleet-worker run` ends with one line, ``error: CODE: message``, and an exit code per cause
+(:data:`EXIT_CODES`, documented in README.md), never a traceback.
 """
 
 from __future__ import annotations
@@ -15,8 +18,7 @@ from typing import Annotated, Any
 
 import typer
 
-from controlplane.errors import ControlPlaneError
-from controlplane.settings import load_settings
+from controlplane.errors import ControlPlaneError, ErrorCode
 
 app = typer.Typer(
     name="fleet-worker",
@@ -26,6 +28,31 @@ app = typer.Typer(
     add_completion=False,
 )
 
+#: Exit codes of `fleet-worker run` by the code of the error that stopped it (0: stopped by
+#: SIGTERM/SIGINT after draining).
+EXIT_ERROR = 1  # any other coded error
+EXIT_SETTINGS = 3
+EXIT_KAFKA = 4
+EXIT_STATE_DIR_LOCKED = 5
+EXIT_JOURNAL = 6
+EXIT_RUNNER = 7
+EXIT_CODES: dict[ErrorCode, int] = {
+    ErrorCode.SETTINGS_INVALID: EXIT_SETTINGS,
+    ErrorCode.BROKER_UNAVAILABLE: EXIT_KAFKA,
+    ErrorCode.KAFKA_ERROR: EXIT_KAFKA,
+    ErrorCode.TOPIC_MISMATCH: EXIT_KAFKA,
+    ErrorCode.STATE_DIR_LOCKED: EXIT_STATE_DIR_LOCKED,
+    ErrorCode.JOURNAL_WRITE_FAILED: EXIT_JOURNAL,
+    ErrorCode.RUNNER_LOAD_FAILED: EXIT_RUNNER,
+}
+
+
+def _fail(exc: ControlPlaneError) -> typer.Exit:
+    """Print the error as one coded line; the exit that goes with its code."""
+    typer.echo(f"error: {exc.code}: {exc.message}", err=True)
+    return typer.Exit(EXIT_CODES.get(exc.code, EXIT_ERROR))
+
+
 try:  # the checkpoint tool needs torch; the agent itself does not
     from workers.checkpoints import checkpoint_app
 
@@ -34,15 +61,19 @@ except ImportError:  # pragma: no cover - only without torch
     pass
 
 
+def _invalid(message: str) -> ControlPlaneError:
+    return ControlPlaneError(message, code=ErrorCode.SETTINGS_INVALID)
+
+
 def _json_object(text: str | None, flag: str) -> dict[str, Any] | None:
     if text is None:
         return None
     try:
         value = json.loads(text)
     except ValueError as exc:
-        raise typer.BadParameter(f"{flag} must be a JSON object: {exc}") from None
+        raise _invalid(f"{flag} must be a JSON object: {exc}") from None
     if not isinstance(value, dict):
-        raise typer.BadParameter(f"{flag} must be a JSON object")
+        raise _invalid(f"{flag} must be a JSON object")
     return value
 
 
@@ -53,7 +84,9 @@ def _labels(items: list[str] | None) -> dict[str, str] | None:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
-            raise typer.BadParameter(f"label {item!r} must look like key=value")
+            raise _invalid(f"--label {item!r} must look like key=value")
+        if key in out:
+            raise _invalid(f"--label {key!r} is given twice")
         out[key] = value
     return out
 
@@ -81,44 +114,45 @@ def run(
     heartbeat_s: Annotated[float | None, typer.Option(help="Heartbeat interval.")] = None,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING.")] = "INFO",
 ) -> None:
-    """Run a worker agent until SIGTERM/SIGINT (then drain: finish or time out, ack, stop)."""
+    """Run a worker agent until SIGTERM/SIGINT (then drain: finish or time out, ack, stop).
+
+    Exit codes: 0 stopped, 3 invalid settings, 4 Kafka, 5 state directory in use by another
+    agent, 6 journal not writable, 7 runner failed to load, 1 any other error.
+    """
     from workers.agent import Agent
     from workers.runner import create_runner
-    from workers.settings import WorkerSettings
+    from workers.settings import load_worker_settings
 
-    logging.basicConfig(
-        level=log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
-    logging.getLogger("aiokafka").setLevel(logging.WARNING)
-    flags: dict[str, Any] = {
-        "worker_id": worker_id,
-        "labels": _labels(label),
-        "runner": runner,
-        "runner_options": _json_object(runner_options, "--runner-options"),
-        "allowed_roots": allow_root,
-        "state_dir": state_dir,
-        "heartbeat_interval_s": heartbeat_s,
-    }
+    # Everything is checked here, before anything connects to Kafka.
     try:
-        settings = load_settings(
-            WorkerSettings, **{k: v for k, v in flags.items() if v is not None}
+        level = logging.getLevelNamesMapping().get(log_level.upper())
+        if level is None:
+            raise _invalid(f"--log-level {log_level!r}: use DEBUG, INFO, WARNING or ERROR")
+        logging.basicConfig(
+            level=level,
+            stream=sys.stderr,
+            format="%(asctime)s %(levelname)s %(name)s %(message)s",
         )
+        logging.getLogger("aiokafka").setLevel(logging.WARNING)
+        kafka_flags = {"bootstrap_servers": bootstrap, "topic_prefix": topic_prefix}
+        flags: dict[str, Any] = {
+            "worker_id": worker_id,
+            "labels": _labels(label),
+            "runner": runner,
+            "runner_options": _json_object(runner_options, "--runner-options"),
+            "allowed_roots": allow_root,
+            "state_dir": state_dir,
+            "heartbeat_interval_s": heartbeat_s,
+            # Merged into the environment's FLEET_WORKER_KAFKA__* (validated with them).
+            "kafka": {k: v for k, v in kafka_flags.items() if v is not None} or None,
+        }
+        settings = load_worker_settings(**{k: v for k, v in flags.items() if v is not None})
+        try:
+            agent = Agent(settings, create_runner(settings.runner, settings.runner_options))
+        except ValueError as exc:  # the runner's options
+            raise _invalid(str(exc)) from None
     except ControlPlaneError as exc:
-        typer.echo(f"error: {exc.code}: {exc.message}", err=True)
-        raise typer.Exit(3) from None
-    kafka_flags = {"bootstrap_servers": bootstrap, "topic_prefix": topic_prefix}
-    kafka_flags = {k: v for k, v in kafka_flags.items() if v is not None}
-    if kafka_flags:
-        settings = settings.model_copy(
-            update={"kafka": settings.kafka.model_copy(update=kafka_flags)}
-        )
-    try:
-        agent = Agent(settings, create_runner(settings.runner, settings.runner_options))
-    except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(3) from None
+        raise _fail(exc) from None
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -129,8 +163,7 @@ def run(
     try:
         asyncio.run(main())
     except ControlPlaneError as exc:
-        typer.echo(f"error: {exc.code}: {exc.message}", err=True)
-        raise typer.Exit(4) from None
+        raise _fail(exc) from None
 
 
 def main() -> None:

@@ -1,6 +1,8 @@
 """The worker agent's settings: environment (FLEET_WORKER_*, nested with "__") and CLI flags.
 
-No I/O beyond reading the environment; passed explicitly to the agent.
+Everything is checked when the settings are built (by the wire's own rules for what goes into a
+heartbeat), so a bad label or id stops the worker before it connects to Kafka, with
+SETTINGS_INVALID. No I/O beyond reading the environment; passed explicitly to the agent.
 """
 
 from __future__ import annotations
@@ -9,11 +11,20 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from controlplane.protocol import MAX_MESSAGE_BYTES
-from controlplane.settings import KafkaSettings
+from controlplane.errors import ControlPlaneError, ErrorCode
+from controlplane.protocol import (
+    MAX_MESSAGE_BYTES,
+    Heartbeat,
+    Identifier,
+    Labels,
+    WorkerStatus,
+    utcnow,
+)
+from controlplane.settings import KafkaSettings, load_settings
+from workers.runner import RUNNERS
 
 ENV_PREFIX = "FLEET_WORKER_"
 
@@ -29,10 +40,14 @@ class WorkerSettings(BaseSettings):
         env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid"
     )
 
-    worker_id: str = Field(
-        default_factory=_default_worker_id, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$"
+    worker_id: Identifier = Field(
+        default_factory=_default_worker_id,
+        description="Unique in the fleet; also names this worker's journal under state_dir.",
     )
-    labels: dict[str, str] = Field(default_factory=dict, description="JSON object in env.")
+    labels: Labels = Field(
+        default_factory=dict,
+        description="JSON object in env; keys and values follow the heartbeat's label rules.",
+    )
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     runner: str = "torch"
     runner_options: dict[str, Any] = Field(default_factory=dict, description="JSON object in env.")
@@ -81,6 +96,41 @@ class WorkerSettings(BaseSettings):
         default=True, description="Re-apply the last applied weights and config after a restart."
     )
 
+    @field_validator("runner")
+    @classmethod
+    def _known_runner(cls, name: str) -> str:
+        if name not in RUNNERS:
+            raise ValueError(
+                f"unknown runner {name!r}; choose one of: {', '.join(sorted(RUNNERS))}"
+            )
+        return name
+
+    @model_validator(mode="after")
+    def _fits_a_heartbeat(self) -> WorkerSettings:
+        """What every heartbeat carries from here must pass the wire's rules now, not when the
+        first heartbeat is built (after Kafka connects)."""
+        now = utcnow()
+        try:
+            Heartbeat(
+                worker_id=self.worker_id,
+                labels=self.labels,
+                runner=self.runner,
+                device="unknown",
+                status=WorkerStatus.STARTING,
+                seq=0,
+                sent_at=now,
+                started_at=now,
+                interval_s=self.heartbeat_interval_s,
+            )
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{_HEARTBEAT_FIELDS.get(str(e['loc'][0]), e['loc'][0]) if e['loc'] else 'heartbeat'}"
+                f": {e['msg']}"
+                for e in exc.errors(include_url=False)[:5]
+            )
+            raise ValueError(f"not valid in a heartbeat: {problems}") from None
+        return self
+
     @field_validator("allowed_roots")
     @classmethod
     def _absolute(cls, roots: list[Path]) -> list[Path]:
@@ -88,4 +138,31 @@ class WorkerSettings(BaseSettings):
 
     @property
     def worker_state_dir(self) -> Path:
-        return self.state_dir / self.worker_id.replace("/", "_")
+        """This worker's journal directory: one per worker id (see :func:`worker_dir_name`)."""
+        return self.state_dir / worker_dir_name(self.worker_id)
+
+
+#: Heartbeat field -> the setting it comes from.
+_HEARTBEAT_FIELDS = {
+    "worker_id": "worker_id",
+    "labels": "labels",
+    "runner": "runner",
+    "interval_s": "heartbeat_interval_s",
+}
+
+
+def worker_dir_name(worker_id: str) -> str:
+    """The directory name of a worker's state: the id, with "/" written "%2F".
+
+    One directory per id ('%' cannot occur in an id, so no two ids share a name), and an id
+    without "/" keeps its name as it is.
+    """
+    return worker_id.replace("/", "%2F")
+
+
+def load_worker_settings(**values: Any) -> WorkerSettings:
+    """Settings from the environment and ``values`` (flags); bad ones are SETTINGS_INVALID."""
+    try:
+        return load_settings(WorkerSettings, **values)
+    except ControlPlaneError as exc:
+        raise ControlPlaneError(exc.message, code=ErrorCode.SETTINGS_INVALID) from None
