@@ -33,9 +33,9 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, assert_never
 
 from controlplane.bus import Consumer, Producer, Record
 from controlplane.errors import (
@@ -104,6 +104,14 @@ class Agent:
         self.ready = asyncio.Event()
         self.outcomes: Counter[str] = Counter()
         self._stop = asyncio.Event()
+        #: Why this worker cannot serve as it should, beyond what its runner says (its model
+        #: failed to load, its journal cannot be written); reported in every heartbeat.
+        self._degraded: Degraded | None = None
+        #: The coded error run() raises once it has stopped (a journal that cannot be written).
+        self._failed: ControlPlaneError | None = None
+        #: Since when the command loop cannot fetch (logged once, and once when it can again).
+        self._unreachable_since: datetime | None = None
+        self._heartbeats_failing = False
         self._stopped_at: float | None = None
         self._hb_wakeup = asyncio.Event()
         self._hb_done = asyncio.Event()
@@ -133,9 +141,15 @@ class Agent:
             self._hb_wakeup.set()
 
     async def run(self) -> None:
-        """Run until stopped. Drains on stop: in-flight command acked, last heartbeat sent."""
-        self._state = WorkerState.open(self.settings.worker_state_dir)
+        """Run until stopped. Drains on stop: in-flight command acked, last heartbeat sent.
+
+        A journal that cannot be written stops the worker: no more commands, a degraded
+        heartbeat with code JOURNAL_WRITE_FAILED (best effort), then that error is raised here
+        once everything is closed. The runner is closed whatever happened; an error while
+        closing is logged and never hides the one that stopped the worker.
+        """
         try:
+            self._state = WorkerState.open(self.settings.worker_state_dir)
             async with (
                 Producer(self.settings.kafka) as producer,
                 Consumer(
@@ -148,28 +162,71 @@ class Agent:
                 ) as consumer,
             ):
                 self._producer, self._consumer = producer, consumer
-                await self._establish_position()
-                await self._publish_pending_acks()
-                async with asyncio.TaskGroup() as tg:
-                    tg.create_task(self._heartbeat_loop())
-                    try:
-                        await self._load_runner()
-                        self.ready.set()
-                        self._log(
-                            logging.INFO, "ready: runner %s on %s", self.runner.name, self._device()
-                        )
-                        await self._command_loop()
-                    finally:
-                        self._status = WorkerStatus.STOPPED
-                        self._hb_done.set()
-                        self._hb_wakeup.set()
-                        if self._progress is not None:  # only if the command loop was cancelled
-                            self._progress.cancel()
+                try:
+                    await self._establish_position()
+                    await self._publish_pending_acks()
+                except ControlPlaneError as exc:
+                    if exc is not self._failed:
+                        raise
+                    await self._beat()  # best effort: say why, then stop
+                else:
+                    await self._serve()
                 await asyncio.gather(*self._beats, return_exceptions=True)
         finally:
-            self._state.close()
+            await self._close()
+        if self._failed is not None:
+            raise self._failed
+
+    async def _serve(self) -> None:
+        """Heartbeats beside the command loop, until stopped (or the journal fails)."""
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._heartbeat_loop())
+            try:
+                await self._load_runner()
+                self.ready.set()
+                if self._degraded is not None:
+                    self._log(
+                        logging.WARNING,
+                        "running degraded (%s): runner %s on %s",
+                        self._degraded.code,
+                        self.runner.name,
+                        self._device(),
+                    )
+                else:
+                    self._log(
+                        logging.INFO, "ready: runner %s on %s", self.runner.name, self._device()
+                    )
+                await self._command_loop()
+            except ControlPlaneError as exc:
+                if exc is not self._failed:
+                    raise
+                await self._beat()  # the degraded heartbeat, best effort; then stop
+            finally:
+                self._status = WorkerStatus.STOPPED
+                self._hb_done.set()
+                self._hb_wakeup.set()
+                if self._progress is not None:  # only if the command loop was cancelled
+                    self._progress.cancel()
+
+    async def _close(self) -> None:
+        """Close the journal, then the runner (always); errors are logged, never raised over
+        the one that stopped the worker. A journal that cannot be closed when nothing else
+        failed is the error run() raises."""
+        if self._state is not None:
+            error: object
+            try:  # WorkerState.close() may return what it could not write rather than raise it
+                error = self._state.close()  # type: ignore[func-returns-value,unused-ignore]
+            except Exception as exc:
+                error = _journal_error(exc, self.settings.worker_state_dir)
+            if isinstance(error, ControlPlaneError):
+                self._log(logging.ERROR, "the journal could not be closed: %s", error)
+                if self._failed is None:
+                    self._failed = error
+        try:
             await asyncio.to_thread(self.runner.close)
-            self._log(logging.INFO, "stopped")
+        except Exception as exc:
+            self._log(logging.ERROR, "runner.close() failed: %r", exc)
+        self._log(logging.INFO, "stopped")
 
     # ------------------------------------------------------------------ start-up
 
@@ -212,15 +269,25 @@ class Agent:
         await self._sync()
 
     async def _load_runner(self) -> None:
+        """Load the model. If that fails the worker keeps running, degraded (RUNNER_LOAD_FAILED
+        in its heartbeats), and the runner refuses reloads with MODEL_NOT_LOADED."""
         assert self._state is not None
         try:
             await asyncio.to_thread(self.runner.load)
-        except Exception as exc:  # the worker keeps running: reloads will say MODEL_NOT_LOADED
-            self._log(logging.ERROR, "runner failed to load its model: %s", exc)
-        if self.settings.restore_on_start:
-            await self._restore()
+        except Exception as exc:
+            message = exc.message if isinstance(exc, ControlPlaneError) else f"{exc}"
+            message = f"{type(exc).__name__}: {message}"
+            self._log(logging.ERROR, "runner failed to load its model: %s", message)
+            self._degraded = Degraded(
+                code=ErrorCode.RUNNER_LOAD_FAILED.value,
+                message=message[:4096],
+                since=self.clock(),
+            )
+        else:
+            if self.settings.restore_on_start:
+                await self._restore()
         await self._refresh()
-        self._status = WorkerStatus.READY
+        self._status = self._idle_status()
 
     async def _restore(self) -> None:
         """Re-apply what this worker had applied before a restart (level, not events)."""
@@ -250,14 +317,34 @@ class Agent:
             try:
                 records = await self._consumer.fetch(timeout_s=0.5, max_records=16)
             except BusError as exc:
-                self._log(logging.WARNING, "fetch failed, retrying: %s", exc)
+                self._fetch_failed(exc)
                 await self._sleep_unless_stopped(1.0)
                 continue
+            if self._unreachable_since is not None:
+                self._log(
+                    logging.WARNING,
+                    "Kafka reachable again (unreachable since %s)",
+                    self._unreachable_since.isoformat(timespec="seconds"),
+                )
+                self._unreachable_since = None
             for record in records:
                 if self._stop.is_set():
                     break  # not committed: seen again after a restart
                 acked = await self._handle(record)
                 await self._commit(topic, record.offset + 1, acked=acked)
+
+    def _fetch_failed(self, exc: BusError) -> None:
+        """Log an outage once when it starts (and once when it ends), not at every retry."""
+        if self._unreachable_since is None:
+            self._unreachable_since = self.clock()
+            self._log(
+                logging.WARNING,
+                "Kafka unreachable since %s, retrying every second: %s",
+                self._unreachable_since.isoformat(timespec="seconds"),
+                exc,
+            )
+        else:
+            self._log(logging.DEBUG, "fetch failed, retrying: %s", exc)
 
     async def _commit(self, topic: str, next_offset: int, *, acked: bool) -> None:
         """Journal phase 2, then Kafka: the next offset (with the "published" mark of the ack
@@ -343,26 +430,60 @@ class Agent:
         return True
 
     async def _handle_garbage(self, record: Record, exc: ProtocolError, received: datetime) -> bool:
+        """NACK a record that did not decode, where its command id can be read.
+
+        The NACK is published but never journaled: an id read from bytes that are not a command
+        proves nothing about the command of that id, which must still be applied when it comes
+        (anyone can write a record with a guessable id in front of the real one).
+        """
         self._log(logging.WARNING, "unreadable command at offset %d: %s", record.offset, exc)
         if exc.command_id is None:
             return False
         if await self._replay_outcome(exc.command_id):
             return True
-        await self._finish(
+        nack = self._ack(
             exc.command_id,
             exc.rollout_id or "unknown",
             None,
+            AckState.REJECTED,
             received,
-            _Outcome(AckState.REJECTED, _ack_error(exc)),
+            finished_at=self.clock(),
+            error=_ack_error(exc),
+        )
+        await self._publish_acks((nack,))
+        self.outcomes[exc.code.value] += 1
+        self._log(
+            logging.WARNING,
+            "rejected %s: %s (not remembered: the real command of this id is still applied)",
+            exc.code.value,
+            exc.message,
+            command_id=exc.command_id,
+            rollout_id=exc.rollout_id,
         )
         return True
 
     def _precheck(self, command: Command, now: datetime) -> Path | ControlPlaneError | None:
-        """Checks before anything is touched: expiry and weights path. Returns the resolved path."""
+        """Checks before anything is touched: expiry, issue time, TTL and weights path.
+        Returns the resolved path."""
         if command.is_expired(now):
             return CommandRejected(
                 f"command expired at {command.expires_at.isoformat()} (worker clock {now.isoformat()})",
                 code=ErrorCode.EXPIRED,
+            )
+        skew = timedelta(seconds=self.settings.max_clock_skew_s)
+        if command.issued_at > now + skew:
+            return CommandRejected(
+                f"command issued at {command.issued_at.isoformat()}, in the future of the worker"
+                f" clock {now.isoformat()} by more than max_clock_skew_s"
+                f" ({self.settings.max_clock_skew_s:g}s)",
+                code=ErrorCode.ISSUED_IN_FUTURE,
+            )
+        ttl = (command.expires_at - command.issued_at).total_seconds()
+        if ttl > self.settings.max_ttl_s:
+            return CommandRejected(
+                f"command TTL of {ttl:.0f}s (issued_at to expires_at) exceeds max_ttl_s"
+                f" ({self.settings.max_ttl_s:g}s)",
+                code=ErrorCode.TTL_TOO_LONG,
             )
         if isinstance(command.spec, ReloadWeightsSpec):
             try:
@@ -419,10 +540,7 @@ class Agent:
         elif isinstance(spec, UpdateConfigSpec):
             call = lambda: self.runner.update_config(dict(spec.overrides))  # noqa: E731
         else:  # pragma: no cover - the discriminated union has no other member
-            return _Outcome(
-                AckState.REJECTED,
-                AckError(code=ErrorCode.UNSUPPORTED_COMMAND, message=f"unknown kind {spec.kind}"),
-            )
+            assert_never(spec)
         timeout = command.timeout_s or self.settings.command_timeout_s
         task = asyncio.ensure_future(asyncio.to_thread(call))
         deadline = time.monotonic() + timeout
@@ -662,13 +780,19 @@ class Agent:
             await self._producer.send(
                 self.topics.workers.name, encode(hb), key=worker_key(self.worker_id)
             )
-        except BusError as exc:
-            self._log(logging.WARNING, "heartbeat failed: %s", exc)
+        except BusError as exc:  # logged when they start failing, not at every beat
+            level = logging.DEBUG if self._heartbeats_failing else logging.WARNING
+            self._heartbeats_failing = True
+            self._log(level, "heartbeat failed: %s", exc)
+        else:
+            if self._heartbeats_failing:
+                self._log(logging.INFO, "heartbeats sent again")
+            self._heartbeats_failing = False
 
     def _heartbeat(self) -> Heartbeat:
         desc = self._describe
-        degraded = None
-        if desc is not None and desc.degraded is not None:
+        degraded = self._degraded
+        if degraded is None and desc is not None and desc.degraded is not None:
             d = desc.degraded
             degraded = Degraded(
                 code=d.code,
@@ -691,6 +815,7 @@ class Agent:
             seq=self._seq,
             sent_at=self.clock(),
             started_at=self._started_at,
+            incarnation=self._state.incarnation if self._state is not None else 0,
             interval_s=self.settings.heartbeat_interval_s,
             agent_version=AGENT_VERSION,
         )
@@ -700,8 +825,24 @@ class Agent:
     async def _sync(self) -> None:
         """Make the journal's staged mutations durable: one fsync, off the loop (heartbeats go on)."""
         assert self._state is not None
-        if self._state.dirty:
+        if not self._state.dirty:
+            return
+        try:
             await asyncio.to_thread(self._state.sync)
+        except Exception as exc:
+            raise self._journal_failed(exc) from exc
+
+    def _journal_failed(self, exc: Exception) -> ControlPlaneError:
+        """The journal cannot be written: stop taking commands, degraded with the code."""
+        error = _journal_error(exc, self.settings.worker_state_dir)
+        if self._failed is None:
+            self._failed = error
+            self._log(logging.ERROR, "stopping: %s", error)
+        self._degraded = Degraded(
+            code=error.code.value, message=error.message[:4096], since=self.clock()
+        )
+        self._status = WorkerStatus.DEGRADED
+        return self._failed
 
     async def _refresh(self) -> None:
         try:
@@ -710,7 +851,9 @@ class Agent:
             self._log(logging.ERROR, "runner.describe() failed: %s", exc)
 
     def _idle_status(self) -> WorkerStatus:
-        if self._describe is not None and self._describe.degraded is not None:
+        if self._degraded is not None or (
+            self._describe is not None and self._describe.degraded is not None
+        ):
             return WorkerStatus.DEGRADED
         return WorkerStatus.STOPPING if self._stop.is_set() else WorkerStatus.READY
 
@@ -741,3 +884,13 @@ class Agent:
 
 def _ack_error(exc: ControlPlaneError) -> AckError:
     return AckError(code=exc.code.value, message=exc.message[:4096], retryable=exc.retryable)
+
+
+def _journal_error(exc: Exception, directory: Path) -> ControlPlaneError:
+    """``exc`` as JOURNAL_WRITE_FAILED (WorkerState raises it so; anything else is wrapped)."""
+    if isinstance(exc, ControlPlaneError) and exc.code is ErrorCode.JOURNAL_WRITE_FAILED:
+        return exc
+    return ControlPlaneError(
+        f"cannot write the journal in {directory}: {type(exc).__name__}: {exc}",
+        code=ErrorCode.JOURNAL_WRITE_FAILED,
+    )
