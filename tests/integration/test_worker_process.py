@@ -1,4 +1,9 @@
-"""Worker agents as real processes: crash safety under SIGKILL, draining under SIGTERM."""
+"""Worker agents as real processes: crash safety under SIGKILL, draining under SIGTERM, one
+agent per state directory.
+
+No sleeps and no clock readings: every step waits for what it needs (a heartbeat, an ack, the
+process's exit), with a generous deadline.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from tests.fleet import (
     publish,
     terminal,
 )
+from workers.cli import EXIT_STATE_DIR_LOCKED
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -36,8 +42,9 @@ class WorkerProcess:
         runner: str,
         options: dict[str, object],
         env: dict[str, str] | None = None,
+        name: str | None = None,
     ) -> None:
-        self.log = tmp_path / f"{worker_id}.log"
+        self.log = tmp_path / f"{name or worker_id}.log"
         self.cmd = [
             sys.executable,
             "-m",
@@ -104,15 +111,10 @@ def worker(kafka: KafkaSettings, tmp_path: Path) -> Iterator[WorkerProcess]:
     proc.stop()
 
 
-async def _ready(kafka: KafkaSettings, after_seq_of: int | None = None) -> None:
+async def _ready(kafka: KafkaSettings) -> None:
     async with heartbeats_tail(kafka) as hbs:
         await hbs.until(
-            lambda items: any(
-                h.status is WorkerStatus.READY
-                and (after_seq_of is None or h.started_at.timestamp() > after_seq_of)
-                for h in items
-            ),
-            timeout=60,
+            lambda items: any(h.status is WorkerStatus.READY for h in items), timeout=60
         )
 
 
@@ -188,7 +190,9 @@ async def test_sigkill_between_apply_and_commit_applies_once_and_acks_once(
 async def test_sigterm_during_a_reload_drains(
     kafka: KafkaSettings, ckpt: Path, worker: WorkerProcess
 ) -> None:
-    worker.cmd[worker.cmd.index("--runner-options") + 1] = json.dumps({"reload_delay_s": 3.0})
+    # Long enough that the SIGTERM, sent once the reload is seen running, lands during it: the
+    # stopping heartbeat below proves it did (it names the command in flight).
+    worker.cmd[worker.cmd.index("--runner-options") + 1] = json.dumps({"reload_delay_s": 10.0})
     worker.start()
     await _ready(kafka)
     cmd = make_command(ReloadWeightsSpec(path=str(ckpt), version="v-drain"))
@@ -197,18 +201,17 @@ async def test_sigterm_during_a_reload_drains(
         await acks.until(lambda items: any(a.state is AckState.RUNNING for a in items))
         assert worker.proc is not None
         worker.proc.send_signal(signal.SIGTERM)
-        await hbs.until(
-            lambda items: any(h.status is WorkerStatus.STOPPING for h in items), timeout=10
-        )
+        await hbs.until(lambda items: any(h.status is WorkerStatus.STOPPING for h in items))
         assert worker.wait(60) == 0
-        await acks.until(has_terminal(cmd.command_id), timeout=10)
+        await acks.until(has_terminal(cmd.command_id))
         await hbs.until(
             lambda items: (
                 latest(items, "w1") is not None
                 and latest(items, "w1").status is WorkerStatus.STOPPED
-            ),
-            timeout=10,
+            )
         )
+    stopping = next(h for h in hbs.items if h.status is WorkerStatus.STOPPING)
+    assert stopping.in_flight is not None and stopping.in_flight.command_id == cmd.command_id
     (final,) = terminal(acks.items, cmd.command_id)
     assert final.state is AckState.SUCCEEDED and final.weights_version == "v-drain"
     last = latest(hbs.items, "w1")
@@ -227,9 +230,38 @@ async def test_sigterm_past_the_drain_timeout_cancels_with_a_coded_ack(
         await acks.until(lambda items: any(a.state is AckState.RUNNING for a in items))
         assert worker.proc is not None
         worker.proc.send_signal(signal.SIGTERM)
-        assert worker.wait(30) == 0
-        await acks.until(has_terminal(cmd.command_id), timeout=10)
+        assert worker.wait(60) == 0
+        await acks.until(has_terminal(cmd.command_id))
     (final,) = terminal(acks.items, cmd.command_id)
     assert final.state is AckState.FAILED
     assert final.error is not None and final.error.code == "WORKER_SHUTTING_DOWN"
     assert final.weights_version == "init"
+
+
+async def test_a_second_agent_on_the_same_state_dir_exits_with_a_code(
+    kafka: KafkaSettings, ckpt: Path, worker: WorkerProcess, tmp_path: Path
+) -> None:
+    """Two agents with the same id and state directory both applied every command: the second
+    now stops before Kafka, with STATE_DIR_LOCKED and its exit code, and the first goes on."""
+    worker.start()
+    await _ready(kafka)
+    second = WorkerProcess(kafka, tmp_path, "w1", "fake", {}, name="w1-second")
+    try:
+        second.start()
+        assert second.wait(60) == EXIT_STATE_DIR_LOCKED
+    finally:
+        second.stop()
+    output = second.log.read_text()
+    assert "error: STATE_DIR_LOCKED: " in output and str(tmp_path / "state" / "w1") in output
+    assert worker.proc is not None and f"pid {worker.proc.pid}" in output
+    assert "Traceback" not in output
+    cmd = make_command(ReloadWeightsSpec(path=str(ckpt), version="v2"))
+    async with acks_tail(kafka) as acks:
+        await publish(kafka, cmd)
+        await acks.until(has_terminal(cmd.command_id))
+    (final,) = terminal(acks.items, cmd.command_id)
+    assert final.state is AckState.SUCCEEDED
+    # The second agent never touched the journal (it would have counted an incarnation).
+    journal = worker.journal()
+    assert [e for e in journal if e["t"] == "incarnation"] == [{"t": "incarnation", "n": 1}]
+    assert sum(1 for e in journal if e["t"] == "outcome") == 1
