@@ -3,6 +3,12 @@
 Producers, consumers and topic administration over our own types (:class:`Record`,
 :class:`~controlplane.topics.Topics`) and our own errors: every aiokafka exception is translated
 here, once, into a :class:`~controlplane.errors.BusError`. Nothing above this module sees aiokafka.
+
+Kafka's reachability is one state per process (:data:`health`): aiokafka logs every failed
+connection attempt, fetch and metadata refresh (about 70 ERROR lines a second during an outage),
+so a filter on its loggers drops those and logs one line when the state changes ("Kafka
+unreachable: ...", "Kafka reachable again after N s"). A successful fetch, produce or admin
+request is what makes Kafka reachable again.
 """
 
 from __future__ import annotations
@@ -11,14 +17,23 @@ import asyncio
 import contextlib
 import functools
 import gc
-from collections.abc import Callable, Iterator, Sequence
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError
+from aiokafka.errors import (
+    KafkaConnectionError,
+    KafkaError,
+    KafkaTimeoutError,
+    NodeNotReadyError,
+    RequestTimedOutError,
+)
 from aiokafka.helpers import create_ssl_context
 from aiokafka.structs import OffsetAndMetadata
 
@@ -26,6 +41,12 @@ from controlplane.errors import BusError, ErrorCode, TopicMismatch
 from controlplane.lifecycle import AsyncService
 from controlplane.settings import KafkaSettings
 from controlplane.topics import Topics, TopicSpec
+
+log = logging.getLogger(__name__)
+
+#: ConsumerRecord.timestamp_type of a record stamped by the broker (topic config
+#: ``message.timestamp.type=LogAppendTime``); 0 is CreateTime (the producer's clock).
+LOG_APPEND_TIME = 1
 
 
 class Record(NamedTuple):
@@ -38,12 +59,28 @@ class Record(NamedTuple):
     key: bytes | None
     value: bytes | None
     timestamp_ms: int
+    #: 1 (:data:`LOG_APPEND_TIME`): ``timestamp_ms`` is the broker's clock when it appended the
+    #: record; 0: the producer's own (CreateTime).
+    timestamp_type: int = 0
 
 
 #: ``Record(*fields)`` without the Python-level ``__new__`` of a NamedTuple: this is a C call.
-_new_record: Callable[[tuple[str, int, int, bytes | None, bytes | None, int]], Record] = (
+_new_record: Callable[[tuple[str, int, int, bytes | None, bytes | None, int, int]], Record] = (
     functools.partial(tuple.__new__, Record)
 )
+
+
+@dataclass(frozen=True)
+class PartitionProgress:
+    """How far a consumer has read one partition, and what the broker last said about it."""
+
+    #: The offset of the next record the consumer will hand out (None while it is unknown).
+    position: int | None
+    #: The end of the readable log (last stable offset under read_committed) in the last
+    #: successful fetch response, and the wall-clock time (``time.time()``) that fetch was sent:
+    #: everything appended before ``fetched_at`` is below ``end``. None before any response.
+    end: int | None
+    fetched_at: float | None
 
 
 @dataclass(frozen=True)
@@ -58,6 +95,140 @@ class ClusterInfo:
     brokers: int
     controller_id: int | None
     cluster_id: str | None
+
+
+class KafkaHealth:
+    """Whether this process can reach Kafka: one state, changed by what its clients see.
+
+    Logs one line per change. ``unreachable_since`` is a ``time.time()`` or None.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.unreachable_since: float | None = None
+        #: Why, in aiokafka's words, the first time it failed.
+        self.reason = ""
+
+    @property
+    def reachable(self) -> bool:
+        return self.unreachable_since is None
+
+    def failed(self, reason: str) -> None:
+        with self._lock:
+            if self.unreachable_since is not None:
+                return
+            self.unreachable_since = time.time()
+            self.reason = reason
+        log.warning("Kafka unreachable: %s", reason)
+
+    def succeeded(self) -> None:
+        if self.unreachable_since is None:  # the common case: no lock
+            return
+        with self._lock:
+            since, self.unreachable_since = self.unreachable_since, None
+        if since is not None:
+            log.warning("Kafka reachable again after %.0f s", time.time() - since)
+
+
+#: The process's view of Kafka (every client of this module reports to it).
+health = KafkaHealth()
+
+#: Exceptions in an aiokafka log record's arguments that mean "could not reach the broker".
+_CONNECTION_ERRORS = (
+    KafkaConnectionError,
+    NodeNotReadyError,
+    RequestTimedOutError,
+    KafkaTimeoutError,
+    OSError,
+    TimeoutError,
+)
+#: aiokafka's own messages (format strings) for the same.
+_CONNECTION_MESSAGES = (
+    "Unable connect to",
+    "Unable to update metadata from",
+    "Unable to request metadata from",
+)
+#: The loggers aiokafka writes to (a filter applies only to records logged on its own logger).
+_AIOKAFKA_LOGGERS = (
+    "aiokafka",
+    "aiokafka.conn",
+    "aiokafka.cluster",
+    "aiokafka.consumer.consumer",
+    "aiokafka.consumer.fetcher",
+    "aiokafka.consumer.group_coordinator",
+    "aiokafka.producer.producer",
+    "aiokafka.producer.sender",
+    "aiokafka.admin.client",
+)
+
+
+class ConnectionLogFilter(logging.Filter):
+    """Drops aiokafka's per-retry connection failures and turns them into :data:`health` state.
+
+    Other records pass, except that a message (by its format string) repeated within
+    ``repeat_s`` is dropped: a retry loop logs one line per ``repeat_s``, not one per retry.
+    """
+
+    def __init__(self, state: KafkaHealth, *, repeat_s: float = 60.0) -> None:
+        super().__init__()
+        self.state = state
+        self.repeat_s = repeat_s
+        self.dropped = 0
+        self._last: dict[tuple[str, str], float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _is_connection_failure(record):
+            self.dropped += 1
+            self.state.failed(_one_line(record))
+            return False
+        if record.levelno < logging.WARNING:
+            return True
+        key = (record.name, str(record.msg))
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self.repeat_s:
+            self.dropped += 1
+            return False
+        if len(self._last) > 1000:  # bounded: messages are format strings, but be safe
+            self._last.clear()
+        self._last[key] = now
+        return True
+
+
+def _is_connection_failure(record: logging.LogRecord) -> bool:
+    msg = str(record.msg)
+    if msg.startswith(_CONNECTION_MESSAGES):
+        return True
+    args = record.args if isinstance(record.args, tuple) else ()
+    return any(isinstance(a, _CONNECTION_ERRORS) for a in args)
+
+
+def _one_line(record: logging.LogRecord) -> str:
+    try:
+        text = record.getMessage()
+    except Exception:  # a record that does not format: still one line
+        text = str(record.msg)
+    return " ".join(text.split())[:300]
+
+
+def install_log_filter() -> ConnectionLogFilter:
+    """Put the (one) :class:`ConnectionLogFilter` on aiokafka's loggers; idempotent."""
+    for name in _AIOKAFKA_LOGGERS:
+        for existing in logging.getLogger(name).filters:
+            if isinstance(existing, ConnectionLogFilter):
+                return existing
+    log_filter = ConnectionLogFilter(health)
+    for name in _AIOKAFKA_LOGGERS:
+        logging.getLogger(name).addFilter(log_filter)
+    return log_filter
+
+
+log_filter = install_log_filter()
+
+
+def _being_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 @contextlib.contextmanager
@@ -88,6 +259,7 @@ def translate(what: str) -> Iterator[None]:
     except BusError:
         raise
     except (KafkaConnectionError, KafkaTimeoutError) as exc:
+        health.failed(f"{what}: {exc}")
         raise BusError(
             f"{what}: Kafka unreachable: {exc}", code=ErrorCode.BROKER_UNAVAILABLE
         ) from exc
@@ -96,6 +268,7 @@ def translate(what: str) -> Iterator[None]:
         code = ErrorCode.BROKER_UNAVAILABLE if retryable else ErrorCode.KAFKA_ERROR
         raise BusError(f"{what}: {type(exc).__name__}: {exc}", code=code) from exc
     except TimeoutError as exc:
+        health.failed(f"{what}: timed out")
         raise BusError(f"{what}: timed out", code=ErrorCode.BROKER_UNAVAILABLE) from exc
 
 
@@ -134,11 +307,18 @@ class _Lifecycle(AsyncService):
         self._started = True
 
     async def stop(self) -> None:
+        """Never raises, except our own task's cancellation: aiokafka's close() awaits tasks it
+        cancelled and lets their CancelledError out (seen when Kafka was down)."""
         if self._closed:
             return
         self._closed = True
-        with contextlib.suppress(Exception):
+        try:
             await self._stop()
+        except asyncio.CancelledError:
+            if _being_cancelled():
+                raise
+        except Exception as exc:
+            log.debug("stopping %s: %s", type(self).__name__, exc)
 
     async def _start(self) -> None:
         raise NotImplementedError
@@ -170,6 +350,7 @@ class Producer(_Lifecycle):
         """Publish one record and wait until the cluster has it. Returns where it landed."""
         with translate(f"publishing to {topic}"):
             meta = await self._producer.send_and_wait(topic, value=value, key=key)
+        health.succeeded()
         return Record(topic, meta.partition, meta.offset, key, value, meta.timestamp)
 
     async def send_many(
@@ -179,6 +360,7 @@ class Producer(_Lifecycle):
         with translate(f"publishing to {topic}"):
             futures = [await self._producer.send(topic, value=v, key=k) for k, v in items]
             await asyncio.gather(*futures)
+        health.succeeded()
 
     async def flush(self) -> None:
         with translate("flushing the producer"):
@@ -210,13 +392,80 @@ class Consumer(_Lifecycle):
             isolation_level="read_committed",
         )
         self.group_id = group_id
+        #: (topic, partition) -> (when the last successful fetch of it was sent, its end then)
+        self._fetched: dict[tuple[str, int], tuple[float, int | None]] = {}
 
     async def _start(self) -> None:
         with translate("starting the consumer"):
             await self._consumer.start()
+        health.succeeded()
+        self._time_fetches()
 
     async def _stop(self) -> None:
-        await self._consumer.stop()
+        try:
+            await self._consumer.stop()
+        except asyncio.CancelledError:
+            if _being_cancelled():
+                raise
+            # Fetcher.close() stopped at the first task it had cancelled: finish its work.
+            fetcher = getattr(self._consumer, "_fetcher", None)
+            pending = list(getattr(fetcher, "_pending_tasks", ()))
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            await self._consumer._client.close()
+
+    def _time_fetches(self) -> None:
+        """Wrap the fetcher's per-request coroutine to note, per partition, when the last
+        successful fetch was *sent* and the end offset it returned. (aiokafka's own
+        ``last_poll_timestamp`` is the time the response was handled: after a blocked event
+        loop, that is later than what the response can vouch for.)"""
+        fetcher = getattr(self._consumer, "_fetcher", None)
+        proc: Callable[..., Awaitable[bool]] | None = getattr(fetcher, "_proc_fetch_request", None)
+        if fetcher is None or proc is None:  # another aiokafka: progress() falls back
+            return
+        fetched = self._fetched
+
+        async def timed(assignment: Any, node_id: int, request: Any) -> bool:
+            sent = time.time()
+            result = await proc(assignment, node_id, request)
+            answered = False
+            sent_ms = int(sent * 1000)
+            for topic, partitions in request.topics:
+                for item in partitions:
+                    tp = TopicPartition(topic, item[0])
+                    state = assignment.state_value(tp)
+                    if state is None or state.timestamp is None or state.timestamp < sent_ms:
+                        continue  # no answer for it from this request
+                    answered = True
+                    fetched[(topic, item[0])] = (sent, _readable_end(state))
+            if answered:
+                health.succeeded()
+            return bool(result)
+
+        fetcher._proc_fetch_request = timed
+
+    def progress(self) -> dict[tuple[str, int], PartitionProgress]:
+        """Per assigned partition: position, and the end and time of the last fetch answered."""
+        subscription = getattr(self._consumer._subscription, "subscription", None)
+        assignment = getattr(subscription, "assignment", None)
+        if assignment is None:
+            return {}
+        out: dict[tuple[str, int], PartitionProgress] = {}
+        for tp in assignment.tps:
+            state = assignment.state_value(tp)
+            if state is None:
+                continue
+            key = (tp.topic, tp.partition)
+            position = state.position if state.has_valid_position else None
+            if key in self._fetched:
+                fetched_at, end = self._fetched[key]
+            elif state.timestamp is not None:  # without the wrapper: the time it was handled
+                fetched_at, end = state.timestamp / 1000, _readable_end(state)
+            else:
+                fetched_at, end = None, None
+            out[key] = PartitionProgress(position=position, end=end, fetched_at=fetched_at)
+        return out
 
     async def partitions(self, topic: str) -> list[int]:
         with translate(f"reading metadata of {topic}"):
@@ -300,7 +549,17 @@ class Consumer(_Lifecycle):
                         topic,
                         partition,
                         [
-                            _new_record((topic, partition, m.offset, m.key, m.value, m.timestamp))
+                            _new_record(
+                                (
+                                    topic,
+                                    partition,
+                                    m.offset,
+                                    m.key,
+                                    m.value,
+                                    m.timestamp,
+                                    m.timestamp_type,
+                                )
+                            )
                             for m in msgs
                         ],
                     )
@@ -315,6 +574,7 @@ class Admin(_Lifecycle):
     async def _start(self) -> None:
         with translate("connecting the admin client"):
             await self._admin.start()
+        health.succeeded()
 
     async def _stop(self) -> None:
         await self._admin.close()
@@ -391,6 +651,16 @@ class Admin(_Lifecycle):
                 if error_code == 0 and entries:
                     actual_cfg[name] = {e[0]: e[1] for e in entries}
         return partitions, actual_cfg
+
+
+def _readable_end(state: Any) -> int | None:
+    """The end a read_committed consumer can reach: the last stable offset when the broker
+    sends one, else the high watermark."""
+    lso = getattr(state, "lso", None)
+    if isinstance(lso, int) and lso >= 0:
+        return lso
+    highwater = getattr(state, "highwater", None)
+    return highwater if isinstance(highwater, int) else None
 
 
 def _topic_errors(resp: Any) -> list[tuple[str, int, str | None]]:
