@@ -1,7 +1,8 @@
 """A runner without a model, for agent and benchmark tests: it records what it was told.
 
 No torch. Scripted outcomes by version name: "fail-*" fails (RUNNER_FAILED), "corrupt-*" raises
-WeightsCorrupted and degrades it. A reload still needs its path to exist.
+WeightsCorrupted and degrades it. A reload still needs its path to exist. With ``load_error`` set
+its model never loads (a worker that must report RUNNER_LOAD_FAILED).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class FakeRunnerOptions(BaseModel):
     device: str = "fake"
     initial_version: str = Field(default="init", min_length=1, max_length=128)
     load_delay_s: float = Field(default=0.0, ge=0)
+    load_error: str | None = Field(
+        default=None, description="If set, load() fails with this message (nothing is loaded)."
+    )
     reload_delay_s: float = Field(default=0.0, ge=0, description="Sleep per reload (cancellable).")
     fail_prefix: str = "fail-"
     corrupt_prefix: str = "corrupt-"
@@ -74,6 +78,8 @@ class FakeRunner:
             if self._loaded:
                 return
             time.sleep(self.options.load_delay_s)
+            if self.options.load_error is not None:
+                raise RunnerError(f"cannot build the model: {self.options.load_error}")
             self._loaded = True
             self._version = self.options.initial_version
             self.history.append(self._version)

@@ -191,7 +191,12 @@ def summarize_validation(exc: ValidationError, limit: int = 5) -> str:
 
 
 def create_runner(name: str, options: Mapping[str, Any] | None = None) -> Runner:
-    """Import and construct the runner called ``name``; the model is built later by ``load()``."""
+    """Import and construct the runner called ``name``; the model is built later by ``load()``.
+
+    Raises ValueError for an unknown name or invalid options, and RunnerError with code
+    RUNNER_LOAD_FAILED when the runner's libraries cannot be imported here (``xla`` without
+    torch_xla): a worker asked for a runner never silently runs another.
+    """
     target = RUNNERS.get(name)
     if target is None:
         raise ValueError(f"unknown runner {name!r}; choose one of: {', '.join(sorted(RUNNERS))}")
@@ -199,7 +204,9 @@ def create_runner(name: str, options: Mapping[str, Any] | None = None) -> Runner
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"runner {name!r} is not available here: {exc}") from exc
+        raise RunnerError(
+            f"runner {name!r} is not available here: {exc}", code=ErrorCode.RUNNER_LOAD_FAILED
+        ) from exc
     cls = getattr(module, attr)
     runner: Runner = cls(dict(options or {}))
     return runner

@@ -46,6 +46,16 @@ def test_model_not_loaded_and_missing_path(ckpt: Path) -> None:
     assert info.value.code is ErrorCode.WEIGHTS_UNREADABLE
 
 
+def test_a_scripted_load_failure_leaves_no_model(ckpt: Path) -> None:
+    runner = FakeRunner({"load_error": "out of memory"})
+    with pytest.raises(RunnerError, match="cannot build the model: out of memory"):
+        runner.load()
+    assert not runner.describe().model_loaded and runner.describe().weights_version is None
+    with pytest.raises(RunnerError) as info:
+        runner.reload_weights(spec("v1", ckpt), ckpt)
+    assert info.value.code is ErrorCode.MODEL_NOT_LOADED
+
+
 def test_scripted_failure_and_corruption(ckpt: Path) -> None:
     runner = FakeRunner({})
     runner.load()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -117,6 +119,34 @@ def test_create_runner_imports_lazily_and_validates_options() -> None:
         create_runner("fake", {"unknown_option": 1})
     with pytest.raises(ValueError, match="initial config"):
         create_runner("fake", {"config": {"top_k": -1}})
+
+
+def test_a_runner_whose_library_is_missing_is_a_coded_error(tmp_path: Path) -> None:
+    """``fleet-worker run --runner xla`` without torch_xla: one coded line, RUNNER_LOAD_FAILED,
+    its exit code and no traceback; never a worker running another runner. (A subprocess: the
+    xla runner module imports torch, and torch_xla is hidden there only.)"""
+    code = (
+        "import sys; sys.modules['torch_xla'] = None\n"
+        "from workers.runner import create_runner\n"
+        "from controlplane.errors import RunnerError\n"
+        "try:\n"
+        "    create_runner('xla', {})\n"
+        "except RunnerError as exc:\n"
+        "    print('raised', exc.code.value)\n"
+        "from workers.cli import main\n"
+        "sys.argv = ['fleet-worker', 'run', '--runner', 'xla', '--id', 'x1',\n"
+        f"            '--state-dir', {str(tmp_path)!r}, '--bootstrap', '127.0.0.1:9']\n"
+        "main()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.stdout.splitlines() == ["raised RUNNER_LOAD_FAILED"]
+    assert out.returncode == 7, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("error: RUNNER_LOAD_FAILED: runner 'xla' is not available here")
+    assert "torch_xla" in line
 
 
 def test_the_runner_modules_do_not_import_torch() -> None:
