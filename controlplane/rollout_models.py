@@ -47,12 +47,16 @@ class RolloutReason(StrEnum):
     WORKERS_FAILED = "WORKERS_FAILED"
     WORKERS_LOST = "WORKERS_LOST"
     EXPIRED = "EXPIRED"
+    #: No worker could read the command (refused by the schema): known only from the NACKs.
+    COMMAND_REJECTED = "COMMAND_REJECTED"
     PROGRESS_DEADLINE_EXCEEDED = "PROGRESS_DEADLINE_EXCEEDED"
     ABORTED = "ABORTED"
 
 
 class WorkerState(StrEnum):
-    """One expected worker's state in one rollout; it only moves forward, left to right."""
+    """One expected worker's state in one rollout. Ack states only move forward, left to right;
+    ``lost`` (its heartbeats do not prove it alive) is provisional until the rollout ends: a
+    worker that comes back is pending, accepted or running again."""
 
     PENDING = "pending"
     ACCEPTED = "accepted"
@@ -74,6 +78,8 @@ class AnomalyCode(StrEnum):
     COMMAND_ID_REUSED = "COMMAND_ID_REUSED"
     CONFLICTING_TERMINAL_ACKS = "CONFLICTING_TERMINAL_ACKS"
     VERSION_MISMATCH = "VERSION_MISMATCH"
+    #: A NACK of an unreadable record (``kind`` null) carrying the ids of a readable command.
+    UNREADABLE_COMMAND_NACK = "UNREADABLE_COMMAND_NACK"
 
 
 class _Out(BaseModel):
@@ -137,13 +143,15 @@ class RolloutStatus(_Out):
 
     rollout_id: str
     command_id: str
-    kind: CommandKind
+    #: None for a rollout whose command no worker could read (``COMMAND_REJECTED``).
+    kind: CommandKind | None
     target_version: str | None = None
     overrides: dict[str, JsonValue] | None = None
-    issuer: str
+    issuer: str | None
     selector: Selector
+    #: For a ``COMMAND_REJECTED`` rollout (no readable command): its first NACK's ``sent_at``.
     issued_at: AwareDatetime
-    expires_at: AwareDatetime
+    expires_at: AwareDatetime | None
     as_of: AwareDatetime
     phase: RolloutPhase
     reason: RolloutReason | None = None
@@ -156,6 +164,9 @@ class RolloutStatus(_Out):
     started_at: AwareDatetime | None = None
     finished_at: AwareDatetime | None = None
     duration_s: float | None = None
+    #: An ended rollout older than the last ``max_ended_rollouts``: kept as this summary, its
+    #: per-worker details, unexpected workers and anomalies dropped to bound memory.
+    details_dropped: bool = False
 
     @property
     def terminal(self) -> bool:

@@ -19,10 +19,12 @@ from controlplane.protocol import (
 )
 from controlplane.registry import (
     LIVENESS_PERIODS,
+    MAX_INTERVAL_S,
     Registry,
     WorkerView,
     is_alive,
     lost_at,
+    silence_limit,
     was_alive_at,
 )
 
@@ -43,6 +45,7 @@ def heartbeat(
     status: WorkerStatus = WorkerStatus.READY,
     interval: float = 5.0,
     version: str | None = "v1",
+    incarnation: int = 0,
 ) -> Heartbeat:
     return Heartbeat(
         worker_id=worker_id,
@@ -55,6 +58,7 @@ def heartbeat(
         sent_at=at(sent),
         started_at=at(started),
         interval_s=interval,
+        incarnation=incarnation,
     )
 
 
@@ -207,6 +211,7 @@ def test_views_are_sorted_and_carry_the_heartbeat() -> None:
         in_flight=flight,
         degraded=degraded,
         last_seen=at(3),
+        sent_at=at(3),
         started_at=at(-100),
         seq=hb2.seq,
         interval_s=5.0,
@@ -239,3 +244,104 @@ def test_matching_by_labels_and_ids_alive_only_by_default() -> None:
     assert ids(Selector(worker_ids=["c", "d", "zz"])) == ["c"]
     assert ids(Selector(worker_ids=["a", "b"], labels={"zone": "x"})) == ["a"]
     assert ids(Selector(labels={"model": "gpt"})) == []
+
+
+# --------------------------------------------------------------------------- the reader's clock
+
+
+def test_a_worker_whose_clock_is_behind_is_alive_by_when_the_reader_got_it() -> None:
+    """Its clock is 20 s behind: by its own sent_at it looks silent for 20 s, over the 15 s that
+    three 5 s periods allow, so lost; by the reader's receive time it is alive."""
+    skew = 20.0
+    hb = heartbeat(sent=100 - skew, started=50 - skew)
+    reg = Registry()
+    reg.observe(hb, received_at=at(100))
+    now = at(101)
+    assert not is_alive(hb, now)  # judged by its own clock: lost
+    assert reg.is_alive("w1", now) and is_alive(hb, now, at(100))
+    (view,) = reg.workers(now)
+    assert view.alive and view.last_seen == at(100) and view.sent_at == at(100 - skew)
+    assert [v.worker_id for v in reg.matching(Selector(), now)] == ["w1"]
+    assert lost_at(hb, at(100)) == at(115) + timedelta(microseconds=1)
+    assert not reg.is_alive("w1", at(116))
+    # Alive at an instant: its incarnation started 50 s (its own clock) before it was received.
+    assert was_alive_at(hb, at(60), at(100)) and not was_alive_at(hb, at(49), at(100))
+    assert was_alive_at(hb, at(115), at(100)) and not was_alive_at(hb, at(116), at(100))
+
+
+def test_a_worker_whose_clock_is_ahead_is_lost_by_the_reader_s_clock() -> None:
+    hb = heartbeat(sent=1000, started=900)  # its clock is 900 s ahead
+    reg = Registry()
+    reg.observe(hb, received_at=at(100))
+    assert is_alive(hb, at(200))  # by its own clock, alive for ever
+    assert not reg.is_alive("w1", at(116))
+
+
+def test_received_at_is_kept_beside_the_latest_heartbeat_only() -> None:
+    reg = Registry()
+    assert reg.observe(heartbeat(sent=0, seq=1), received_at=at(5))
+    assert not reg.observe(heartbeat(sent=1, seq=0), received_at=at(9))  # stale: ignored
+    assert reg.received_at("w1") == at(5) and reg.entry("w1") == (heartbeat(sent=0, seq=1), at(5))
+    assert reg.observe(heartbeat(sent=2, seq=2))  # no receive time given: its sent_at
+    assert reg.received_at("w1") is None and reg.get("w1", at(3)).last_seen == at(2)  # type: ignore[union-attr]
+    assert reg.forget("w1") and reg.received_at("w1") is None
+
+
+def test_incarnations_are_ordered_by_the_persisted_counter_when_both_carry_one() -> None:
+    """After a clock step back the restarted worker's started_at is earlier than before."""
+    old = heartbeat(sent=100, started=50, seq=500, incarnation=7)
+    new = heartbeat(sent=30, started=20, seq=0, incarnation=8)
+    for order in ([old, new], [new, old]):
+        reg = registry(*order)
+        assert reg.latest("w1") == new
+    # Without a counter on either side, started_at decides, as before.
+    assert registry(heartbeat(sent=100, started=50), heartbeat(sent=30, started=20)).latest(
+        "w1"
+    ) == heartbeat(sent=100, started=50)
+    assert registry(
+        heartbeat(sent=100, started=50, incarnation=3), heartbeat(sent=30, started=20)
+    ).latest("w1") == heartbeat(sent=100, started=50, incarnation=3)
+    # Same incarnation: seq.
+    a = heartbeat(sent=1, started=0, seq=1, incarnation=2)
+    b = heartbeat(sent=2, started=0, seq=2, incarnation=2)
+    assert registry(b, a).latest("w1") == b
+
+
+# --------------------------------------------------------------------------- hostile numbers
+
+
+@pytest.mark.parametrize(
+    "interval", [1e300, float("inf"), float("nan"), -1.0, 0.0, 1e-300, 2.0**63, 10.0**20]
+)
+@pytest.mark.parametrize(
+    "sent", [datetime.min.replace(tzinfo=UTC), datetime.max.replace(tzinfo=UTC), T0]
+)
+def test_any_decoded_heartbeat_folds_without_raising(interval: float, sent: datetime) -> None:
+    """model_construct skips validation: whatever got through the decoder, nothing overflows."""
+    hb = Heartbeat.model_construct(
+        worker_id="w1",
+        labels={"model": "llama"},
+        runner="torch",
+        device="cpu",
+        status=WorkerStatus.READY,
+        weights_version=None,
+        config_digest=None,
+        in_flight=None,
+        degraded=None,
+        seq=2**63,
+        sent_at=sent,
+        started_at=datetime.min.replace(tzinfo=UTC),
+        incarnation=2**53,
+        interval_s=interval,
+        agent_version="",
+    )
+    assert silence_limit(hb) <= timedelta(seconds=LIVENESS_PERIODS * MAX_INTERVAL_S)
+    reg = Registry()
+    for received in (None, sent, at(0)):
+        reg.observe(hb.model_copy(update={"seq": hb.seq + 1 if received else hb.seq}), received)
+        for now in (at(0), sent, datetime.max.replace(tzinfo=UTC)):
+            reg.workers(now)
+            reg.matching(Selector(), now)
+            lost_at(hb, received)
+            was_alive_at(hb, now, received)
+            is_alive(hb, now, received)
