@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,7 @@ class WorkerState:
         try:
             _make_dir(directory)
             state._lock_fd = _lock(directory)
+            _LOCKED.add(state)
             state._replay()
             with state._io_lock:
                 if state._lines > 2 * MAX_REMEMBERED + 100:
@@ -290,6 +292,7 @@ class WorkerState:
             except OSError as exc:
                 log.error("worker state %s: closing the journal failed: %s", self.path, exc)
         lock_fd, self._lock_fd = self._lock_fd, None
+        _LOCKED.discard(self)
         if lock_fd is not None:
             with contextlib.suppress(OSError):
                 os.close(lock_fd)  # releases the flock
@@ -354,6 +357,23 @@ class WorkerState:
 
 
 # ---------------------------------------------------------------------- files
+
+#: States holding their directory's lock in this process.
+_LOCKED: weakref.WeakSet[WorkerState] = weakref.WeakSet()
+
+
+def _drop_locks_in_child() -> None:
+    """A forked child (a runner's worker process) shares the parent's locked file description:
+    left open, it would keep the directory locked after the agent died. It lets go at once."""
+    for state in list(_LOCKED):
+        fd, state._lock_fd = state._lock_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    _LOCKED.clear()
+
+
+os.register_at_fork(after_in_child=_drop_locks_in_child)
 
 _APPEND_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
 

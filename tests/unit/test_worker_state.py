@@ -445,3 +445,30 @@ def test_the_directory_is_fsynced_when_the_journal_is_created_and_compacted(
     again = WorkerState.open(directory)  # the journal exists: no directory fsync needed
     assert not fsyncs.of_dir(directory) and list(again.outcomes) == ["c1"]
     again.close()
+
+
+def test_a_forked_child_does_not_keep_the_directory_locked(tmp_path: Path) -> None:
+    """A runner's forked worker process outliving the agent must not lock its restart out."""
+    st = WorkerState.open(tmp_path)
+    read_end, write_end = os.pipe()
+    started_read, started_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child (fork hooks done): says so, lives until the parent lets it go
+        try:
+            os.close(write_end)
+            os.write(started_write, b"1")
+            os.read(read_end, 1)
+        finally:
+            os._exit(0)
+    try:
+        os.close(read_end)
+        os.close(started_write)
+        assert os.read(started_read, 1) == b"1"
+        os.close(started_read)
+        st._release()  # the agent dies (no journal write), its child lives on
+        again = WorkerState.open(tmp_path)
+        assert again.incarnation == 2
+        again.close()
+    finally:
+        os.close(write_end)
+        os.waitpid(pid, 0)
