@@ -153,6 +153,7 @@ def run(
             raise _invalid(str(exc)) from None
     except ControlPlaneError as exc:
         raise _fail(exc) from None
+    _warn_about_a_legacy_state_dir(settings.state_dir, settings.worker_id)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -164,6 +165,23 @@ def run(
         asyncio.run(main())
     except ControlPlaneError as exc:
         raise _fail(exc) from None
+
+
+def _warn_about_a_legacy_state_dir(state_dir: Path, worker_id: str) -> None:
+    """Ids with "/" had their journal in a directory with "_" instead (shared with the id
+    spelled that way); it is not taken over, as it may be the other worker's."""
+    from workers.settings import worker_dir_name
+
+    legacy = state_dir / worker_id.replace("/", "_")
+    current = state_dir / worker_dir_name(worker_id)
+    if "/" in worker_id and legacy.is_dir() and not current.exists():
+        logging.getLogger("workers.cli").warning(
+            "this worker's journal is now %s; %s is where earlier versions kept it (and that of"
+            " a worker named %r): if it is this worker's, stop it and rename the directory",
+            current,
+            legacy,
+            legacy.name,
+        )
 
 
 def main() -> None:

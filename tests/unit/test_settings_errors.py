@@ -95,3 +95,19 @@ def test_coordinator_settings() -> None:
     )
     assert result.exit_code == 3, result.output
     assert "SCHEMA_INVALID: invalid settings: port" in result.output
+
+
+def test_a_journal_kept_by_an_earlier_version_for_an_id_with_a_slash_is_pointed_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def run(self: object) -> None:
+        return None
+
+    monkeypatch.setattr(agent_module.Agent, "run", run)
+    (tmp_path / "a_b").mkdir()  # where "a/b" (and "a_b") kept their journal before
+    code, _ = invoke(["--id", "a/b", "--runner", "fake", "--state-dir", str(tmp_path)])
+    assert code == 0
+    assert str(tmp_path / "a%2Fb") in caplog.text and str(tmp_path / "a_b") in caplog.text
+    caplog.clear()
+    code, _ = invoke(["--id", "a_b", "--runner", "fake", "--state-dir", str(tmp_path)])
+    assert code == 0 and "earlier versions" not in caplog.text
