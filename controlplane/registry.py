@@ -110,6 +110,10 @@ def was_alive_at(hb: Heartbeat, when: datetime, received_at: datetime | None = N
     return not (hb.status is WorkerStatus.STOPPED and seen <= when)
 
 
+def same_incarnation(a: Heartbeat, b: Heartbeat) -> bool:
+    return a.started_at == b.started_at and a.incarnation == b.incarnation
+
+
 def supersedes(new: Heartbeat, held: Heartbeat) -> bool:
     """Whether ``new`` is a later heartbeat of its worker than ``held``.
 
@@ -188,6 +192,9 @@ class Registry:
         self._latest: dict[str, Heartbeat] = {}
         #: worker id -> when the reader received its latest heartbeat (absent: its ``sent_at``).
         self._received: dict[str, datetime] = {}
+        #: worker id -> the latest heartbeat (and receive time) of its incarnation before the
+        #: latest one: whether the worker was alive at an instant before it restarted.
+        self._previous: dict[str, tuple[Heartbeat, datetime | None]] = {}
 
     def observe(self, hb: Heartbeat, received_at: datetime | None = None) -> bool:
         """Fold in one heartbeat; True when it became the worker's latest.
@@ -198,7 +205,11 @@ class Registry:
         worker_id = hb.worker_id
         held = self._latest.get(worker_id)
         if held is not None and not supersedes(hb, held):
+            if not same_incarnation(hb, held):
+                self._keep_previous(hb, received_at)
             return False
+        if held is not None and not same_incarnation(hb, held):
+            self._keep_previous(held, self._received.get(worker_id))
         self._latest[worker_id] = hb
         if received_at is None:
             self._received.pop(worker_id, None)
@@ -206,9 +217,25 @@ class Registry:
             self._received[worker_id] = received_at
         return True
 
+    def _keep_previous(self, hb: Heartbeat, received_at: datetime | None) -> None:
+        held = self._previous.get(hb.worker_id)
+        if held is None or supersedes(hb, held[0]):
+            self._previous[hb.worker_id] = (hb, received_at)
+
+    def was_alive_at(self, worker_id: str, when: datetime) -> bool:
+        """Whether the worker's latest incarnation, or the one before it, was alive at ``when``."""
+        hb = self._latest.get(worker_id)
+        if hb is None:
+            return False
+        if was_alive_at(hb, when, self._received.get(worker_id)):
+            return True
+        previous = self._previous.get(worker_id)
+        return previous is not None and was_alive_at(previous[0], when, previous[1])
+
     def forget(self, worker_id: str) -> bool:
         """Drop a worker (a tombstone on the compacted topic); True when it was known."""
         self._received.pop(worker_id, None)
+        self._previous.pop(worker_id, None)
         return self._latest.pop(worker_id, None) is not None
 
     def latest(self, worker_id: str) -> Heartbeat | None:

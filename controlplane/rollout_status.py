@@ -19,7 +19,7 @@ from controlplane.protocol import (
     Selector,
     UpdateConfigSpec,
 )
-from controlplane.registry import Registry, lost_at, seen_at, shift, since_seen, was_alive_at
+from controlplane.registry import Registry, lost_at, seen_at, shift, since_seen
 from controlplane.rollout_ledger import CommandLedger, Report, WorkerLedger
 from controlplane.rollout_models import (
     Anomaly,
@@ -70,13 +70,22 @@ class _Track:
     terminal ack counts whenever it is sent before the rollout ends.
     """
 
-    __slots__ = ("entry", "flights", "ledger", "lost_from", "now", "terminal", "worker_id")
+    __slots__ = (
+        "entry",
+        "flights",
+        "ledger",
+        "lost_from",
+        "now",
+        "registry",
+        "terminal",
+        "worker_id",
+    )
 
     def __init__(
         self,
         worker_id: str,
         ledger: WorkerLedger | None,
-        entry: Entry | None,
+        registry: Registry,
         command: Command,
         now: datetime,
         *,
@@ -85,7 +94,9 @@ class _Track:
     ) -> None:
         self.worker_id = worker_id
         self.ledger = ledger
+        self.registry = registry
         self.now = now
+        entry = registry.entry(worker_id) if expected else None
         self.terminal: Report | None = ledger.terminal() if ledger is not None else None
         #: From when its latest heartbeat stops proving it alive (never seen, never acked: from
         #: the issue); None: never judged lost (unexpected, or known only from its acks).
@@ -112,10 +123,9 @@ class _Track:
 
     def lost(self, when: datetime) -> bool:
         """Whether its heartbeats do not prove it alive at ``when`` (the reader's clock)."""
-        entry = self.entry
-        if entry is None:
+        if self.entry is None:
             return self.lost_from is not None
-        return not was_alive_at(entry[0], when, entry[1])
+        return not self.registry.was_alive_at(self.worker_id, when)
 
     @property
     def resolved_at(self) -> datetime | None:
@@ -308,8 +318,9 @@ def evaluate(
     else:
         base = {
             hb.worker_id
-            for hb, received in registry.entries()
-            if selector.matches(hb.worker_id, hb.labels) and was_alive_at(hb, issued, received)
+            for hb in registry.heartbeats()
+            if selector.matches(hb.worker_id, hb.labels)
+            and registry.was_alive_at(hb.worker_id, issued)
         }
         for worker_id, wl in ledger.workers.items():
             if worker_id in base:
@@ -321,10 +332,8 @@ def evaluate(
                 unexpected.append(worker_id)
         joiners.sort()
 
-    entry = registry.entry
-
     def track(w: str) -> _Track:
-        return _Track(w, ledger.workers.get(w), entry(w), command, now, flights=flights.get(w, ()))
+        return _Track(w, ledger.workers.get(w), registry, command, now, flights=flights.get(w, ()))
 
     tracks = {w: track(w) for w in base}
     end: _End | None
@@ -399,7 +408,7 @@ def judge(
     spec = command.spec
     workers = verdict.ledger.workers
     extra = [
-        _Track(w, workers[w], None, command, now, expected=False)
+        _Track(w, workers[w], registry, command, now, expected=False)
         for w in sorted(verdict.unexpected)
     ]
     return RolloutStatus(

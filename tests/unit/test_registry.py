@@ -345,3 +345,16 @@ def test_any_decoded_heartbeat_folds_without_raising(interval: float, sent: date
             lost_at(hb, received)
             was_alive_at(hb, now, received)
             is_alive(hb, now, received)
+
+
+def test_the_incarnation_before_the_latest_still_says_when_the_worker_was_alive() -> None:
+    """Restarted after a command was issued: its previous incarnation was alive then, in any
+    arrival order (a label-only rollout keeps expecting it)."""
+    before = [heartbeat(sent=t, started=-100) for t in (-10, -5, 0, 5)]
+    after = [heartbeat(sent=t, started=50) for t in (50, 55)]
+    for order in (before + after, after + before, list(reversed(before + after))):
+        reg = registry(*order)
+        assert reg.latest("w1") == after[-1]
+        assert reg.was_alive_at("w1", at(0)) and reg.was_alive_at("w1", at(52))
+        assert not reg.was_alive_at("w1", at(30))  # dead between its incarnations
+    assert not Registry().was_alive_at("w1", at(0))
