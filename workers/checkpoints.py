@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from controlplane.errors import ErrorCode
-from workers.paths import checkpoint_files
+from workers.paths import checkpoint_files, open_member
 
 if TYPE_CHECKING:
     import torch
@@ -173,7 +173,8 @@ def sha256_manifest(path: Path) -> dict[str, str]:
     files = checkpoint_files(path)
     manifest: dict[str, str] = {}
     for file in files.files:
-        with open(file, "rb") as fh:
+        fd = open_member(file, files.members[file], files.within)
+        with os.fdopen(fd, "rb") as fh:
             manifest[file.relative_to(files.base_dir).as_posix()] = hashlib.file_digest(
                 fh, "sha256"
             ).hexdigest()

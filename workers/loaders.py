@@ -16,7 +16,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -26,7 +26,13 @@ from typing import Final
 import torch
 
 from controlplane.errors import ErrorCode, RunnerError, WeightsCorrupted
-from workers.paths import CheckpointFiles, checkpoint_files, relative_member
+from workers.paths import (
+    CheckpointFiles,
+    check_member,
+    checkpoint_files,
+    open_member,
+    relative_member,
+)
 from workers.runner import ReloadResult
 
 #: safetensors dtype -> (torch dtype name, bytes per element).
@@ -92,7 +98,8 @@ class OpenCheckpoint:
     """A checkpoint whose headers were read and checked; its files stay open until closed.
 
     Hashing and copying read from these same descriptors, so a file replaced after validation
-    is never the one copied.
+    is never the one copied; each was opened as the very file whose location was checked
+    (``workers.paths.open_member``).
     """
 
     files: CheckpointFiles
@@ -120,17 +127,17 @@ def module_targets(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dic
 
 
 @contextlib.contextmanager
-def open_checkpoint(path: Path) -> Iterator[OpenCheckpoint]:
-    """Open every file of the checkpoint at ``path`` and read and check its header."""
-    files = checkpoint_files(path)
+def open_checkpoint(path: Path, roots: Sequence[Path] | None = None) -> Iterator[OpenCheckpoint]:
+    """Open every file of the checkpoint at ``path`` and read and check its header.
+
+    Every file is contained in ``roots`` (default: see ``workers.paths.checkpoint_files``) and
+    opened as exactly the file that was checked (CommandRejected(PATH_NOT_ALLOWED) otherwise).
+    """
+    files = checkpoint_files(path, roots)
     ckpt = OpenCheckpoint(files=files, entries={}, fds={})
     try:
         for file in files.files:
-            try:
-                fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except OSError as exc:
-                raise _unreadable(f"cannot open {file.name!r}: {exc}") from None
-            ckpt.fds[file] = fd
+            fd = ckpt.fds[file] = open_member(file, files.members[file], files.within)
             for name, entry in _read_header(fd, file).items():
                 if name in ckpt.entries:
                     raise _unreadable(
@@ -353,11 +360,11 @@ def verify_sha256(
     for file, hexd in sorted(wanted.items()):
         if file in ckpt.fds:
             digest = _sha256_fd(ckpt.fds[file], cancel)
-        else:
-            try:
-                fd = os.open(file, os.O_RDONLY)
-            except OSError as exc:
-                raise _unreadable(f"sha256 manifest lists {file.name!r}: {exc}") from None
+        else:  # another file of the checkpoint's directory: contained and opened the same way
+            member = check_member(file, ckpt.files.within)
+            if member is None:
+                raise _unreadable(f"sha256 manifest lists {file.name!r}, which is not a file")
+            fd = open_member(file, member, ckpt.files.within)
             try:
                 digest = _sha256_fd(fd, cancel)
             finally:

@@ -299,7 +299,9 @@ class SidecarEngine:
             return
         self.server_info_error = None
         self._fields = {
-            s: dict(info[s]) for s in ("model_config", "load_config") if isinstance(info.get(s), dict)
+            s: dict(info[s])
+            for s in ("model_config", "load_config")
+            if isinstance(info.get(s), dict)
         }
         model_config = self._fields.get("model_config", {})
         self.dtype = str(model_config.get("dtype", "unknown")).removeprefix("torch.")

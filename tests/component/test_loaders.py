@@ -246,8 +246,8 @@ def test_progress_and_cancel(tmp_path: Path) -> None:
         if done == 1:
             cancel.set()
 
-    with pytest.raises(WeightsCorrupted) as info:
-        load(path, targets(), cancel=cancel, progress=cancel_after_first)
+    with pytest.raises(WeightsCorrupted) as info:  # one reader: no chunk is read ahead
+        load(path, targets(), cancel=cancel, progress=cancel_after_first, read_threads=1)
     assert (info.value.from_version, info.value.to_version) == ("v0", "v1")
     assert info.value.code is ErrorCode.WEIGHTS_CORRUPTED and "1 of 4" in info.value.message
 
@@ -263,8 +263,8 @@ def test_truncation_after_copy_began_is_a_short_read_not_a_crash(tmp_path: Path)
             os.truncate(path, first_end)
 
     dst = targets()
-    with pytest.raises(WeightsCorrupted) as info:
-        load(path, dst, progress=truncate)
+    with pytest.raises(WeightsCorrupted) as info:  # one reader: no chunk is read ahead
+        load(path, dst, progress=truncate, read_threads=1)
     assert "ended inside tensor" in info.value.message
 
 
@@ -466,3 +466,88 @@ def test_read_threads_and_chunk_must_be_positive(tmp_path: Path) -> None:
         with pytest.raises(ValueError):
             load(path, dst, **kw)
         assert all(torch.equal(v, targets()[k]) for k, v in dst.items())
+
+
+# --------------------------------------------------------------------------- containment of every file
+
+
+def _not_allowed(path: Path, dst: dict[str, torch.Tensor], **kw: Any) -> CommandRejected:
+    before = {k: v.clone() for k, v in dst.items()}
+    with pytest.raises(CommandRejected) as info:
+        load(path, dst, **kw)
+    assert info.value.code is ErrorCode.PATH_NOT_ALLOWED, info.value
+    assert all(torch.equal(before[k], dst[k]) for k in dst), "a refused reload touched a tensor"
+    return info.value
+
+
+def _sharded(directory: Path) -> Path:
+    """``source()`` in two shards with an index; returns the index."""
+    tensors = source()
+    parts = {"a.safetensors": ["w", "b"], "b.safetensors": ["steps", "empty"]}
+    for name, keys in parts.items():
+        write_safetensors(directory / name, {k: tensors[k] for k in keys})
+    index = directory / "model.safetensors.index.json"
+    weight_map = {k: name for name, keys in parts.items() for k in keys}
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    return index
+
+
+def test_symlinked_shard_outside_the_root_is_never_read(tmp_path: Path) -> None:
+    from workers.paths import resolve_weights_path
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "ckpt").mkdir(parents=True)
+    outside.mkdir()
+    write_safetensors(outside / "model.safetensors", source(2))
+    (root / "ckpt" / "model.safetensors").symlink_to(outside / "model.safetensors")
+    checked = resolve_weights_path(str(root / "ckpt"), [root])
+    _not_allowed(checked, targets())  # found by listing the directory
+    # Named by an index: the index is inside, one shard links outside.
+    sharded = root / "sharded"
+    sharded.mkdir()
+    index = _sharded(sharded)
+    os.replace(sharded / "b.safetensors", outside / "b.safetensors")
+    (sharded / "b.safetensors").symlink_to(outside / "b.safetensors")
+    _not_allowed(resolve_weights_path(str(index), [root]), targets())
+    _not_allowed(resolve_weights_path(str(sharded), [root]), targets())
+    # A sha256 manifest naming another file (a link out of the root) is contained as well.
+    (sharded / "b.safetensors").unlink()
+    os.replace(outside / "b.safetensors", sharded / "b.safetensors")
+    manifest = sha256_manifest(index)
+    (sharded / "notes.txt").symlink_to(outside / "model.safetensors")
+    manifest["notes.txt"] = "0" * 64
+    _not_allowed(resolve_weights_path(str(index), [root]), targets(), sha256=manifest)
+
+
+@pytest.mark.parametrize("swap", ["replaced", "symlink"])
+def test_a_file_swapped_between_check_and_open_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, swap: str
+) -> None:
+    import workers.loaders as loaders
+    from workers.paths import resolve_weights_path
+
+    root = tmp_path / "root"
+    root.mkdir()
+    index = _sharded(root)
+    outside = tmp_path / "outside.safetensors"
+    write_safetensors(outside, {k: v for k, v in source(3).items() if k in ("steps", "empty")})
+    listed = loaders.checkpoint_files
+
+    def then_swap(path: Path, roots: Any = None) -> Any:
+        files = listed(path, *([] if roots is None else [roots]))
+        # Every file was checked: now swap one before it is opened.
+        victim = root / "b.safetensors"
+        if swap == "replaced":  # another inode at the same (contained) name
+            write_safetensors(
+                tmp_path / "new.safetensors",
+                {k: v for k, v in source(4).items() if k in ("steps", "empty")},
+            )
+            os.replace(tmp_path / "new.safetensors", victim)
+        else:  # the name now links out of the root
+            victim.unlink()
+            victim.symlink_to(outside)
+        return files
+
+    monkeypatch.setattr(loaders, "checkpoint_files", then_swap)
+    message = _not_allowed(resolve_weights_path(str(index), [root]), targets()).message
+    assert "changed between check and open" in message

@@ -102,7 +102,9 @@ def fake_server() -> Iterator[tuple[str, list[FakeVllm]]]:
         thread.join()
 
 
-def _runner(tmp_path: Path, url: str, holder: list[FakeVllm], *, server_info_ok: bool) -> VllmRunner:
+def _runner(
+    tmp_path: Path, url: str, holder: list[FakeVllm], *, server_info_ok: bool
+) -> VllmRunner:
     model = tmp_path / "ckpt"
     write_checkpoint(model, model_kwargs=TINY, seed=1)
     holder.append(FakeVllm(str(model), server_info_ok=server_info_ok))

@@ -171,3 +171,81 @@ def test_relative_member() -> None:
     for bad in ("", "..", "a/../../x", "/abs", "a\\b"):
         with pytest.raises(CommandRejected):
             relative_member(base, bad, "file")
+
+
+# --------------------------------------------------------------------------- every file contained
+
+
+def not_allowed(path: Path, roots: list[Path] | None = None) -> CommandRejected:
+    with pytest.raises(CommandRejected) as info:
+        checkpoint_files(path, roots)
+    assert info.value.code is ErrorCode.PATH_NOT_ALLOWED
+    return info.value
+
+
+def test_a_symlinked_shard_in_a_directory_must_stay_inside_the_roots(
+    root: Path, tmp_path: Path
+) -> None:
+    outside = tmp_path / "secret.bin"
+    outside.write_bytes(b"not yours")
+    ckpt = root / "ckpt"
+    (ckpt / "evil.safetensors").symlink_to(outside)
+    checked = resolve_weights_path(str(ckpt), [root])
+    assert "outside" in not_allowed(checked).message  # the roots come with the checked path
+    not_allowed(ckpt, [root])
+    not_allowed(ckpt)  # no roots known: the checkpoint's own directory
+
+
+def test_a_symlinked_shard_named_by_an_index_must_stay_inside_the_roots(
+    root: Path, tmp_path: Path
+) -> None:
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "model-00002-of-00002.safetensors").write_bytes(b"y")
+    ckpt = root / "ckpt"
+    (ckpt / "model-00002-of-00002.safetensors").symlink_to(
+        outside / "model-00002-of-00002.safetensors"
+    )
+    (ckpt / "model.safetensors").rename(ckpt / "model-00001-of-00002.safetensors")
+    index = ckpt / "model.safetensors.index.json"
+    index.write_text(
+        json.dumps(
+            {"weight_map": {"a": "model-00001-of-00002.safetensors",
+                            "b": "model-00002-of-00002.safetensors"}}
+        )
+    )  # fmt: skip
+    not_allowed(resolve_weights_path(str(index), [root]))
+    not_allowed(resolve_weights_path(str(ckpt), [root]))  # the directory's index
+    # The index itself, linked from outside, is refused the same way.
+    (ckpt / "model-00002-of-00002.safetensors").unlink()
+    (ckpt / "model-00002-of-00002.safetensors").write_bytes(b"y")
+    assert checkpoint_files(index, [root]).index == index
+    index.rename(outside / "model.safetensors.index.json")
+    index.symlink_to(outside / "model.safetensors.index.json")
+    not_allowed(index, [root])
+
+
+def test_symlinks_inside_the_roots_are_followed_and_recorded(root: Path) -> None:
+    # The Hugging Face cache layout: snapshots/<rev>/model.safetensors -> ../../blobs/<sha>.
+    blobs, snapshot = root / "blobs", root / "snapshots" / "rev1"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    (blobs / "abc123").write_bytes(b"x")
+    (snapshot / "model.safetensors").symlink_to("../../blobs/abc123")
+    found = checkpoint_files(resolve_weights_path(str(snapshot), [root]))
+    assert found.files == [snapshot / "model.safetensors"]
+    member = found.members[snapshot / "model.safetensors"]
+    assert member.real == (blobs / "abc123").resolve()
+    assert (member.dev, member.ino) == (
+        os.stat(blobs / "abc123").st_dev,
+        os.stat(blobs / "abc123").st_ino,
+    )
+    # Without the roots only the snapshot directory is allowed: the blob is outside it.
+    not_allowed(snapshot)
+
+
+def test_dangling_links_and_directories_are_not_shards(root: Path) -> None:
+    ckpt = root / "ckpt"
+    (ckpt / "gone.safetensors").symlink_to(ckpt / "nothing-here")
+    (ckpt / "dir.safetensors").mkdir()
+    assert checkpoint_files(ckpt, [root]).files == [ckpt / "model.safetensors"]
