@@ -1000,3 +1000,152 @@ def _verdict(s: RolloutStatus) -> tuple[Any, ...]:
     by then (whether an unfinished worker counts as lost or pending is knowledge, not verdict)."""
     c = s.counts
     return (s.phase, s.reason, s.finished_at, s.expected, c.succeeded, c.failed, c.rejected)
+
+
+# --------------------------------------------------------------------------- unreadable and expired commands
+
+
+def nack(worker_id: str, sent: float, code: str, **kw: Any) -> Ack:
+    """A worker's NACK of a record it could not read: no kind."""
+    return ack(worker_id, X, sent, code=code, **kw).model_copy(update={"kind": None})
+
+
+def test_a_rollout_known_only_from_nacks_of_an_unreadable_command_is_rejected() -> None:
+    f = fleet(
+        nack("w1", 2, "SCHEMA_INVALID"),
+        nack("w2", 1, "UNSUPPORTED_SCHEMA_VERSION"),
+        nack("w2", 3, "SCHEMA_INVALID"),  # redelivered, garbled differently: the first counts
+        nack("w3", 4, "SCHEMA_INVALID", command_id="c9"),
+    )
+    assert "r1" in f and f.rollout_ids() == ["r1"]
+    s = f.status("r1", at(10))
+    assert (s.phase, s.reason, s.exit_code) == (
+        RolloutPhase.FAILED,
+        RolloutReason.COMMAND_REJECTED,
+        1,
+    )
+    assert s.kind is None and s.expires_at is None and s.issuer is None
+    assert (s.issued_at, s.finished_at, s.expected) == (at(1), at(1), 3)
+    assert s.counts == StateCounts(rejected=3)
+    assert {d.worker_id: d.error.code for d in s.workers if d.error} == {
+        "w1": "SCHEMA_INVALID",
+        "w2": "UNSUPPORTED_SCHEMA_VERSION",
+        "w3": "SCHEMA_INVALID",
+    }
+    assert "SCHEMA_INVALID x2" in s.message
+    assert [r.rollout_id for r in f.rollouts(at(10))] == ["r1"]
+    assert RolloutStatus.model_validate_json(s.model_dump_json()) == s
+    assert f.orphans() == []
+
+
+def test_unreadable_nacks_never_count_as_a_workers_state_when_the_command_is_readable() -> None:
+    """Garbage (or forged) records carrying a real command's ids: their NACKs are anomalies."""
+    events: list[Event] = [command(), *alive("w1", "w2", sent=50)]
+    events += [nack("w1", 1, "MALFORMED_JSON"), nack("w2", 1, "SCHEMA_INVALID")]
+    s = status(*events, now=51)
+    assert s.phase is RolloutPhase.PENDING and s.counts == StateCounts(pending=2)
+    codes = [(a.code, a.worker_id) for a in s.anomalies]
+    assert codes == [
+        (AnomalyCode.UNREADABLE_COMMAND_NACK, "w1"),
+        (AnomalyCode.UNREADABLE_COMMAND_NACK, "w2"),
+    ]
+    s = status(*events, *full("w1", 2, 5), *full("w2", 2, 6), now=51)
+    assert s.phase is RolloutPhase.SUCCEEDED and s.finished_at == at(6)
+
+
+def test_a_command_published_after_it_expired_shows_as_expired() -> None:
+    """kcat, an old command: nobody was alive at its issue; the workers NACK it EXPIRED."""
+    cmd = command(workers=None, labels={"model": "llama"}, issued=0, expires=60)
+    events: list[Event] = [cmd, *alive("w1", "w2", sent=1000, started=900)]
+    events += [ack("w1", X, 1001, code="EXPIRED"), ack("w2", X, 1002, code="EXPIRED")]
+    s = status(*events, now=1003)
+    assert (s.phase, s.reason, s.exit_code) == (RolloutPhase.TIMED_OUT, RolloutReason.EXPIRED, 2)
+    assert s.expected == 2 and s.counts == StateCounts(rejected=2) and s.unexpected == ()
+    assert s.finished_at == at(60) and "expired" in s.message
+    # Nobody alive at its issue, and nobody says it expired: no matching workers, as before.
+    s = status(cmd, *alive("w1", sent=1000, started=900), *full("w1", 1001, 1002), now=1003)
+    assert s.reason is RolloutReason.NO_MATCHING_WORKERS
+
+
+# --------------------------------------------------------------------------- hostile numbers
+
+
+@pytest.mark.parametrize("interval", [1e300, float("inf"), float("nan"), -5.0, 1e-300])
+def test_a_heartbeat_with_any_decoded_numbers_never_breaks_the_fold(interval: float) -> None:
+    hb = heartbeat("w1", 5, flight=("c1", 1)).model_copy(
+        update={"interval_s": interval, "seq": 2**70}
+    )
+    far = heartbeat("w2", 5).model_copy(
+        update={"sent_at": datetime.max.replace(tzinfo=UTC), "interval_s": interval}
+    )
+    early = heartbeat("w3", 5).model_copy(
+        update={
+            "sent_at": datetime.min.replace(tzinfo=UTC),
+            "started_at": datetime.min.replace(tzinfo=UTC),
+            "interval_s": interval,
+        }
+    )
+    f = Fleet()
+    for cmd in (command(workers=None, labels={"model": "llama"}), command("r2", "c2")):
+        f.observe_command(cmd)
+    for h in (hb, far, early):
+        f.observe_heartbeat(h)
+        f.observe_heartbeat(h.model_copy(update={"seq": 0}), received_at=at(6))
+    f.observe_ack(ack("w1", R, 2))
+    for now in (at(6), at(10**6), datetime.max.replace(tzinfo=UTC)):
+        f.rollouts(now)
+        f.worker_levels(now)
+        f.registry.workers(now)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def test_compact_keeps_the_last_n_ended_rollouts_in_full_and_older_ones_as_a_summary() -> None:
+    f = Fleet(max_ended_rollouts=2)
+    f.observe_heartbeat(heartbeat("w1", 1000))
+    for i in range(5):
+        f.observe_command(command(f"r{i}", f"c{i}", workers=["w1"], issued=10 * i))
+        f.observe_ack(ack("w1", S, 10 * i + 1, rollout_id=f"r{i}", command_id=f"c{i}"))
+    f.observe_command(command("live", "cl", workers=["w1"], issued=100))
+    f.observe_ack(ack("w1", R, 101, rollout_id="live", command_id="cl"))
+    f.observe_ack(nack("w1", 3, "SCHEMA_INVALID", rollout_id="bad", command_id="cb"))
+    now = at(200)
+    before = {r.rollout_id: r for r in f.rollouts(now)}
+    assert f.compact(now) == 4  # 6 ended (5 + the rejected one), 2 kept in full
+    assert f.compact(now) == 0
+    after = {r.rollout_id: r for r in f.rollouts(now)}
+    assert after.keys() == before.keys()
+    kept = {rid for rid, r in after.items() if not r.details_dropped}
+    assert kept == {"r3", "r4", "live"}
+    for rid, r in after.items():
+        assert (r.phase, r.reason, r.finished_at, r.counts) == (
+            before[rid].phase,
+            before[rid].reason,
+            before[rid].finished_at,
+            before[rid].counts,
+        )
+        if r.details_dropped:
+            assert r.workers == () and r.anomalies == ()
+    # Later acks for a summarized rollout are dropped; the desired version it set survives.
+    f.observe_ack(ack("w1", S, 150, rollout_id="r0", command_id="c0"))
+    assert f.stats().dropped_acks == 1 and f.stats().compacted == 4
+    assert f.status("r0", now).details_dropped
+    (level,) = f.worker_levels(now)
+    assert (level.desired_version, level.desired_rollout_id) == ("v2", "live")
+    assert "r0" in f and f.rollout_keys()[0] == (at(0), "r0")
+
+
+def test_compact_keeps_the_desired_version_of_a_summarized_rollout() -> None:
+    f = Fleet(max_ended_rollouts=0)
+    f.observe_heartbeat(heartbeat("w1", 1000, version="v2"))
+    f.observe_command(command(workers=["w1"], version="v2"))
+    f.observe_ack(ack("w1", S, 1))
+    assert f.compact(at(100)) == 1
+    (level,) = f.worker_levels(at(100))
+    assert (level.desired_version, level.desired_rollout_id, level.in_sync) == ("v2", "r1", True)
+
+
+def test_without_a_bound_compact_keeps_everything() -> None:
+    f = fleet(command(), *alive("w1", "w2", sent=50), *full("w1", 1, 5), *full("w2", 1, 6))
+    assert f.compact(at(100)) == 0 and not f.status("r1", at(100)).details_dropped
