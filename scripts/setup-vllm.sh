@@ -21,16 +21,23 @@ VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 TORCH_VERSION="${VLLM_TORCH_VERSION:-2.13.0}"
 PY="${PYTHON:-python3}"
 
-if ! command -v uv >/dev/null 2>&1; then
-  echo "setup-vllm: installing uv"
-  "$PY" -m pip install -q --user uv 2>/dev/null || "$PY" -m pip install -q uv
-  export PATH="$HOME/.local/bin:$PATH"
-fi
+# uv on PATH for this script (installed into its own venv in the cache if needed; PEP 668).
+# shellcheck source=scripts/uv.sh
+source scripts/uv.sh
 
 if [[ ! -x "$VENV/bin/python" ]]; then
-  uv venv -q -p "$PY" "$VENV"
+  uv venv -q --seed -p "$PY" "$VENV"
 fi
 VPY="$VENV/bin/python"
+
+# pip inside the environment: vLLM's /server_info runs its collect_env, which lists packages
+# with `python -m pip list` when pip is importable, else (in a uv-made environment) with
+# `uv pip list` found through the server's PATH, and answers HTTP 500 when that fails. With
+# pip here, `vllm serve` from this environment never depends on the caller's PATH.
+if ! "$VPY" -c 'import pip' >/dev/null 2>&1; then
+  echo "setup-vllm: $VENV: seeding pip (vLLM's collect_env needs it, not uv on PATH)"
+  uv pip install -q -p "$VPY" pip
+fi
 
 # Nothing below may replace this torch.
 constraints="$(mktemp)"
@@ -67,6 +74,7 @@ uv pip install -q -p "$VPY" -e ".[test]" --constraint "$constraints"
 "$VPY" - "$TORCH_VERSION" "$VLLM_DIST" <<'EOF'
 import importlib.metadata as md
 import importlib.util
+import subprocess
 import sys
 
 import torch
@@ -78,6 +86,12 @@ if torch.__version__.split("+")[0] != want:
 for name in ("torchvision", "torchaudio", "torchcodec"):
     if importlib.util.find_spec(name) is not None:
         sys.exit(f"setup-vllm: {name} is installed; it breaks transformers beside this torch")
+# What /server_info runs, with a PATH that holds neither this environment nor uv.
+probe = "from vllm.collect_env import get_pip_packages, run; get_pip_packages(run)"
+env = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "VLLM_TARGET_DEVICE": "cpu"}
+done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+if done.returncode != 0:
+    sys.exit(f"setup-vllm: vLLM's collect_env fails without uv on PATH:\n{done.stderr[-2000:]}")
 print(
     f"setup-vllm: ready: torch {torch.__version__}, {dist} {md.version(dist)}, "
     f"transformers {transformers.__version__}"
