@@ -342,9 +342,15 @@ def plan_copy(
 
 
 def verify_sha256(
-    ckpt: OpenCheckpoint, expected: Mapping[str, str], cancel: threading.Event | None = None
+    ckpt: OpenCheckpoint,
+    expected: Mapping[str, str],
+    cancel: threading.Event | None = None,
+    digests: Mapping[Path, str] | None = None,
 ) -> None:
-    """Hash the manifest's files (relative names); every data file must be listed in it."""
+    """Hash the manifest's files (relative names); every data file must be listed in it.
+
+    ``digests`` are hashes already taken of some files (while copying them), not read again.
+    """
     base = ckpt.files.base_dir
     wanted = {
         relative_member(base, name, "sha256 manifest entry"): hexd
@@ -358,7 +364,9 @@ def verify_sha256(
         )
     wrong: list[str] = []
     for file, hexd in sorted(wanted.items()):
-        if file in ckpt.fds:
+        if digests is not None and file in digests:
+            digest = digests[file]
+        elif file in ckpt.fds:
             digest = _sha256_fd(ckpt.fds[file], cancel)
         else:  # another file of the checkpoint's directory: contained and opened the same way
             member = check_member(file, ckpt.files.within)

@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import hashlib
 import importlib.util
+import json
 import os
+import shutil
+import stat
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -23,7 +29,14 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 from controlplane.errors import ErrorCode, RunnerError, WeightsCorrupted
 from controlplane.protocol import ReloadWeightsSpec
-from workers.loaders import DTYPES, TensorEntry, open_checkpoint, plan_copy, verify_sha256
+from workers.loaders import (
+    DTYPES,
+    OpenCheckpoint,
+    TensorEntry,
+    open_checkpoint,
+    plan_copy,
+    verify_sha256,
+)
 from workers.paths import checkpoint_files
 from workers.runner import (
     DegradedInfo,
@@ -47,6 +60,10 @@ VLLM_INDEX_NAME = "model.safetensors.index.json"
 #: Set (unless already set) before an in-process engine imports vllm.
 IN_PROCESS_ENV: dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
 _RESET_TRIES = 5
+#: Snapshot directories inside the snapshot root are named with this prefix (and only they are
+#: ever removed from a root the operator named).
+SNAPSHOT_PREFIX = "v-"
+_COPY_CHUNK = 8 * 1024 * 1024
 
 
 class VllmRunnerOptions(BaseModel):
@@ -74,6 +91,12 @@ class VllmRunnerOptions(BaseModel):
     request_timeout_s: float = Field(default=60.0, gt=0)
     reload_timeout_s: float = Field(default=600.0, gt=0)
     startup_timeout_s: float = Field(default=600.0, gt=0)
+    snapshot_dir: str | None = Field(
+        default=None,
+        description="Directory this runner owns for the private, verified copies of the "
+        "checkpoints vLLM loads (default: a new private directory under the system temp dir). "
+        "A sidecar must be able to read it at the same path.",
+    )
 
     @model_validator(mode="after")
     def _loopback(self) -> VllmRunnerOptions:
@@ -187,6 +210,8 @@ class VllmRunner:
         self._phase = "idle"
         self._last_reload: ReloadResult | None = None
         self._started_s: float | None = None
+        self._snapshots: SnapshotRoot | None = None
+        self._loaded_dir: Path | None = None  # the directory vLLM last loaded (a snapshot)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -213,8 +238,10 @@ class VllmRunner:
             if self._engine is not None:
                 return
             weights_dir = Path(self.options.model).resolve()
-            with open_checkpoint(weights_dir) as ckpt:
+            # The operator's own path (vLLM loads it by name at start): contained nowhere.
+            with open_checkpoint(weights_dir, roots=[Path("/")]) as ckpt:
                 reference = _manifest(ckpt.entries)
+            snapshots = SnapshotRoot.create(self.options.snapshot_dir)
             started = time.perf_counter()
             engine = self._make_engine()
             try:
@@ -222,6 +249,7 @@ class VllmRunner:
                 fields = engine.config_fields()
             except Exception:
                 engine.close()
+                snapshots.close()
                 raise
             try:  # a no-op override: vLLM 0.32 fails every model_config one, before any change
                 engine.dry_run_config({"model_config": {}})
@@ -232,6 +260,7 @@ class VllmRunner:
             with self._state:
                 self._engine, self._fields, self._reference = engine, fields, reference
                 self._weights_dir, self._version = weights_dir, self.options.initial_version
+                self._snapshots, self._loaded_dir = snapshots, weights_dir
                 self._started_s = time.perf_counter() - started
                 if was_paused:
                     self._degraded = self._degraded_info(
@@ -246,6 +275,9 @@ class VllmRunner:
             engine, self._engine = self._engine, None
             if engine is not None:
                 engine.close()
+            snapshots, self._snapshots = self._snapshots, None
+            if snapshots is not None:
+                snapshots.close()
 
     # ------------------------------------------------------------------ reload
 
@@ -259,17 +291,24 @@ class VllmRunner:
                     f"cannot reload {spec.version!r}: no vLLM engine is loaded",
                     code=ErrorCode.MODEL_NOT_LOADED,
                 )
+            snapshots = self._snapshots
+            assert snapshots is not None
             started = time.perf_counter()
             self._set_phase("validating")
+            snapshot: Path | None = None
             try:
-                weights_dir, entries, files = self._validate(spec, path, cancel)
+                weights_dir, entries, files, snapshot = self._validate(spec, path, cancel)
                 if cancel is not None and cancel.is_set():
                     raise RunnerError(
                         "reload cancelled before vLLM was called", code=ErrorCode.COMMAND_TIMEOUT
                     )
                 self._set_phase("reloading")
                 rpc_started = time.perf_counter()
-                self._apply(engine, spec.version, weights_dir)
+                self._apply(engine, spec.version, snapshot)
+            except BaseException:
+                if snapshot is not None:
+                    snapshots.remove(snapshot)  # vLLM serves the previous one (or nothing)
+                raise
             finally:
                 self._set_phase("idle")
             finished = time.perf_counter()
@@ -288,12 +327,25 @@ class VllmRunner:
             with self._state:
                 self._reference, self._weights_dir = _manifest(entries), weights_dir
                 self._version, self._degraded, self._last_reload = spec.version, None, result
+                previous, self._loaded_dir = self._loaded_dir, snapshot
+            if previous is not None and previous != snapshot:
+                snapshots.remove(previous)  # only ever one of ours; never the operator's model
             return result
 
     def _validate(
         self, spec: ReloadWeightsSpec, path: Path, cancel: threading.Event | None
-    ) -> tuple[Path, dict[str, TensorEntry], int]:
-        """Headers, index, manifest (vs the loaded checkpoint) and sha256; nothing is touched."""
+    ) -> tuple[Path, dict[str, TensorEntry], int, Path]:
+        """Check the checkpoint and make the private snapshot vLLM will load; touch no weights.
+
+        Headers, index and manifest (vs the loaded checkpoint) are checked on the files as
+        opened (contained, ``O_NOFOLLOW``, identity-checked); each is then copied from that same
+        descriptor into a new snapshot directory only this runner writes, hashed while it is
+        copied; the sha256 manifest is checked against those hashes, and the snapshot's own
+        headers must be the ones checked. vLLM reads the snapshot: exactly the bytes verified.
+        Returns the checkpoint's directory, its entries, its file count and the snapshot.
+        """
+        snapshots = self._snapshots
+        assert snapshots is not None
         weights_dir = path if path.is_dir() else path.parent
         with open_checkpoint(path) as ckpt:
             ours = {f.resolve() for f in ckpt.files.files}
@@ -307,13 +359,33 @@ class VllmRunner:
                 )
             # Always strict: a partial layerwise reload leaves vLLM's parameters on the meta device.
             plan_copy(ckpt.entries, self._reference, strict=True, aliases={})
-            if spec.sha256:
-                verify_sha256(ckpt, spec.sha256, cancel)
-            return weights_dir, dict(ckpt.entries), len(ckpt.files.files)
+            snapshot = snapshots.new()
+            try:
+                digests = snapshot_checkpoint(
+                    ckpt,
+                    snapshot,
+                    hash_files=bool(spec.sha256),
+                    cancel=cancel,
+                    file_mode=snapshots.file_mode,
+                )
+                if spec.sha256:
+                    verify_sha256(ckpt, spec.sha256, cancel, digests=digests)
+                with open_checkpoint(snapshot) as copy:
+                    if _layout(copy.entries) != _layout(ckpt.entries):
+                        raise RunnerError(
+                            f"checkpoint {str(path)!r} changed while it was being copied; "
+                            "write new versions to new directories",
+                            code=ErrorCode.WEIGHTS_UNREADABLE,
+                        )
+                    entries = dict(copy.entries)
+            except BaseException:
+                snapshots.remove(snapshot)
+                raise
+            return weights_dir, entries, len(ckpt.files.files), snapshot
 
     def _apply(self, engine: Engine, version: str, weights_dir: Path) -> None:
         """Pause, reload, reset the prefix cache, resume; restore the old weights on failure."""
-        from_version, from_dir = self._version, self._weights_dir
+        from_version, from_dir = self._version, self._loaded_dir  # what vLLM loaded last
         try:
             engine.pause()
         except Exception:
@@ -434,6 +506,7 @@ class VllmRunner:
                 "mode": self.options.mode,
                 "model": self.options.served_model_name or self.options.model,
                 "weights_path": str(self._weights_dir) if self._weights_dir else None,
+                "weights_snapshot": str(self._loaded_dir) if self._loaded_dir else None,
                 "phase": self._phase,
                 "last_reload": self._last_reload.as_dict() if self._last_reload else None,
                 "engine_start_s": round(self._started_s, 3) if self._started_s else None,
@@ -499,3 +572,161 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, RunnerError):
         return exc.message
     return f"{type(exc).__name__}: {exc}"
+
+
+def _layout(
+    entries: Mapping[str, TensorEntry],
+) -> dict[str, tuple[str, str, tuple[int, ...], int, int]]:
+    """What a header says, per tensor, independent of where the file is."""
+    return {n: (e.file.name, e.dtype, e.shape, e.offset, e.nbytes) for n, e in entries.items()}
+
+
+class SnapshotRoot:
+    """The directory where this runner keeps the private copies vLLM loads.
+
+    Created private (0700) when the runner makes it; one the operator names must be owned by
+    this user and writable by nobody else. Snapshots inside it get the root's read permissions
+    (so a sidecar running as another user of the root's group can read them), never write ones.
+    """
+
+    def __init__(self, root: Path, *, owned: bool) -> None:
+        self.root = root
+        self._owned = owned  # made by us: removed whole at close
+        mode = stat.S_IMODE(os.stat(root).st_mode)
+        self._dir_mode = mode & 0o755
+        self._file_mode = mode & 0o444
+
+    @classmethod
+    def create(cls, configured: str | None) -> SnapshotRoot:
+        if configured is None:
+            return cls(Path(tempfile.mkdtemp(prefix="fleet-vllm-snapshots-")), owned=True)
+        root = Path(configured)
+        try:
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = os.stat(root, follow_symlinks=False)
+        except OSError as exc:
+            raise RunnerError(f"snapshot_dir {configured!r}: {exc}") from None
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise RunnerError(
+                f"snapshot_dir {configured!r} must be a directory owned by this user and "
+                "writable by no one else (the copies vLLM loads live there)"
+            )
+        made = cls(root.resolve(), owned=False)
+        for leftover in root.glob(f"{SNAPSHOT_PREFIX}*"):  # from an earlier run of this runner
+            made.remove(leftover)
+        return made
+
+    def new(self) -> Path:
+        path = Path(tempfile.mkdtemp(prefix=SNAPSHOT_PREFIX, dir=self.root))
+        os.chmod(path, self._dir_mode)
+        return path
+
+    def remove(self, path: Path) -> None:
+        if path.parent != self.root or not path.name.startswith(SNAPSHOT_PREFIX):
+            return  # not one of ours (the model the engine started from)
+        shutil.rmtree(path, ignore_errors=True)
+
+    def close(self) -> None:
+        if self._owned:
+            shutil.rmtree(self.root, ignore_errors=True)
+        else:
+            for leftover in self.root.glob(f"{SNAPSHOT_PREFIX}*"):
+                self.remove(leftover)
+
+    @property
+    def file_mode(self) -> int:
+        return self._file_mode
+
+
+def snapshot_checkpoint(
+    ckpt: OpenCheckpoint,
+    dest: Path,
+    *,
+    hash_files: bool,
+    cancel: threading.Event | None = None,
+    file_mode: int = 0o400,
+) -> dict[Path, str]:
+    """Copy every data file of ``ckpt`` from its open descriptor into ``dest`` (new files,
+    ``file_mode``), and an index when it has one; return each file's sha256 when ``hash_files``
+    (taken of the bytes written, so what is checked is what the copy holds).
+
+    Without hashing the kernel copies (``copy_file_range``: a reflink where the filesystem
+    can). Raises RunnerError (WEIGHTS_UNREADABLE; COMMAND_TIMEOUT when cancelled).
+    """
+    base = ckpt.files.base_dir
+    digests: dict[Path, str] = {}
+    for file in ckpt.files.files:
+        relative = file.relative_to(base)
+        if len(relative.parts) != 1:
+            raise RunnerError(
+                f"vLLM reads only the files directly in a checkpoint's directory, not {str(relative)!r}",
+                code=ErrorCode.WEIGHTS_UNREADABLE,
+            )
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        try:
+            out = os.open(dest / relative, flags, file_mode)
+        except OSError as exc:
+            raise RunnerError(
+                f"cannot create the snapshot of {file.name!r} in {str(dest)!r}: {exc}"
+            ) from None
+        try:
+            digest = _copy_fd(ckpt.fds[file], out, hash_files, cancel, file.name)
+        finally:
+            os.close(out)
+        if digest is not None:
+            digests[file] = digest
+    if ckpt.files.weight_map is not None:
+        weight_map = {t: f.relative_to(base).as_posix() for t, f in ckpt.files.weight_map.items()}
+        body: dict[str, object] = {"weight_map": weight_map}
+        if ckpt.files.metadata is not None:
+            body["metadata"] = ckpt.files.metadata
+        index = dest / VLLM_INDEX_NAME
+        index.write_text(json.dumps(body))
+        os.chmod(index, file_mode)
+    return digests
+
+
+def _copy_fd(
+    src: int, dst: int, hash_files: bool, cancel: threading.Event | None, name: str
+) -> str | None:
+    def cancelled() -> None:
+        if cancel is not None and cancel.is_set():
+            raise RunnerError("reload cancelled while copying", code=ErrorCode.COMMAND_TIMEOUT)
+
+    offset = 0
+    if not hash_files:
+        try:
+            while n := os.copy_file_range(src, dst, _COPY_CHUNK, offset, offset):
+                offset += n
+                cancelled()
+            return None
+        except OSError as exc:
+            if exc.errno not in (
+                errno.EXDEV,
+                errno.EINVAL,
+                errno.ENOSYS,
+                errno.EOPNOTSUPP,
+                errno.EPERM,
+            ):
+                raise RunnerError(
+                    f"cannot copy {name!r}: {exc}", code=ErrorCode.WEIGHTS_UNREADABLE
+                ) from None
+            # Not supported between these files: copy the rest through memory.
+    digest = hashlib.sha256() if hash_files else None
+    buf = bytearray(_COPY_CHUNK)
+    view = memoryview(buf)
+    try:
+        while n := os.preadv(src, [view], offset):
+            cancelled()
+            chunk = view[:n]
+            if digest is not None:
+                digest.update(chunk)
+            written = 0
+            while written < n:
+                written += os.pwrite(dst, chunk[written:], offset + written)
+            offset += n
+    except OSError as exc:
+        raise RunnerError(
+            f"cannot copy {name!r}: {exc}", code=ErrorCode.WEIGHTS_UNREADABLE
+        ) from None
+    return digest.hexdigest() if digest is not None else None

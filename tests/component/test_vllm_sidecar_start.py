@@ -1,12 +1,14 @@
-"""The sidecar runner against a stand-in ``vllm serve`` on loopback (real HTTP, no vLLM needed).
+"""The vLLM runner against a stand-in ``vllm serve`` on loopback (real HTTP, no vLLM needed).
 
 vLLM's /server_info shells out (``pip list`` / ``uv pip list``) and answers HTTP 500 when that
-command is not on the server's PATH; the runner must start and work without it.
+command is not on the server's PATH; the runner must start and work without it. And what vLLM
+is told to load must be exactly the bytes the runner checked (a private snapshot).
 """
 
 from __future__ import annotations
 
 import json
+import stat
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,8 +18,9 @@ from typing import Any
 import pytest
 
 from controlplane.errors import ErrorCode, RunnerError
+from controlplane.protocol import ReloadWeightsSpec
 from tests.component.conftest import TINY
-from workers.checkpoints import write_checkpoint
+from workers.checkpoints import sha256_manifest, write_checkpoint
 from workers.vllm_runner import VllmRunner
 
 #: What vLLM 0.32 answers on /server_info when `uv` is not on the server's PATH.
@@ -31,6 +34,8 @@ class FakeVllm:
         self.model = model
         self.server_info_ok = server_info_ok
         self.calls: list[tuple[str, str, Any]] = []
+        #: For each reload: the files in the directory vLLM was told to load, as it read them.
+        self.loaded: list[dict[str, bytes]] = []
 
     def answer(self, method: str, path: str, body: Any) -> tuple[int, Any]:
         self.calls.append((method, path, body))
@@ -53,6 +58,14 @@ class FakeVllm:
                     "device_config": {"device_type": "cpu"},
                 }
             }
+        if route in ("/pause", "/resume"):
+            return 200, None
+        if route == "/reset_prefix_cache":
+            return 200, {"success": True}
+        if route == "/collective_rpc" and body.get("method") == "reload_weights":
+            loaded = Path(body["kwargs"]["weights_path"])
+            self.loaded.append({f.name: f.read_bytes() for f in sorted(loaded.iterdir())})
+            return 200, {"results": [None]}
         if route == "/collective_rpc" and body.get("method") == "update_config":
             (overrides,) = body["args"]
             if "model_config" in overrides:
@@ -164,3 +177,126 @@ def test_sidecar_uses_server_info_when_it_answers(
     # Refused by our own check against the known fields: vLLM never saw it.
     sent = [body["args"][0] for _, path, body in holder[0].calls if path == "/collective_rpc"]
     assert {"load_config": {"no_such_field": 1}} not in sent
+
+
+# --------------------------------------------------------------------------- the checks bind
+
+
+def _sha(directory: Path) -> dict[str, str]:
+    return sha256_manifest(directory)
+
+
+def _write(directory: Path, seed: int, **kw: Any) -> Path:
+    write_checkpoint(directory, model_kwargs={**TINY, **kw}, seed=seed)
+    return directory
+
+
+@pytest.fixture
+def loaded(
+    tmp_path: Path, fake_server: tuple[str, list[FakeVllm]]
+) -> Iterator[tuple[VllmRunner, FakeVllm, Path]]:
+    url, holder = fake_server
+    runner = _runner(tmp_path, url, holder, server_info_ok=True)
+    runner.load()
+    try:
+        yield runner, holder[0], tmp_path
+    finally:
+        runner.close()
+
+
+def test_vllm_loads_the_verified_bytes_even_if_the_files_are_rewritten_after_the_check(
+    loaded: tuple[VllmRunner, FakeVllm, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner, fake, tmp_path = loaded
+    v2 = _write(tmp_path / "v2", seed=2)
+    verified = {f.name: f.read_bytes() for f in v2.iterdir()}
+    manifest = _sha(v2)
+    other = _write(tmp_path / "other", seed=3)
+    validate = runner._validate
+
+    def then_rewrite(spec: ReloadWeightsSpec, path: Path, cancel: Any) -> Any:
+        checked = validate(spec, path, cancel)
+        with open(v2 / "model.safetensors", "r+b") as fh:  # same inode, other weights
+            fh.write((other / "model.safetensors").read_bytes())
+        return checked
+
+    monkeypatch.setattr(runner, "_validate", then_rewrite)
+    result = runner.reload_weights(
+        ReloadWeightsSpec(path=str(v2), version="v2", sha256=manifest), v2
+    )
+    assert result.version == "v2"
+    assert _sha(v2) != manifest  # rewritten after the check ...
+    assert fake.loaded == [verified]  # ... and vLLM read what was checked
+    snapshot = Path(str(runner.describe().extra["weights_snapshot"]))
+    assert snapshot != v2 and snapshot.is_dir()
+    assert stat.S_IMODE(snapshot.stat().st_mode) & 0o077 == 0
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o400 for f in snapshot.iterdir())
+    # The next reload replaces the snapshot; close() removes the last one.
+    monkeypatch.undo()
+    v3 = _write(tmp_path / "v3", seed=4)
+    runner.reload_weights(ReloadWeightsSpec(path=str(v3), version="v3"), v3)
+    assert not snapshot.exists()
+    root = Path(str(runner.describe().extra["weights_snapshot"])).parent
+    runner.close()
+    assert not root.exists()
+
+
+@pytest.mark.parametrize("sha256", [True, False])
+def test_a_file_rewritten_while_it_is_copied_is_refused_and_never_loaded(
+    loaded: tuple[VllmRunner, FakeVllm, Path], monkeypatch: pytest.MonkeyPatch, sha256: bool
+) -> None:
+    import workers.vllm_runner as vllm_runner
+
+    runner, fake, tmp_path = loaded
+    v2 = _write(tmp_path / "v2", seed=2)
+    manifest = _sha(v2) if sha256 else {}
+    # With a manifest, other weights of the same layout; without, another layout.
+    other = _write(tmp_path / "other", seed=3, **({} if sha256 else {"d_model": 16}))
+    copy = vllm_runner.snapshot_checkpoint
+    made: list[Path] = []
+
+    def rewrite_then_copy(ckpt: Any, dest: Path, **kw: Any) -> Any:
+        made.append(dest)
+        with open(v2 / "model.safetensors", "r+b") as fh:  # after the header check
+            fh.write((other / "model.safetensors").read_bytes())
+            fh.truncate()
+        return copy(ckpt, dest, **kw)
+
+    monkeypatch.setattr(vllm_runner, "snapshot_checkpoint", rewrite_then_copy)
+    with pytest.raises(RunnerError) as caught:
+        runner.reload_weights(ReloadWeightsSpec(path=str(v2), version="v2", sha256=manifest), v2)
+    want = ErrorCode.CHECKSUM_MISMATCH if sha256 else ErrorCode.WEIGHTS_UNREADABLE
+    assert caught.value.code is want, caught.value
+    assert fake.loaded == []  # vLLM was never asked
+    assert made and not made[0].exists()  # the refused snapshot is gone
+    assert runner.describe().weights_version == "init"
+
+
+def test_snapshot_dir_must_be_private(
+    tmp_path: Path, fake_server: tuple[str, list[FakeVllm]]
+) -> None:
+    url, holder = fake_server
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    model = _write(tmp_path / "ckpt", seed=1)
+    holder.append(FakeVllm(str(model), server_info_ok=True))
+    options = {"mode": "sidecar", "model": str(model), "base_url": url, "snapshot_dir": str(shared)}
+    runner = VllmRunner(options)
+    with pytest.raises(RunnerError) as caught:
+        runner.load()
+    assert "writable by no one else" in caught.value.message
+    shared.chmod(0o750)  # group may read (a sidecar of the same group): files get 0o440
+    (shared / "v-leftover").mkdir()
+    runner = VllmRunner(options)
+    runner.load()
+    try:
+        assert not (shared / "v-leftover").exists()
+        v2 = _write(tmp_path / "v2", seed=2)
+        runner.reload_weights(ReloadWeightsSpec(path=str(v2), version="v2"), v2)
+        snapshot = Path(str(runner.describe().extra["weights_snapshot"]))
+        assert snapshot.parent == shared.resolve()
+        assert all(stat.S_IMODE(f.stat().st_mode) == 0o440 for f in snapshot.iterdir())
+    finally:
+        runner.close()
+    assert shared.is_dir() and list(shared.iterdir()) == []

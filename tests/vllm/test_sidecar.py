@@ -9,6 +9,7 @@ from tests.vllm.conftest import SKIP_REASON
 pytest.importorskip("vllm", reason=SKIP_REASON)
 
 from tests.vllm.scenarios import (  # noqa: F401 - the shared tests, collected here
+    test_a_checkpoint_rewritten_after_its_check_is_never_what_vllm_loads,
     test_a_failing_vllm_reload_restores_the_old_weights,
     test_describe_names_model_version_dtype_device_and_vllm,
     test_different_manifest_is_rejected_before_vllm_sees_it,
