@@ -100,11 +100,16 @@ class ClusterInfo:
 class KafkaHealth:
     """Whether this process can reach Kafka: one state, changed by what its clients see.
 
-    Logs one line per change. ``unreachable_since`` is a ``time.time()`` or None.
+    Kafka is unreachable once failures have gone on for ``grace_s`` without a success between
+    them (a broker closing its connections as it shuts down, then answering once more, is no
+    outage yet); one line is logged when that happens and one when a request succeeds again.
+    ``unreachable_since`` (a ``time.time()``: the first failure) is None while reachable.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, grace_s: float = 1.0) -> None:
+        self.grace_s = grace_s
         self._lock = threading.Lock()
+        self._failing_since: float | None = None
         self.unreachable_since: float | None = None
         #: Why, in aiokafka's words, the first time it failed.
         self.reason = ""
@@ -114,18 +119,25 @@ class KafkaHealth:
         return self.unreachable_since is None
 
     def failed(self, reason: str) -> None:
+        now = time.time()
         with self._lock:
             if self.unreachable_since is not None:
                 return
-            self.unreachable_since = time.time()
-            self.reason = reason
+            if self._failing_since is None:
+                self._failing_since, self.reason = now, reason
+                return
+            if now - self._failing_since < self.grace_s:
+                return
+            self.unreachable_since = self._failing_since
+            reason = self.reason
         log.warning("Kafka unreachable: %s", reason)
 
     def succeeded(self) -> None:
-        if self.unreachable_since is None:  # the common case: no lock
+        if self._failing_since is None:  # the common case: no lock
             return
         with self._lock:
             since, self.unreachable_since = self.unreachable_since, None
+            self._failing_since = None
         if since is not None:
             log.warning("Kafka reachable again after %.0f s", time.time() - since)
 

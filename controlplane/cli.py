@@ -68,16 +68,25 @@ def fail(error: ControlPlaneError) -> typer.Exit:
         ErrorCode.SCHEMA_INVALID,
         ErrorCode.PATH_NOT_ALLOWED,
         ErrorCode.NO_MATCHING_WORKERS,
+        ErrorCode.TTL_TOO_LONG,
+        ErrorCode.ROLLOUT_EXISTS,
     ):
         return typer.Exit(Exit.INVALID)
     return typer.Exit(Exit.FAILED)
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a command's coroutine; our errors become one line and an exit code, and so does
+    anything unexpected (exit 5): never a traceback."""
     try:
         return asyncio.run(coro)
     except ControlPlaneError as exc:
         raise fail(exc) from None
+    except (typer.Exit, typer.Abort, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # a bug, or a library's stray CancelledError
+        typer.echo(f"error: {ErrorCode.INTERNAL}: {type(exc).__name__}: {exc}", err=True)
+        raise typer.Exit(Exit.INTERNAL) from None
 
 
 def kafka_settings(bootstrap: str, prefix: str) -> KafkaSettings:

@@ -2,7 +2,13 @@
 
 Works without a coordinator: status is computed from the topics with the same pure module the
 coordinator uses (Follower + Fleet). Exit codes: 0 succeeded, 1 failed, 2 timed out, 3 invalid
-input (including no matching worker), 4 Kafka unreachable.
+input (including no matching worker, a rollout id already in the log, a TTL over 7 days),
+4 Kafka unreachable.
+
+``--wait`` judges the rollout at the follower's ``current_as_of()``: the time up to which it has
+read everything. During a Kafka outage that time stands still, so no worker is judged lost for
+a silence the reader could not hear; ``--wait`` says once that Kafka is unreachable and keeps
+waiting, and exits 4 only when ``--wait-timeout`` passes with Kafka still unreachable.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import getpass
 import json
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,7 +24,7 @@ import typer
 from pydantic import JsonValue
 
 from controlplane.cli import BootstrapOpt, Exit, PrefixOpt, app, kafka_settings, run
-from controlplane.errors import CommandRejected, ErrorCode
+from controlplane.errors import BusError, CommandRejected, ErrorCode
 from controlplane.follower import Follower
 from controlplane.protocol import (
     CommandSpec,
@@ -26,7 +33,13 @@ from controlplane.protocol import (
     UpdateConfigSpec,
     utcnow,
 )
-from controlplane.publisher import build_command, publish, resolve_selector
+from controlplane.publisher import (
+    build_command,
+    check_new_rollout,
+    check_ttl,
+    publish,
+    resolve_selector,
+)
 from controlplane.render import console, progress_line, rollout_table, rollouts_table, workers_table
 from controlplane.rollout_models import RolloutStatus
 from controlplane.settings import DEFAULT_BOOTSTRAP, KafkaSettings
@@ -46,13 +59,19 @@ WaitTimeoutOpt = Annotated[
     typer.Option("--wait-timeout", help="Give up waiting after this many seconds (exit 2)."),
 ]
 TtlOpt = Annotated[
-    float, typer.Option("--ttl", help="Seconds until the command expires (rollout deadline).")
+    float,
+    typer.Option(
+        "--ttl", help="Seconds until the command expires (rollout deadline); at most 7 days."
+    ),
 ]
 TimeoutOpt = Annotated[
     float | None, typer.Option("--timeout", help="Per-worker seconds to apply the command.")
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
-RolloutIdOpt = Annotated[str | None, typer.Option("--rollout-id", help="Choose the rollout id.")]
+RolloutIdOpt = Annotated[
+    str | None,
+    typer.Option("--rollout-id", help="Choose the rollout id (one not already in the log)."),
+]
 
 
 def _selector(labels: list[str] | None, workers: list[str] | None, everyone: bool) -> Selector:
@@ -81,9 +100,12 @@ async def _publish_and_maybe_wait(
 ) -> int:
     out = console()
     async with Follower(settings) as follower:
-        await follower.catch_up()
+        await _catch_up(follower, settings)
+        if rollout_id is not None:  # the log is read: an id in it is not new
+            check_new_rollout(rollout_id, follower.fleet)
         now = utcnow()
-        pinned = resolve_selector(selector, follower.fleet.registry, now)
+        # Liveness as of what the reader knows (see Follower.current_as_of).
+        pinned = resolve_selector(selector, follower.fleet.registry, _as_of(follower))
         command = build_command(
             spec,
             pinned,
@@ -104,7 +126,35 @@ async def _publish_and_maybe_wait(
                 typer.echo(command.model_dump_json())
             return Exit.OK
         status = await _follow(follower, command.rollout_id, wait_timeout, as_json)
+    if status is None:
+        typer.echo(f"gave up waiting: rollout {command.rollout_id} not read back yet", err=True)
+        return Exit.TIMED_OUT
     return _finish(status, as_json, waited_out=not status.terminal)
+
+
+async def _catch_up(follower: Follower, settings: KafkaSettings) -> None:
+    """Read the whole log; BROKER_UNAVAILABLE (exit 4) when Kafka stays unreachable for a
+    request timeout meanwhile, instead of waiting forever."""
+    patience = settings.request_timeout_ms / 1000
+    while not follower.caught_up.is_set():
+        await follower.poll(timeout_s=0.5)
+        since = follower.unreachable_since()
+        if since is not None and (utcnow() - since).total_seconds() > patience:
+            raise BusError(
+                f"Kafka unreachable since {_clock(since)} while reading the log "
+                f"({follower.settings.bootstrap_servers})",
+                code=ErrorCode.BROKER_UNAVAILABLE,
+            )
+
+
+def _as_of(follower: Follower) -> datetime:
+    """The time to judge at: what the reader knows to be current (the wall clock only in the
+    moment after catching up when no fetch has vouched for every partition yet)."""
+    return follower.current_as_of() or utcnow()
+
+
+def _clock(when: datetime) -> str:
+    return when.astimezone().strftime("%H:%M:%S")
 
 
 #: --wait spends at most 1/(1+this) of its time judging: after a judgement that took t seconds,
@@ -114,8 +164,13 @@ _JUDGE_COST_FACTOR = 5.0
 
 async def _follow(
     follower: Follower, rollout_id: str, wait_timeout: float | None, as_json: bool
-) -> RolloutStatus:
-    """Poll the log until the rollout is terminal (or the wait times out); print progress."""
+) -> RolloutStatus | None:
+    """Poll the log until the rollout is terminal (or the wait times out); print progress.
+
+    The rollout is judged at ``follower.current_as_of()``, never at the wall clock: while Kafka
+    is unreachable that time stands still and nothing is concluded from missing heartbeats.
+    Raises BROKER_UNAVAILABLE when the wait times out with Kafka unreachable; None when it
+    times out before the rollout was even read back."""
     out = console(stderr=True)
     deadline = time.monotonic() + wait_timeout if wait_timeout else None
     last = ""
@@ -138,14 +193,26 @@ async def _follow(
     judged_at = -1.0
     gap = 0.0
     touched = True
+    status: RolloutStatus | None = None
+    announced: datetime | None = None  # the outage already reported
     try:
         while True:
             now_m = time.monotonic()
-            if rollout_id in follower.fleet and (
-                (touched and now_m - judged_at >= gap) or now_m - judged_at >= 1.0
+            down = follower.unreachable_since()
+            if down is not None and announced is None:
+                announced = down
+                _say(out, bar, f"Kafka unreachable since {_clock(down)}, retrying")
+            elif down is None and announced is not None:
+                _say(out, bar, f"Kafka reachable again after {(utcnow() - announced).seconds} s")
+                announced = None
+            as_of = follower.current_as_of()
+            if (
+                as_of is not None
+                and rollout_id in follower.fleet
+                and ((touched and now_m - judged_at >= gap) or now_m - judged_at >= 1.0)
             ):
                 judged_at, touched = now_m, False
-                status = follower.fleet.status(rollout_id, utcnow())
+                status = follower.fleet.status(rollout_id, as_of)
                 gap = min(0.25, (time.monotonic() - now_m) * _JUDGE_COST_FACTOR)
                 line = progress_line(status)
                 if bar is not None:
@@ -161,8 +228,18 @@ async def _follow(
                 last = line
                 if status.terminal:
                     return status
-                if deadline is not None and time.monotonic() > deadline:
-                    return status
+            if deadline is not None and time.monotonic() > deadline:
+                down = follower.unreachable_since()
+                if down is not None:
+                    phase = f" (the rollout is still {status.phase.value})" if status else ""
+                    raise BusError(
+                        f"Kafka unreachable since {_clock(down)}: gave up waiting for rollout "
+                        f"{rollout_id} after {wait_timeout:g} s{phase}",
+                        code=ErrorCode.BROKER_UNAVAILABLE,
+                    )
+                if status is None and as_of is not None and rollout_id in follower.fleet:
+                    status = follower.fleet.status(rollout_id, as_of)
+                return status
             # While news waits to be judged, poll only until the next allowed moment (never 0 s:
             # that starves aiokafka's fetcher).
             wait_s = 0.25
@@ -173,6 +250,15 @@ async def _follow(
     finally:
         if bar is not None:
             bar.stop()
+
+
+def _say(out: Any, bar: Any, text: str) -> None:
+    """One line on stderr, above the progress bar when there is one."""
+    line = f"[{utcnow().strftime('%H:%M:%S')}] {text}"
+    if bar is not None:
+        bar.console.print(line)
+    else:
+        out.print(line)
 
 
 def _finish(status: RolloutStatus, as_json: bool, *, waited_out: bool = False) -> int:
@@ -229,6 +315,7 @@ def reload_weights(
     prefix: PrefixOpt = "fleet",
 ) -> None:
     """Roll new weights out to the selected workers (validated on each worker before any copy)."""
+    _check_ttl(ttl)
     manifest: dict[str, str] = {}
     if sha256 is not None:
         try:
@@ -272,6 +359,7 @@ def update_config(
     prefix: PrefixOpt = "fleet",
 ) -> None:
     """Roll runtime config overrides out, applied all or nothing on each worker."""
+    _check_ttl(ttl)
     overrides: dict[str, JsonValue] = {}
     for item in set_:
         key, sep, raw = item.partition("=")
@@ -305,6 +393,15 @@ def _invalid(exc: Exception) -> None:
     raise typer.Exit(Exit.INVALID)
 
 
+def _check_ttl(ttl: float) -> None:
+    """Before any Kafka: a TTL over the maximum is TTL_TOO_LONG, exit 3."""
+    try:
+        check_ttl(ttl)
+    except CommandRejected as exc:
+        typer.echo(f"error: {exc.code}: {exc.message}", err=True)
+        raise typer.Exit(Exit.INVALID) from None
+
+
 @app.command("status")
 def status(
     rollout: Annotated[
@@ -318,9 +415,10 @@ def status(
     """Rollout status computed from the log (no coordinator needed). Exits with the rollout's code."""
 
     async def go() -> int:
-        async with Follower(kafka_settings(bootstrap, prefix)) as follower:
-            await follower.catch_up()
-            now = utcnow()
+        settings = kafka_settings(bootstrap, prefix)
+        async with Follower(settings) as follower:
+            await _catch_up(follower, settings)
+            now = _as_of(follower)
             if rollout is None:
                 statuses = follower.fleet.rollouts(now)
                 if as_json:
@@ -332,7 +430,9 @@ def status(
                 typer.echo(f"error: no rollout {rollout!r} in the log", err=True)
                 return Exit.INVALID
             if watch:
-                result = await _follow(follower, rollout, None, as_json)
+                watched = await _follow(follower, rollout, None, as_json)
+                assert watched is not None  # no timeout: it returns a terminal status
+                result = watched
             else:
                 result = follower.fleet.status(rollout, now)
         if result.terminal:
@@ -352,9 +452,10 @@ def workers(
     """Every worker from its latest heartbeat: labels, device, version vs desired, liveness."""
 
     async def go() -> int:
-        async with Follower(kafka_settings(bootstrap, prefix)) as follower:
-            await follower.catch_up()
-        now = utcnow()
+        settings = kafka_settings(bootstrap, prefix)
+        async with Follower(settings) as follower:
+            await _catch_up(follower, settings)
+            now = _as_of(follower)
         views = follower.fleet.registry.workers(now)
         levels = follower.fleet.worker_levels(now)
         if as_json:

@@ -2,12 +2,17 @@
 
 Resolves a label selector to explicit worker ids from the live registry at publish time, so the
 expected set of a rollout is written into the log; an empty match is refused, never a success.
+A rollout id already in the log is refused (workers would skip the new command as a duplicate
+and a waiter would read the old status); every publish gets a command id of its own.
 """
 
 from __future__ import annotations
 
+import secrets
 import uuid
+from collections.abc import Container
 from datetime import datetime, timedelta
+from typing import Final
 
 from controlplane.bus import Producer
 from controlplane.errors import CommandRejected, ErrorCode
@@ -16,9 +21,42 @@ from controlplane.registry import Registry
 from controlplane.settings import KafkaSettings
 from controlplane.topics import command_key
 
+#: The longest TTL a command may ask for: the workers' default ``max_ttl_s`` (7 days), which
+#: they enforce with a TTL_TOO_LONG rejection; refused here first.
+MAX_TTL_S: Final = 7 * 24 * 3600.0
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{datetime.now().strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def new_command_id(rollout_id: str) -> str:
+    """Unique per publish: not guessable from the rollout id (a forged or unreadable record
+    under a guessed id must never make workers skip the real command as a duplicate)."""
+    return f"{rollout_id}.c-{secrets.token_hex(6)}"
+
+
+def check_ttl(ttl_s: float) -> None:
+    """Refuse a TTL above :data:`MAX_TTL_S` (TTL_TOO_LONG) or not positive (SCHEMA_INVALID)."""
+    if not ttl_s > 0:
+        raise CommandRejected(
+            f"ttl must be a positive number of seconds, got {ttl_s}", code=ErrorCode.SCHEMA_INVALID
+        )
+    if ttl_s > MAX_TTL_S:
+        raise CommandRejected(
+            f"ttl {ttl_s:g} s is longer than the maximum {MAX_TTL_S:g} s (7 days)",
+            code=ErrorCode.TTL_TOO_LONG,
+        )
+
+
+def check_new_rollout(rollout_id: str, known: Container[str]) -> None:
+    """Refuse a rollout id already in the log (``known``: a Fleet that has caught up)."""
+    if rollout_id in known:
+        raise CommandRejected(
+            f"rollout {rollout_id!r} already exists in the log; choose another id "
+            "(or let one be generated)",
+            code=ErrorCode.ROLLOUT_EXISTS,
+        )
 
 
 def build_command(
@@ -32,10 +70,11 @@ def build_command(
     command_id: str | None = None,
     now: datetime | None = None,
 ) -> Command:
+    check_ttl(ttl_s)
     issued = now or utcnow()
     rid = rollout_id or new_id("r")
     return Command(
-        command_id=command_id or f"{rid}.c1",
+        command_id=command_id or new_command_id(rid),
         rollout_id=rid,
         issued_at=issued,
         expires_at=issued + timedelta(seconds=ttl_s),

@@ -1,0 +1,335 @@
+"""Kafka outages, on a private broker this module stops and restarts on the same data dir.
+
+`--wait` keeps waiting through an outage (it says so once), judges nothing from the heartbeats
+it could not read, and exits 4 only when its timeout passes with Kafka still unreachable. No
+CLI command prints a traceback when Kafka is down, and aiokafka's per-retry errors become one
+line per change of state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from controlplane.broker import BrokerConfig, LocalBroker
+from controlplane.bus import Admin, Consumer, Producer, health, log_filter
+from controlplane.protocol import (
+    Ack,
+    AckState,
+    CommandKind,
+    Heartbeat,
+    Timings,
+    WorkerStatus,
+    encode,
+    utcnow,
+)
+from controlplane.settings import KafkaSettings
+from controlplane.topics import worker_key
+from tests.conftest import free_port
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+INTERVAL_S = 0.5  # the fake worker's heartbeat period: silent 1.5 s, it would count as lost
+
+
+@pytest.fixture(scope="module")
+def private_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBroker]:
+    broker = LocalBroker(
+        BrokerConfig(
+            port=free_port(),
+            controller_port=free_port(),
+            data_dir=tmp_path_factory.mktemp("outage-kafka"),
+        )
+    )
+    broker.start(timeout=120)
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+async def outage_kafka(private_broker: LocalBroker) -> AsyncIterator[KafkaSettings]:
+    """Fresh topics on the private broker (started again if a test left it stopped)."""
+    if not private_broker.status().running:
+        await asyncio.to_thread(private_broker.start, timeout=120)
+    settings = KafkaSettings(
+        bootstrap_servers=private_broker.bootstrap, topic_prefix=f"o{uuid.uuid4().hex[:10]}"
+    )
+    async with Admin(settings) as admin:
+        await admin.ensure_topics(settings.topics)
+    yield settings
+    if not private_broker.status().running:
+        await asyncio.to_thread(private_broker.start, timeout=120)
+
+
+async def until(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- a fake worker
+
+
+class FakeWorker:
+    """Publishes heartbeats every INTERVAL_S while ``beating`` is set; acks on demand."""
+
+    def __init__(self, settings: KafkaSettings, worker_id: str) -> None:
+        self.settings = settings
+        self.worker_id = worker_id
+        self.started_at = utcnow()
+        self.seq = 0
+        self.last_sent = utcnow()
+        self.beating = asyncio.Event()
+        self.beating.set()
+        self._producer = Producer(settings)
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> FakeWorker:
+        await self._producer.start()
+        await self.beat()
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._producer.stop()
+
+    async def beat(self) -> None:
+        self.seq += 1
+        now = utcnow()
+        hb = Heartbeat(
+            worker_id=self.worker_id,
+            runner="fake",
+            device="cpu",
+            status=WorkerStatus.READY,
+            seq=self.seq,
+            sent_at=now,
+            started_at=self.started_at,
+            interval_s=INTERVAL_S,
+        )
+        await self._producer.send(
+            self.settings.topics.workers.name, encode(hb), key=worker_key(self.worker_id)
+        )
+        self.last_sent = now
+
+    async def _run(self) -> None:
+        while True:
+            await self.beating.wait()
+            await self.beat()
+            await asyncio.sleep(INTERVAL_S)  # the worker's own period, not a synchronization
+
+    async def ack(self, rollout_id: str, command_id: str) -> None:
+        now = utcnow()
+        for state in (AckState.ACCEPTED, AckState.RUNNING, AckState.SUCCEEDED):
+            ack = Ack(
+                command_id=command_id,
+                rollout_id=rollout_id,
+                worker_id=self.worker_id,
+                kind=CommandKind.UPDATE_CONFIG,
+                state=state,
+                timings=Timings(received_at=now, started_at=now, finished_at=now),
+                sent_at=utcnow(),
+            )
+            await self._producer.send(
+                self.settings.topics.acks.name, encode(ack), key=worker_key(self.worker_id)
+            )
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+@dataclass
+class Cli:
+    proc: asyncio.subprocess.Process
+    out: list[str] = field(default_factory=list)
+    err: list[str] = field(default_factory=list)
+    _readers: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @classmethod
+    async def start(cls, *args: str) -> Cli:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "controlplane",
+            *args,
+            cwd=REPO,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "COLUMNS": "200"},
+        )
+        cli = cls(proc)
+        assert proc.stdout is not None and proc.stderr is not None
+        cli._readers = [
+            asyncio.create_task(cli._read(proc.stdout, cli.out)),
+            asyncio.create_task(cli._read(proc.stderr, cli.err)),
+        ]
+        return cli
+
+    @staticmethod
+    async def _read(stream: asyncio.StreamReader, into: list[str]) -> None:
+        async for line in stream:
+            into.append(line.decode(errors="replace").rstrip("\n"))
+
+    async def wait(self, timeout: float = 120.0) -> int:
+        async with asyncio.timeout(timeout):
+            code = await self.proc.wait()
+            await asyncio.gather(*self._readers)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.out + self.err)
+
+
+async def _publish_and_stop_kafka(
+    settings: KafkaSettings, broker: LocalBroker, worker: FakeWorker, wait_timeout: float
+) -> tuple[Cli, str, str]:
+    """Start `update-config --wait`, let it publish, stop Kafka; returns (cli, rollout, command)."""
+    cli = await Cli.start(
+        "update-config",
+        "--set",
+        "temperature=0.5",
+        "--worker",
+        worker.worker_id,
+        "--wait",
+        "--wait-timeout",
+        str(wait_timeout),
+        "--bootstrap",
+        settings.bootstrap_servers,
+        "--topic-prefix",
+        settings.topic_prefix,
+    )
+    pattern = re.compile(r"published rollout (\S+) \(command (\S+),")
+    await until(lambda: any(pattern.search(line) for line in cli.out), "the publish", 90)
+    match = next(m for m in map(pattern.search, cli.out) if m)
+    worker.beating.clear()  # the worker can no more reach Kafka than the CLI
+    await asyncio.to_thread(broker.stop)
+    await until(lambda: "Kafka unreachable since" in cli.text, "the outage notice", 60)
+    # The outage outlasts the worker's liveness window (3 periods) several times over.
+    silent_from = worker.last_sent
+    await until(
+        lambda: (utcnow() - silent_from).total_seconds() > 8 * INTERVAL_S, "the silence", 30
+    )
+    return cli, match.group(1), match.group(2)
+
+
+async def test_wait_rides_out_an_outage_and_reports_the_real_outcome(
+    outage_kafka: KafkaSettings, private_broker: LocalBroker
+) -> None:
+    async with FakeWorker(outage_kafka, f"w-{uuid.uuid4().hex[:6]}") as worker:
+        cli, rollout_id, command_id = await _publish_and_stop_kafka(
+            outage_kafka, private_broker, worker, wait_timeout=300
+        )
+        try:
+            assert cli.proc.returncode is None, cli.text  # still waiting
+            await asyncio.to_thread(private_broker.start, timeout=120)
+            worker.beating.set()
+            await worker.ack(rollout_id, command_id)
+            code = await cli.wait()
+        finally:
+            cli.kill()
+    assert code == 0, cli.text
+    assert cli.text.count("Kafka unreachable since") == 1, cli.text
+    assert "Traceback" not in cli.text
+    assert not [line for line in cli.out + cli.err if " lost" in line], cli.text
+    assert len([line for line in cli.err if "Unable connect" in line]) <= 1, cli.text
+
+
+async def test_wait_exits_4_when_its_timeout_passes_with_kafka_down(
+    outage_kafka: KafkaSettings, private_broker: LocalBroker
+) -> None:
+    async with FakeWorker(outage_kafka, f"w-{uuid.uuid4().hex[:6]}") as worker:
+        cli, _, _ = await _publish_and_stop_kafka(
+            outage_kafka, private_broker, worker, wait_timeout=12
+        )
+        try:
+            code = await cli.wait()
+        finally:
+            cli.kill()
+    assert code == 4, cli.text
+    assert "Traceback" not in cli.text
+    assert cli.err[-1].startswith("error: BROKER_UNAVAILABLE: Kafka unreachable since"), cli.text
+    assert not [line for line in cli.out + cli.err if " lost" in line], cli.text
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["workers"],
+        ["status"],
+        ["status", "r-1"],
+        ["update-config", "--set", "a=1", "--all", "--wait"],
+        ["topics", "ensure"],
+    ],
+    ids=lambda a: " ".join(a[:2]),
+)
+async def test_kafka_down_at_start_is_exit_4_with_one_coded_line(args: list[str]) -> None:
+    cli = await Cli.start(*args, "--bootstrap", f"127.0.0.1:{free_port()}")
+    code = await cli.wait(timeout=90)
+    assert code == 4, cli.text
+    assert "Traceback" not in cli.text
+    assert [line for line in cli.err if line.startswith("error: ")] == cli.err[-1:], cli.text
+    assert cli.err[-1].startswith("error: BROKER_UNAVAILABLE"), cli.text
+
+
+# --------------------------------------------------------------------------- log lines
+
+
+async def test_an_outage_is_one_log_line_each_way_not_one_per_retry(
+    outage_kafka: KafkaSettings,
+    private_broker: LocalBroker,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    consumer = Consumer(outage_kafka)
+    producer = Producer(outage_kafka)
+    await consumer.start()
+    await producer.start()
+    try:
+        await consumer.assign_many([t.name for t in outage_kafka.topics.all()])
+        await consumer.seek_to_beginning()
+        await consumer.fetch(timeout_s=0.2)
+        caplog.clear()
+        await asyncio.to_thread(private_broker.stop)
+        # Fetch through the outage until aiokafka has failed (and logged) a hundred times.
+        dropped = log_filter.dropped
+        deadline = time.monotonic() + 60
+        while log_filter.dropped < dropped + 100:
+            assert time.monotonic() < deadline, "aiokafka did not retry"
+            await consumer.fetch(timeout_s=0.2)
+        assert not health.reachable
+        await asyncio.to_thread(private_broker.start, timeout=120)
+        await until(lambda: health.reachable, "reachable again", 60)
+        await producer.send(outage_kafka.topics.commands.name, b"{}")
+    finally:
+        await consumer.stop()
+        await producer.stop()
+    lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    down = [r for r in lines if r.getMessage().startswith("Kafka unreachable")]
+    up = [r for r in lines if r.getMessage().startswith("Kafka reachable again after")]
+    aiokafka = [r for r in lines if r.name.startswith("aiokafka")]
+    assert len(down) == 1 and len(up) == 1, [r.getMessage() for r in lines]
+    assert len(aiokafka) <= 5, [r.getMessage() for r in aiokafka]
