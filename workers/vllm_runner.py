@@ -19,7 +19,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -349,7 +349,7 @@ class VllmRunner:
         weights_dir = path if path.is_dir() else path.parent
         with open_checkpoint(path) as ckpt:
             ours = {f.resolve() for f in ckpt.files.files}
-            theirs = {f.resolve() for f in _files_vllm_reads(weights_dir)}
+            theirs = {f.resolve() for f in _files_vllm_reads(weights_dir, ckpt.files.within)}
             if ours != theirs:
                 raise RunnerError(
                     f"vLLM loads whole directories: {str(weights_dir)!r} holds "
@@ -561,10 +561,10 @@ def _manifest(entries: Mapping[str, TensorEntry]) -> dict[str, torch.Tensor]:
     }
 
 
-def _files_vllm_reads(weights_dir: Path) -> list[Path]:
+def _files_vllm_reads(weights_dir: Path, within: Sequence[Path]) -> list[Path]:
     index = weights_dir / VLLM_INDEX_NAME
     if index.is_file():
-        return checkpoint_files(index).files
+        return checkpoint_files(index, within).files
     return sorted(p for p in weights_dir.glob("*.safetensors") if p.is_file())
 
 

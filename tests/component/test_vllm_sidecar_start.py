@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from controlplane.errors import ErrorCode, RunnerError
+from controlplane.errors import CommandRejected, ErrorCode, RunnerError
 from controlplane.protocol import ReloadWeightsSpec
 from tests.component.conftest import TINY
 from workers.checkpoints import sha256_manifest, write_checkpoint
@@ -300,3 +300,37 @@ def test_snapshot_dir_must_be_private(
     finally:
         runner.close()
     assert shared.is_dir() and list(shared.iterdir()) == []
+
+
+def test_a_hugging_face_cache_layout_inside_the_roots_is_snapshotted(
+    loaded: tuple[VllmRunner, FakeVllm, Path],
+) -> None:
+    """snapshots/<rev>/ holds symlinks into ../../blobs (inside the allowed root): fine, and
+    vLLM gets real files with the blobs' bytes."""
+    from workers.paths import resolve_weights_path
+
+    runner, fake, tmp_path = loaded
+    cache = tmp_path / "hf"
+    source = cache / "src"
+    write_checkpoint(source, model_kwargs=TINY, seed=2, shards=2)
+    (cache / "blobs").mkdir()
+    snapshot_dir = cache / "snapshots" / "rev1"
+    snapshot_dir.mkdir(parents=True)
+    for i, file in enumerate(sorted(source.iterdir())):
+        if file.suffix != ".safetensors":  # the index stays a plain file
+            file.rename(snapshot_dir / file.name)
+            continue
+        file.rename(cache / "blobs" / f"blob{i}")
+        (snapshot_dir / file.name).symlink_to(f"../../blobs/blob{i}")
+    want = {f.name: f.read_bytes() for f in snapshot_dir.iterdir() if f.suffix == ".safetensors"}
+    path = resolve_weights_path(str(snapshot_dir), [cache])
+    runner.reload_weights(ReloadWeightsSpec(path=str(path), version="v2"), path)
+    (got,) = fake.loaded
+    assert {n: b for n, b in got.items() if n.endswith(".safetensors")} == want
+    assert "model.safetensors.index.json" in got
+    # The same layout with a blob outside the roots is refused before anything is copied.
+    outside = resolve_weights_path(str(snapshot_dir), [cache / "snapshots"])
+    with pytest.raises(CommandRejected) as caught:
+        runner.reload_weights(ReloadWeightsSpec(path=str(outside), version="v3"), outside)
+    assert caught.value.code is ErrorCode.PATH_NOT_ALLOWED
+    assert len(fake.loaded) == 1
