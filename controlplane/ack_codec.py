@@ -25,14 +25,21 @@ places, each guarded here (``tests/unit/test_ack_codec.py`` shows each one):
   pattern; validated ones are remembered in a bounded set (the ids repeat a lot);
 * ``result`` values nest at most :data:`MAX_RESULT_DEPTH` containers deep here (pydantic's JSON
   parser refuses past about 200 levels, msgspec only near Python's recursion limit);
-* the model validator: a failed or rejected ack must carry an error, a succeeded one must not.
+* the model validator: a failed or rejected ack must carry an error, a succeeded one must not;
+* date-times must lie in the protocol's range (``EARLIEST_TIME`` to ``LATEST_TIME``): a
+  date-time in the first or last year of it goes to the canonical decoder;
+* duplicate keys: msgspec keeps the last value, the canonical decoder refuses the message
+  (``DUPLICATE_KEY``). The fast path takes only messages that write every field of every struct
+  (as our producers do: msgspec refuses a missing one here) and no whitespace outside error
+  strings; the keys in such a message are exactly its ``":`` pairs (no backslash, so every
+  quote delimits a string), and there are as many as the decoded ack has distinct keys (16, 3
+  more with an error, and those in ``result``) only when no object repeats one. One C scan.
 
 Equal elsewhere (verified by the differential tests): strict types (no ``true`` for 1, no
 ``1.0`` for an int, ``schema_version`` required and exactly the integer 1), unknown fields
-refused, duplicate keys (last wins; an invalid first value makes msgspec refuse, and the
-canonical decoder decide), lone surrogates and invalid UTF-8 refused, integers up to
-4300 digits, floats (msgspec refuses ``1e400`` where pydantic makes ``inf`` that
-``_finite_json`` then refuses), string lengths in code points, the UTF-8 BOM and the size limit.
+refused, lone surrogates and invalid UTF-8 refused, integers up to 4300 digits (``attempt`` up
+to 2**53), floats (msgspec refuses ``1e400`` where pydantic makes ``inf`` that ``_finite_json``
+then refuses), string lengths in code points, the UTF-8 BOM and the size limit.
 """
 
 from __future__ import annotations
@@ -46,6 +53,9 @@ import msgspec
 
 from controlplane.protocol import (
     _IDENTIFIER,
+    EARLIEST_TIME,
+    LATEST_TIME,
+    MAX_COUNTER,
     MAX_MESSAGE_BYTES,
     Ack,
     AckError,
@@ -126,16 +136,20 @@ else:
 _Aware = Annotated[datetime, msgspec.Meta(tz=True)]
 
 
+# Every field is required here, defaults included: the duplicate-key guard counts on knowing
+# which keys a message wrote (see the module's docstring). Our producers write them all.
+
+
 class FastAckError(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     code: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
     message: Annotated[str, msgspec.Meta(max_length=4096)]
-    retryable: bool = False
+    retryable: bool
 
 
 class FastTimings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     received_at: _Aware
-    started_at: _Aware | None = None
-    finished_at: _Aware | None = None
+    started_at: _Aware | None
+    finished_at: _Aware | None
 
     @property
     def duration_s(self) -> float | None:
@@ -154,12 +168,12 @@ class FastAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False)
     state: AckState
     timings: FastTimings
     sent_at: _Aware
-    kind: CommandKind | None = None
-    weights_version: str | None = None
-    config_digest: str | None = None
-    error: FastAckError | None = None
-    attempt: Annotated[int, msgspec.Meta(ge=1)] = 1
-    result: dict[str, _JsonValue] = {}
+    kind: CommandKind | None
+    weights_version: str | None
+    config_digest: str | None
+    error: FastAckError | None
+    attempt: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNTER)]
+    result: dict[str, _JsonValue]
 
     @classmethod
     def of(cls, ack: Ack) -> FastAck:
@@ -199,6 +213,11 @@ _SPACED_DATETIME: Final = re.compile(rb"-[0-9]{2} [0-9]{2}:")
 #: The tail of a date-time whose offset lacks its colon: ":MM:SS[.fff]+HHMM" and the quote.
 _COLONLESS_OFFSET: Final = re.compile(rb":[0-9]{2}:[0-9]{2}(?:\.[0-9]+)?[+-][0-9]{4}\"")
 _FAILED, _REJECTED, _SUCCEEDED = AckState.FAILED, AckState.REJECTED, AckState.SUCCEEDED
+#: Date-times in these years are surely in the protocol's range, whatever their offset.
+_SAFE_YEARS: Final = range(EARLIEST_TIME.year + 1, LATEST_TIME.year - 1)
+_FIRST_SAFE_YEAR, _LAST_SAFE_YEAR = _SAFE_YEARS[0], _SAFE_YEARS[-1]
+#: Distinct keys of an ack without its result: 13 fields, 3 in timings (3 more in an error).
+_ACK_KEYS: Final = 16
 
 #: Identifiers known to fullmatch the protocol's pattern. Cleared when it reaches the bound.
 _valid_ids: set[str] = set()
@@ -224,23 +243,45 @@ def _plausible(ack: FastAck, data: bytes) -> bool:
 
     The raw-bytes checks are single C scans of the message; the precise regexes run only when
     a scan finds something (an error message with spaces, a non-UTC offset)."""
-    if b"\\" in data:
+    if data.find(b"\\") != -1:  # find: a memchr, twice as fast as `in` here
         return False
-    if b" " in data and _SPACED_DATETIME.search(data) is not None:
+    error = ack.error
+    if data.split(None, 1)[0] is not data:  # whitespace somewhere (one C scan when there is none)
+        if data.find(b"\n") != -1 or data.find(b"\r") != -1 or data.find(b"\t") != -1:
+            return False
+        if _SPACED_DATETIME.search(data) is not None:
+            return False
+        # Spaces in the error's strings only: none between a key and its colon.
+        inside = 0 if error is None else error.message.count(" ") + error.code.count(" ")
+        if data.count(b" ") != inside:
+            return False
+    # No object repeats a key: as many keys written as distinct keys decoded.
+    written = data.count(b'":')
+    if error is not None:
+        written -= 3
+    result = ack.result
+    if written != _ACK_KEYS + len(result) and written != _ACK_KEYS + _count_keys(result):
         return False
-    # A colonless offset: a datetime not in UTC, or one in UTC written +0000 or -0000.
     t = ack.timings
     started, finished = t.started_at, t.finished_at
+    if not (
+        _FIRST_SAFE_YEAR <= ack.sent_at.year <= _LAST_SAFE_YEAR
+        and _FIRST_SAFE_YEAR <= t.received_at.year <= _LAST_SAFE_YEAR
+        and (started is None or _FIRST_SAFE_YEAR <= started.year <= _LAST_SAFE_YEAR)
+        and (finished is None or _FIRST_SAFE_YEAR <= finished.year <= _LAST_SAFE_YEAR)
+    ):
+        return False
+    # A colonless offset: a datetime not in UTC, or one in UTC written +0000 or -0000.
     if (
         ack.sent_at.tzinfo is not UTC
         or t.received_at.tzinfo is not UTC
         or (started is not None and started.tzinfo is not UTC)
         or (finished is not None and finished.tzinfo is not UTC)
-        or b'0000"' in data
+        or data.find(b'0000"') != -1
     ) and _COLONLESS_OFFSET.search(data) is not None:
         return False
     state = ack.state
-    if ack.error is None:
+    if error is None:
         if state is _FAILED or state is _REJECTED:
             return False
     elif state is _SUCCEEDED:
@@ -257,3 +298,17 @@ def _plausible(ack: FastAck, data: bytes) -> bool:
                 ids.clear()
             ids.add(value)
     return True
+
+
+def _count_keys(value: Any) -> int:
+    """Keys in every object of a decoded JSON value."""
+    count = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            count += len(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return count

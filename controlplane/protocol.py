@@ -7,6 +7,7 @@ our models or raises :class:`~controlplane.errors.ProtocolError` with a code, ne
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable
@@ -42,6 +43,15 @@ _RFC3339_RE: Final = re.compile(
     r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.([0-9]+))?(?:[Zz]|[+-][0-9]{2}:[0-9]{2})"
 )
 _MICROSECOND: Final = timedelta(microseconds=1)
+#: Every date-time on the wire lies in [EARLIEST_TIME, LATEST_TIME): far enough from datetime's
+#: limits (years 1 and 9999) that adding any duration the control plane uses cannot overflow.
+EARLIEST_TIME: Final = datetime(1970, 1, 1, tzinfo=UTC)
+LATEST_TIME: Final = datetime(9000, 1, 1, tzinfo=UTC)
+#: Upper bound of counters on the wire (seq, attempt, incarnation): exact in a double, so any
+#: JSON client reads them back unchanged.
+MAX_COUNTER: Final = 2**53
+#: Upper bound of a heartbeat period, in seconds.
+MAX_HEARTBEAT_INTERVAL_S: Final = 3600
 
 
 def _rfc3339_only(value: object) -> object:
@@ -62,8 +72,20 @@ def _rfc3339_only(value: object) -> object:
         try:
             parsed += _MICROSECOND
         except OverflowError:
-            raise ValueError("date-time out of range after rounding to microseconds") from None
+            raise ValueError(_OUT_OF_RANGE) from None
     return parsed
+
+
+_OUT_OF_RANGE: Final = (
+    f"date-time out of range: must lie between {EARLIEST_TIME:%Y-%m-%dT%H:%M:%SZ} "
+    f"and {LATEST_TIME:%Y-%m-%dT%H:%M:%SZ}"
+)
+
+
+def _in_time_range(value: datetime) -> datetime:
+    if not EARLIEST_TIME <= value < LATEST_TIME:
+        raise ValueError(_OUT_OF_RANGE)
+    return value
 
 
 def _exact_int(value: object) -> object:
@@ -95,7 +117,15 @@ Labels = Annotated[
     dict[LabelKey, LabelValue], Field(json_schema_extra={"additionalProperties": False})
 ]
 Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
-Timestamp = Annotated[AwareDatetime, BeforeValidator(_rfc3339_only)]
+Timestamp = Annotated[
+    AwareDatetime,
+    BeforeValidator(_rfc3339_only),
+    AfterValidator(_in_time_range),
+    Field(
+        description="RFC 3339 date-time with an offset, from 1970-01-01T00:00:00Z "
+        "up to (excluding) 9000-01-01T00:00:00Z."
+    ),
+]
 SchemaVersion = Annotated[Literal[1], BeforeValidator(_exact_int)]
 
 
@@ -287,7 +317,7 @@ class Ack(_Wire):
     config_digest: str | None = None
     error: AckError | None = None
     timings: Timings
-    attempt: Annotated[int, Field(ge=1)] = 1
+    attempt: Annotated[int, Field(ge=1, le=MAX_COUNTER)] = 1
     sent_at: Timestamp
     result: Annotated[dict[str, JsonValue], AfterValidator(_finite_json)] = Field(
         default_factory=dict, description="Kind-specific facts: bytes, tensors, seconds."
@@ -348,16 +378,17 @@ class Heartbeat(_Wire):
     config_digest: str | None = None
     in_flight: InFlight | None = None
     degraded: Degraded | None = None
-    seq: Annotated[int, Field(ge=0)]
+    seq: Annotated[int, Field(ge=0, le=MAX_COUNTER)]
     sent_at: Timestamp
     started_at: Timestamp
-    incarnation: Annotated[int, Field(ge=0, le=2**53)] = Field(
+    incarnation: Annotated[int, Field(ge=0, le=MAX_COUNTER)] = Field(
         default=0,
         description="A counter the worker persists and increments at every start: it orders "
         "incarnations whatever the worker's clock says (0: not reported).",
     )
-    interval_s: Annotated[float, Field(gt=0)] = Field(
-        description="Heartbeat period; a worker silent for 3 periods is considered lost."
+    interval_s: Annotated[float, Field(gt=0, le=MAX_HEARTBEAT_INTERVAL_S)] = Field(
+        description="Heartbeat period (at most an hour); a worker silent for 3 periods is "
+        "considered lost."
     )
     agent_version: str = ""
 
@@ -369,6 +400,15 @@ M = TypeVar("M", bound=_Wire)
 _UTF8_BOM: Final = b"\xef\xbb\xbf"
 #: A ProtocolError's message fits in an ack's error message (AckError allows 4096 characters).
 _MAX_ERROR_CHARS: Final = 1024
+#: How much of a message too large to decode is read for its ids.
+_SNIFF_BYTES: Final = 4096
+#: Containers nest at most this deep in a message (the limit of pydantic's JSON parser).
+MAX_JSON_DEPTH: Final = 201
+_JSON_ERROR_AT: Final = re.compile(r"(.*) at line ([0-9]+) column ([0-9]+)", re.DOTALL)
+_NON_FINITE: Final = re.compile(rb"-?(?:NaN|Infinity)")
+#: Raw control characters (JSON whitespace aside) become U+FFFD when reading ids from a broken
+#: message: a string holding one still parses, and is no identifier.
+_CONTROLS_TO_REPLACEMENT: Final = {c: "\ufffd" for c in range(0x20) if chr(c) not in "\t\n\r"}
 
 
 def encode(message: _Wire) -> bytes:
@@ -378,46 +418,57 @@ def encode(message: _Wire) -> bytes:
 
 def _decode(model: type[M], data: bytes, max_bytes: int) -> M:
     if len(data) > max_bytes:
-        raise ProtocolError(
+        command_id, rollout_id = _readable_ids(data[:_SNIFF_BYTES])
+        raise _error(
             f"{model.__name__} of {len(data)} bytes exceeds the {max_bytes}-byte limit",
-            code=ErrorCode.MESSAGE_TOO_LARGE,
-            command_id=_sniff_id(data[:4096]),
+            ErrorCode.MESSAGE_TOO_LARGE,
+            command_id,
+            rollout_id,
         )
+    offset = 0
     if data[:3] == _UTF8_BOM:  # RFC 8259 section 8.1: a parser may ignore it.
-        data = data[3:]
+        data, offset = data[3:], 3
     # Strict JSON-mode validation accepts exactly what the exported schemas describe: no "true"
-    # for a bool, no "30" for a number, no unix time for a date-time. One parse on the happy path.
+    # for a bool, no "30" for a number, no unix time for a date-time. One parse on the happy path,
+    # then a scan for duplicate keys (pydantic's parser keeps the last value of a duplicate key).
     invalid: ValidationError | None = None
     try:
         message = model.model_validate_json(data, strict=True)
     except ValidationError as exc:
         invalid = exc
     except RecursionError:
-        raise ProtocolError("message nested too deeply", code=ErrorCode.SCHEMA_INVALID) from None
+        raise _error(
+            "message nested too deeply", ErrorCode.SCHEMA_INVALID, *_readable_ids(data)
+        ) from None
     else:
         # schema_version has a Python default for our own producers, but the wire requires it.
         if "schema_version" in message.model_fields_set:
+            duplicate = _duplicate_key_refusal(model, data)
+            if duplicate is not None:
+                raise duplicate
             return message
-    raise _refusal(model, data, invalid)
+    raise _refusal(model, data, invalid, offset)
 
 
-def _refusal(model: type[_Wire], data: bytes, invalid: ValidationError | None) -> ProtocolError:
+def _refusal(
+    model: type[_Wire], data: bytes, invalid: ValidationError | None, offset: int
+) -> ProtocolError:
     """Why ``data`` was refused, with the ids a worker needs to NACK it where they are readable."""
-    if invalid is not None:
-        first = invalid.errors(include_url=False)[0]
-        if first["type"] == "json_invalid":
-            return ProtocolError(
-                _clip(f"not valid UTF-8 JSON: {first['msg'].removeprefix('Invalid JSON: ')}"),
-                code=ErrorCode.MALFORMED_JSON,
-            )
     try:
         raw: Any = from_json(data, allow_inf_nan=False)
-    except ValueError as exc:  # NaN or Infinity, which the validator's parser lets through
-        return ProtocolError(_clip(f"not valid UTF-8 JSON: {exc}"), code=ErrorCode.MALFORMED_JSON)
+    except ValueError as exc:
+        return _malformed(data, str(exc), offset)
+    if invalid is not None:
+        first = invalid.errors(include_url=False)[0]
+        if first["type"] == "json_invalid":  # pragma: no cover - both are pydantic's parser
+            return _malformed(data, first["msg"].removeprefix("Invalid JSON: "), offset)
     if not isinstance(raw, dict):
         return ProtocolError(
             f"expected a JSON object, got {type(raw).__name__}", code=ErrorCode.SCHEMA_INVALID
         )
+    duplicate = _duplicate_key_refusal(model, data)
+    if duplicate is not None:
+        return duplicate
     version = raw.get("schema_version")
     if type(version) is not int or version != SCHEMA_VERSION or invalid is None:
         code = ErrorCode.UNSUPPORTED_SCHEMA_VERSION
@@ -426,11 +477,12 @@ def _refusal(model: type[_Wire], data: bytes, invalid: ValidationError | None) -
     else:
         code = ErrorCode.SCHEMA_INVALID
         text = f"invalid {model.__name__}: {_summarize(invalid)}"
-    err = ProtocolError(
-        _clip(text), code=code, command_id=_identifier_or_none(raw.get("command_id"))
+    return _error(
+        text,
+        code,
+        _identifier_or_none(raw.get("command_id")),
+        _identifier_or_none(raw.get("rollout_id")),
     )
-    err.rollout_id = _identifier_or_none(raw.get("rollout_id"))
-    return err
 
 
 def decode_command(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Command:
@@ -445,14 +497,163 @@ def decode_heartbeat(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Hear
     return _decode(Heartbeat, data, max_bytes)
 
 
+def _error(
+    text: str, code: ErrorCode, command_id: str | None, rollout_id: str | None
+) -> ProtocolError:
+    err = ProtocolError(_clip(text), code=code, command_id=command_id)
+    err.rollout_id = rollout_id
+    return err
+
+
+# ---------------------------------------------------------------- duplicate keys
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+class _Pairs(list[tuple[str, Any]]):
+    """An object's members in order, duplicates kept (what the JSON text says, not a parser)."""
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    if len(pairs) > 1 and len(dict(pairs)) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return pairs
+
+
+def _parse_pairs(data: bytes, hook: Callable[[list[tuple[str, Any]]], Any]) -> Any:
+    """Parse JSON that pydantic's parser accepted, numbers left as text (no digit limit)."""
+    return json.loads(
+        data.decode("utf-8"),
+        object_pairs_hook=hook,
+        parse_int=str,
+        parse_float=str,
+        parse_constant=str,
+    )
+
+
+def _duplicate_key_refusal(model: type[_Wire], data: bytes) -> ProtocolError | None:
+    """DUPLICATE_KEY when an object anywhere in ``data`` (valid JSON) repeats a key.
+
+    Parsers disagree on which value a repeated key means (pydantic, msgspec and Python keep the
+    last, others the first or refuse): a message that two readers could read differently is
+    refused. Its ids are kept only where every occurrence of them agrees.
+    """
+    try:
+        _parse_pairs(data, _unique_pairs)
+    except _DuplicateKey as dup:
+        key = dup.key
+    except (ValueError, RecursionError) as exc:  # pragma: no cover - pydantic's parser accepted
+        return _error(f"not valid JSON: {exc}", ErrorCode.MALFORMED_JSON, None, None)
+    else:
+        return None
+    top = _parse_pairs(data, _Pairs)
+    ids: dict[str, str | None] = {"command_id": None, "rollout_id": None}
+    if isinstance(top, _Pairs):
+        for name in ids:
+            values = {json.dumps(v) for k, v in top if k == name}
+            if len(values) == 1:
+                ids[name] = _identifier_or_none(json.loads(values.pop()))
+    return _error(
+        f"duplicate key {_clip(json.dumps(key, ensure_ascii=False), 80)} in a {model.__name__}: "
+        "every key may appear once per object",
+        ErrorCode.DUPLICATE_KEY,
+        ids["command_id"],
+        ids["rollout_id"],
+    )
+
+
+# ---------------------------------------------------------------- malformed JSON
+
+
+def _malformed(data: bytes, detail: str, offset: int) -> ProtocolError:
+    """MALFORMED_JSON saying what is wrong and where (byte offsets count from the message's
+    first byte), with the ids where they are readable despite the damage."""
+    match = _JSON_ERROR_AT.fullmatch(detail)
+    position = None if match is None else _byte_offset(data, int(match[2]), int(match[3]))
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if position is None or exc.start <= position:
+            position, text = exc.start, f"invalid UTF-8 at byte {offset + exc.start}"
+        else:
+            text = _describe(data, match[1] if match else detail, position, offset)
+    else:
+        text = _describe(data, match[1] if match else detail, position, offset)
+    return _error(text, ErrorCode.MALFORMED_JSON, *_readable_ids(data))
+
+
+def _describe(data: bytes, what: str, position: int | None, offset: int) -> str:
+    if position is None:
+        return f"invalid JSON: {what}"
+    at = f"at byte {offset + position}"
+    if what in ("expected value", "invalid number"):
+        start = position - 1 if data[position - 1 : position] == b"-" else position
+        literal = _NON_FINITE.match(data, start)
+        if literal is not None:
+            return f"{literal[0].decode()} is not a JSON number ({at})"
+    if what.startswith("EOF while parsing"):
+        return f"truncated JSON: {what} {at}"
+    if what.startswith("recursion limit exceeded"):
+        return f"nested more than {MAX_JSON_DEPTH} levels deep ({at})"
+    if position < len(data) and data[position] < 0x20:
+        where = "in a string " if what.startswith("control character") else ""
+        return (
+            f"raw control character U+{data[position]:04X} {where}{at} (JSON requires it escaped)"
+        )
+    return f"invalid JSON: {what} {at}"
+
+
+def _byte_offset(data: bytes, line: int, column: int) -> int:
+    """The offset of pydantic's "line L column C" (1-based, columns in bytes)."""
+    start = 0 if line <= 1 else len(data) - len(data.split(b"\n", line - 1)[-1])
+    return max(0, min(len(data), start + column - 1))
+
+
+def _readable_ids(data: bytes) -> tuple[str | None, str | None]:
+    """The top-level command_id and rollout_id of a message that did not decode, where they are
+    plainly readable: whole strings that are identifiers, in the part of the message before the
+    damage (bytes that are not UTF-8 and raw control characters count as damage inside a string
+    only), each the same as the first such member written in the bytes.
+
+    Never a guess: a cut-off value, a value with a broken byte, or an id written twice with two
+    values gives None.
+    """
+    repaired = data.decode("utf-8", "replace").translate(_CONTROLS_TO_REPLACEMENT).encode()
+    try:
+        raw: Any = from_json(repaired, allow_inf_nan=True, allow_partial=True)
+    except ValueError as exc:
+        match = _JSON_ERROR_AT.fullmatch(str(exc))
+        if match is None:
+            return None, None
+        prefix = repaired[: _byte_offset(repaired, int(match[2]), int(match[3]))]
+        try:
+            raw = from_json(prefix, allow_inf_nan=True, allow_partial=True)
+        except ValueError:
+            return None, None
+    if not isinstance(raw, dict):
+        return None, None
+    return _first_id(data, raw, "command_id"), _first_id(data, raw, "rollout_id")
+
+
+def _first_id(data: bytes, raw: dict[str, Any], name: str) -> str | None:
+    value = _identifier_or_none(raw.get(name))
+    if value is None:
+        return None
+    first = re.search(rb'"%s"\s*:\s*"([^"\\]*)"' % name.encode(), data)
+    return value if first is not None and first[1] == value.encode() else None
+
+
 def _identifier_or_none(value: object) -> str | None:
     """Only an id that an ack could carry: anything else would make the NACK itself invalid."""
     return value if isinstance(value, str) and _IDENTIFIER_RE.fullmatch(value) else None
-
-
-def _sniff_id(head: bytes) -> str | None:
-    match = re.search(rb'"command_id"\s*:\s*"(' + _IDENTIFIER.encode() + rb')"', head)
-    return match.group(1).decode("ascii") if match else None
 
 
 def _clip(text: str, limit: int = _MAX_ERROR_CHARS) -> str:

@@ -477,10 +477,24 @@ def test_timeout_bounds_accepted(timeout: float | None) -> None:
     assert reload_command(timeout_s=timeout).timeout_s == timeout
 
 
-@pytest.mark.parametrize("interval", [0, -1, float("inf"), float("nan")])
-def test_heartbeat_interval_must_be_positive_and_finite(interval: float) -> None:
+@pytest.mark.parametrize("interval", [0, -1, float("inf"), float("nan"), 3600.001, 1e300])
+def test_heartbeat_interval_must_be_positive_finite_and_at_most_an_hour(interval: float) -> None:
     with pytest.raises(ValidationError):
         heartbeat(interval_s=interval)
+
+
+def test_heartbeat_interval_bounds_accepted() -> None:
+    assert heartbeat(interval_s=3600).interval_s == 3600
+    assert heartbeat(interval_s=0.001).interval_s == 0.001
+
+
+def test_a_huge_heartbeat_interval_is_refused_on_the_wire() -> None:
+    """1e300 is valid JSON: accepted, it made timedelta() overflow in the coordinator's registry."""
+    for interval in (b"1e300", b"3600.5", b"1" + b"0" * 400):
+        data = encode(heartbeat()).replace(b'"interval_s":2.0', b'"interval_s":' + interval)
+        err = refusal(data, decode_heartbeat)
+        assert err.code is ErrorCode.SCHEMA_INVALID
+        assert "interval_s" in err.message
 
 
 def test_heartbeat_seq_and_ack_attempt_bounds() -> None:
@@ -488,6 +502,61 @@ def test_heartbeat_seq_and_ack_attempt_bounds() -> None:
         heartbeat(seq=-1)
     with pytest.raises(ValidationError):
         ack(attempt=0)
+
+
+@pytest.mark.parametrize(
+    ("kind", "field"), [("heartbeat", "seq"), ("heartbeat", "incarnation"), ("ack", "attempt")]
+)
+def test_counters_are_bounded_by_2_to_the_53(kind: str, field: str) -> None:
+    raw = json.loads(encode(MINIMAL[kind]))
+    raw[field] = 2**53
+    assert getattr(DECODERS[kind](dumps(raw)), field) == 2**53
+    for value in (2**53 + 1, 2**64, 10**4000):
+        raw[field] = value
+        err = refusal(dumps(raw), DECODERS[kind])
+        assert err.code is ErrorCode.SCHEMA_INVALID
+        assert field in err.message
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "0001-01-01T00:00:00Z",
+        "1969-12-31T23:59:59.999999Z",
+        "1970-01-01T00:30:00+01:00",
+        "9000-01-01T00:00:00Z",
+        "8999-12-31T23:00:00-01:00",
+        "9999-12-31T23:59:59Z",
+        "9999-12-31T23:59:59.9999995Z",
+    ],
+)
+def test_date_times_out_of_range_are_refused(value: str) -> None:
+    """A date near year 9999 plus hours overflows datetime: every date-time lies in 1970..9000."""
+    if value < "2100":
+        command = command_dict(issued_at=value, expires_at="2100-01-01T00:00:00Z")
+    else:
+        command = command_dict(issued_at="2025-06-01T12:00:00Z", expires_at=value)
+    cases = [
+        (decode_command, command),
+        (decode_ack, {**json.loads(encode(ack())), "sent_at": value}),
+        (decode_heartbeat, {**json.loads(encode(heartbeat())), "started_at": value}),
+    ]
+    for decoder, raw in cases:
+        err = refusal(dumps(raw), decoder)
+        assert err.code is ErrorCode.SCHEMA_INVALID
+        assert "date-time out of range" in err.message
+        assert "1970-01-01T00:00:00Z and 9000-01-01T00:00:00Z" in err.message
+    with pytest.raises(ValidationError, match="out of range"):
+        heartbeat(sent_at=datetime(9999, 12, 31, tzinfo=UTC))
+
+
+@pytest.mark.parametrize(
+    "value", ["1970-01-01T00:00:00Z", "1970-01-01T01:00:00+01:00", "8999-12-31T23:59:59.999999Z"]
+)
+def test_date_times_at_the_edges_of_the_range_are_accepted(value: str) -> None:
+    raw = {**json.loads(encode(heartbeat())), "sent_at": value, "started_at": value}
+    beat = decode_heartbeat(dumps(raw))
+    assert beat.sent_at == datetime.fromisoformat(value)
 
 
 def test_discriminator_on_spec_kind() -> None:
@@ -772,12 +841,102 @@ def test_ack_and_heartbeat_written_by_hand() -> None:
     assert beat.agent_version == ""
 
 
-def test_duplicate_keys_take_the_last_value() -> None:
-    """Like Python's json, jq and Jackson's default: documented so nobody relies on the first."""
-    data = dumps(command_dict()).replace(
-        b'"issuer": "kcat"', b'"issuer": "first", "issuer": "last"'
+# --------------------------------------------------------------------------- duplicate keys
+
+
+def pretty(value: Any) -> bytes:
+    """JSON with a space after each colon, so that the replacements below find their key."""
+    return json.dumps(value).encode()
+
+
+DUPLICATED: list[tuple[str, bytes, bytes, str]] = [
+    # (kind, what to find in the message, what to write instead, the key named in the refusal)
+    (
+        "command",
+        b'"command_id": "cmd-42"',
+        b'"command_id": "cmd-1", "command_id": "cmd-42"',
+        "command_id",
+    ),
+    ("command", b'"issuer": "kcat"', b'"issuer": "first", "issuer": "kcat"', "issuer"),
+    ("command", b'"issuer": "kcat"', b'"issuer": "kcat", "issuer" : "kcat"', "issuer"),
+    ("command", b'"issuer": "kcat"', b'"issuer": "kcat", "issu\\u0065r": "x"', "issuer"),
+    ("command", b'"path": "/ckpt/v42"', b'"path": "/etc", "path": "/ckpt/v42"', "path"),
+    ("command", b'"version": "v42"', b'"version": "v42",\n"version": "v43"', "version"),
+    ("command", b'"spec": {', b'"spec": {"kind": "restart"}, "spec": {', "spec"),
+    ("command", b'"issuer"', b'"selector": {"labels": {"a": "1", "a": "2"}}, "issuer"', "a"),
+    ("command_config", b'"x": 1', b'"x": [{"deep": {"k": 1, "k": 1}}]', "k"),
+    ("ack", b'"state": "succeeded"', b'"state": "failed", "state": "succeeded"', "state"),
+    (
+        "ack",
+        b'"received_at"',
+        b'"received_at": "2025-06-01T12:00:00Z", "received_at"',
+        "received_at",
+    ),
+    ("ack", b'"result": {}', b'"result": {"n": 1, "n": 1}', "n"),
+    ("heartbeat", b'"status": "ready"', b'"status": "ready", "status": "stopped"', "status"),
+    ("heartbeat", b'"labels": {', b'"labels": {"zone": "a", "zone": "b"', "zone"),
+]
+
+
+def duplicated_base(kind: str) -> dict[str, Any]:
+    if kind == "command":
+        return command_dict()
+    if kind == "command_config":
+        return command_dict(spec={"kind": "update_config", "overrides": {"x": 1}})
+    base: dict[str, Any] = json.loads(encode(MINIMAL[kind]))
+    if kind == "heartbeat":
+        base["labels"] = {}
+    return base
+
+
+@pytest.mark.parametrize(
+    ("kind", "find", "write", "key"), DUPLICATED, ids=[f"{k}-{key}" for k, _, _, key in DUPLICATED]
+)
+def test_duplicate_keys_are_refused_anywhere(
+    kind: str, find: bytes, write: bytes, key: str
+) -> None:
+    """Parsers disagree on a repeated key (first, last, refuse): whatever the level, the value
+    or its spelling, a message that two readers could read differently is refused."""
+    data = pretty(duplicated_base(kind))
+    assert find in data
+    err = refusal(data.replace(find, write.replace(b"\\n", b"\n"), 1), DECODERS[kind.split("_")[0]])
+    assert err.code is ErrorCode.DUPLICATE_KEY
+    assert f'duplicate key "{key}"' in err.message
+    assert_nackable(err)
+
+
+def test_a_duplicate_key_keeps_the_ids_that_are_unambiguous() -> None:
+    data = pretty(command_dict())
+    twice_same = data.replace(b'"issuer"', b'"command_id": "cmd-42", "issuer"')
+    twice_other = data.replace(b'"issuer"', b'"command_id": "cmd-43", "issuer"')
+    elsewhere = data.replace(b'"issuer": "kcat"', b'"issuer": "kcat", "issuer": "kcat"')
+    assert (refusal(twice_same).command_id, refusal(twice_same).rollout_id) == (
+        "cmd-42",
+        "rollout-42",
     )
-    assert decode_command(data).issuer == "last"
+    assert (refusal(twice_other).command_id, refusal(twice_other).rollout_id) == (
+        None,
+        "rollout-42",
+    )
+    assert (refusal(elsewhere).command_id, refusal(elsewhere).rollout_id) == (
+        "cmd-42",
+        "rollout-42",
+    )
+
+
+def test_the_same_key_in_different_objects_is_no_duplicate() -> None:
+    data = dumps(
+        command_dict(
+            spec={"kind": "update_config", "overrides": {"kind": 1, "spec": {"kind": 2}}},
+            selector={"labels": {"issuer": "x"}},
+        )
+    )
+    assert decode_command(data).spec == UpdateConfigSpec(overrides={"kind": 1, "spec": {"kind": 2}})
+
+
+def test_a_duplicate_key_is_refused_before_the_schema_version() -> None:
+    data = pretty(command_dict(schema_version=2)).replace(b'"issuer"', b'"issuer": "x", "issuer"')
+    assert refusal(data).code is ErrorCode.DUPLICATE_KEY
 
 
 # --------------------------------------------------------------------------- decode errors
@@ -887,6 +1046,16 @@ def test_message_too_large_with_a_custom_limit(kind: str) -> None:
     assert err.code is ErrorCode.MESSAGE_TOO_LARGE
 
 
+def test_message_too_large_keeps_both_ids() -> None:
+    raw = command_dict(spec={"kind": "update_config", "overrides": {"b": "x" * MAX_MESSAGE_BYTES}})
+    err = refusal(dumps(raw))
+    assert (err.code, err.command_id, err.rollout_id) == (
+        ErrorCode.MESSAGE_TOO_LARGE,
+        "cmd-42",
+        "rollout-42",
+    )
+
+
 def test_message_too_large_checked_before_parsing() -> None:
     err = refusal(b"\xff" * (MAX_MESSAGE_BYTES + 1))
     assert err.code is ErrorCode.MESSAGE_TOO_LARGE
@@ -924,6 +1093,112 @@ def test_command_id_recovered_from_a_broken_but_readable_command(broken: dict[st
     assert err.command_id == "cmd-42"
     assert err.rollout_id == "rollout-42"
     assert_nackable(err)
+
+
+def broken_config_command(value: bytes) -> bytes:
+    """A command whose only damage is ``value`` written as an override (after both ids)."""
+    raw = command_dict(spec={"kind": "update_config", "overrides": {"x": 1}})
+    return pretty(raw).replace(b'"x": 1', b'"x": ' + value)
+
+
+COMMAND = pretty(command_dict())
+OFFSET_OF_ISSUER = COMMAND.index(b"kcat")
+
+#: Records that are not JSON at all, but whose ids a reader can plainly see: the worker NACKs
+#: them with the code so their sender does not wait for a timeout.
+MALFORMED_BUT_READABLE: dict[str, tuple[bytes, str]] = {
+    "truncated": (COMMAND[:-12], r"^truncated JSON: EOF while parsing a string at byte \d+$"),
+    "truncated_object": (COMMAND[: COMMAND.index(b'"spec"')], r"^truncated JSON: EOF"),
+    "nested_10000_arrays": (
+        broken_config_command(b"[" * 10_000 + b"]" * 10_000),
+        r"^nested more than 201 levels deep \(at byte \d+\)$",
+    ),
+    "nan": (broken_config_command(b"NaN"), r"^NaN is not a JSON number \(at byte \d+\)$"),
+    "infinity": (broken_config_command(b"Infinity"), r"^Infinity is not a JSON number"),
+    "minus_infinity": (broken_config_command(b"-Infinity"), r"^-Infinity is not a JSON number"),
+    "nan_in_a_list": (broken_config_command(b"[1, -NaN]"), r"^-NaN is not a JSON number"),
+    "invalid_utf8": (
+        COMMAND.replace(b"kcat", b"kc\xffat"),
+        rf"^invalid UTF-8 at byte {OFFSET_OF_ISSUER + 2}$",
+    ),
+    "utf8_encoded_surrogate": (
+        COMMAND.replace(b"kcat", b"\xed\xa0\x80"),
+        rf"^invalid UTF-8 at byte {OFFSET_OF_ISSUER}$",
+    ),
+    "raw_nul_in_a_string": (
+        COMMAND.replace(b"kcat", b"kc\x00at"),
+        rf"^raw control character U\+0000 in a string at byte {OFFSET_OF_ISSUER + 2} ",
+    ),
+    "raw_nul_between_members": (
+        COMMAND.replace(b', "issuer"', b',\x00"issuer"'),
+        r"^raw control character U\+0000 at byte \d+ ",
+    ),
+    "trailing_garbage": (COMMAND + b" }", r"^invalid JSON: trailing characters at byte \d+$"),
+    "nan_after_a_bom": (
+        b"\xef\xbb\xbf" + broken_config_command(b"NaN"),
+        rf"^NaN is not a JSON number \(at byte {3 + broken_config_command(b'NaN').index(b'NaN')}\)$",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("data", "says"), MALFORMED_BUT_READABLE.values(), ids=list(MALFORMED_BUT_READABLE)
+)
+def test_malformed_but_readable_records_keep_their_ids(data: bytes, says: str) -> None:
+    err = refusal(data)
+    assert err.code is ErrorCode.MALFORMED_JSON
+    assert re.search(says, err.message), err.message
+    assert "UTF-8" not in err.message or "invalid UTF-8" in says
+    assert (err.command_id, err.rollout_id) == ("cmd-42", "rollout-42")
+    assert_nackable(err)
+
+
+@pytest.mark.parametrize("kind", ["ack", "heartbeat"])
+def test_malformed_acks_and_heartbeats_keep_their_ids_too(kind: str) -> None:
+    data = encode(MINIMAL[kind])
+    err = refusal(data[:-3], DECODERS[kind])
+    assert err.code is ErrorCode.MALFORMED_JSON
+    if kind == "ack":
+        assert (err.command_id, err.rollout_id) == ("cmd-1", "rollout-1")
+    else:
+        assert (err.command_id, err.rollout_id) == (None, None)
+
+
+UNREADABLE: dict[str, bytes] = {
+    # Cut inside the id: "cmd-4" is another, valid, id.
+    "cut_inside_the_id": COMMAND[: COMMAND.index(b"cmd-42") + 5],
+    "cut_after_the_id_before_its_quote": COMMAND[: COMMAND.index(b"cmd-42") + 6],
+    "invalid_utf8_inside_the_id": COMMAND.replace(b"cmd-42", b"cmd-\xff42"),
+    "nul_inside_the_id": COMMAND.replace(b"cmd-42", b"cmd\x0042"),
+    "escaped_id": COMMAND.replace(b"cmd-42", b"cmd-\\u00342")[:-3],
+    "id_written_twice_differently": COMMAND.replace(
+        b'"issuer"', b'"command_id": "cmd-43", "rollout_id": "r-9", "issuer"'
+    )[:-3],
+    "id_only_in_a_nested_object": pretty(
+        {"schema_version": 1, "spec": {"command_id": "cmd-42", "rollout_id": "rollout-42"}}
+    )[:-2],
+    "damage_before_the_id": b'{"a": [1 2], ' + COMMAND[1:],
+    "not_an_object": b'["command_id", "cmd-42", "rollout_id", "rollout-42", NaN]',
+}
+
+
+@pytest.mark.parametrize("data", UNREADABLE.values(), ids=list(UNREADABLE))
+def test_ids_that_are_not_plainly_readable_are_not_guessed(data: bytes) -> None:
+    err = refusal(data)
+    assert err.code is ErrorCode.MALFORMED_JSON
+    assert err.command_id is None
+    if data.startswith(b'{"a": [1 2]'):
+        assert err.rollout_id is None
+    assert_nackable(err)
+
+
+def test_the_damage_is_found_after_the_ids_too() -> None:
+    """Ids that come after the damage are read when the rest still parses as JSON."""
+    spec = {"kind": "update_config", "overrides": {"x": 1}, "note": "/ckpt"}
+    raw = pretty({"spec": spec, **{k: v for k, v in command_dict().items() if k != "spec"}})
+    for broken in (raw.replace(b'"x": 1', b'"x": NaN'), raw.replace(b"/ckpt", b"/\xffckpt")):
+        err = refusal(broken)
+        assert (err.command_id, err.rollout_id) == ("cmd-42", "rollout-42")
 
 
 @pytest.mark.parametrize(
@@ -975,6 +1250,7 @@ PROTOCOL_CODES = [
     ErrorCode.SCHEMA_INVALID,
     ErrorCode.UNSUPPORTED_SCHEMA_VERSION,
     ErrorCode.MESSAGE_TOO_LARGE,
+    ErrorCode.DUPLICATE_KEY,
 ]
 
 

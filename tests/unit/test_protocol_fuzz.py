@@ -67,8 +67,9 @@ sha256_hex = st.binary(min_size=32, max_size=32).map(bytes.hex)
 label_values = st.text(max_size=63)
 # RFC 3339 offsets are whole minutes within a day.
 offsets = st.integers(-(24 * 60 - 1), 24 * 60 - 1).map(lambda m: timezone(timedelta(minutes=m)))
+# Within the protocol's range (1970..9000 UTC) whatever the offset.
 timestamps = st.datetimes(
-    min_value=datetime(1970, 1, 1), max_value=datetime(2200, 1, 1), timezones=offsets
+    min_value=datetime(1970, 1, 2), max_value=datetime(2200, 1, 1), timezones=offsets
 )
 json_scalars = (
     st.none()
@@ -158,7 +159,7 @@ def acks(draw: st.DrawFn) -> Ack:
             started_at=draw(optional_time),
             finished_at=draw(optional_time),
         ),
-        attempt=draw(st.integers(min_value=1, max_value=2**40)),
+        attempt=draw(st.integers(min_value=1, max_value=2**53)),
         sent_at=draw(timestamps),
         result=draw(st.dictionaries(st.text(max_size=20), json_values, max_size=4)),
     )
@@ -195,10 +196,11 @@ def heartbeats(draw: st.DrawFn) -> Heartbeat:
                 since=timestamps,
             )
         ),
-        seq=draw(st.integers(min_value=0, max_value=2**63)),
+        seq=draw(st.integers(min_value=0, max_value=2**53)),
+        incarnation=draw(st.integers(min_value=0, max_value=2**53)),
         sent_at=draw(timestamps),
         started_at=draw(timestamps),
-        interval_s=draw(st.floats(min_value=0, exclude_min=True, allow_infinity=False)),
+        interval_s=draw(st.floats(min_value=0, max_value=3600, exclude_min=True)),
         agent_version=draw(st.text(max_size=20)),
     )
 
@@ -343,6 +345,8 @@ nasty = st.one_of(
         ]
     ),
     st.integers(1, 6000).map(lambda n: Raw("9" * n)),  # big ints, past Python's 4300-digit limit
+    st.sampled_from([2**53, 2**53 + 1, 2**63, 2**64, 1e300, -1e300, 3600.5, 86400.5]),
+    st.sampled_from(["0001-01-01T00:00:00Z", "9999-12-31T23:59:59Z", "1969-12-31T23:59:59Z"]),
     st.integers(1, 5000).map(lambda n: Raw("[" * n + "]" * n)),  # deep nesting
     st.integers(1, 3000).map(lambda n: Raw('{"a":' * n + "1" + "}" * n)),
     st.sampled_from([1_000, 70_000, 1_100_000]).map(lambda n: "x" * n),  # huge strings
@@ -478,6 +482,11 @@ def mutants(draw: st.DrawFn, name: str) -> bytes:
     return draw(wire_bytes(dump(tree)))
 
 
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    assert len({key for key, _ in pairs}) == len(pairs), pairs
+    return dict(pairs)
+
+
 @pytest.mark.parametrize("name", sorted(DECODERS))
 @fuzz(250)
 @given(st.data())
@@ -485,8 +494,62 @@ def test_mutated_messages(name: str, data: st.DataObject) -> None:
     wire = data.draw(mutants(name))
     message = assert_model_or_protocol_error(name, wire)
     if message is not None:
-        # What the decoder accepts, the published schema accepts too.
-        assert schema_errors(name, json.loads(wire)) == []
+        # What the decoder accepts, the published schema accepts too, and no key repeats in it.
+        assert schema_errors(name, json.loads(wire, object_pairs_hook=_no_duplicates)) == []
+
+
+@pytest.mark.parametrize("name", sorted(DECODERS))
+@fuzz(150)
+@given(st.data())
+def test_a_repeated_key_anywhere_is_refused(name: str, data: st.DataObject) -> None:
+    """Any object of a valid message, any of its keys written twice (same value or another,
+    first or last): refused with DUPLICATE_KEY, and the ids kept only when unambiguous."""
+    message = data.draw(MESSAGES[name])
+    tree: Any = json.loads(encode(message))
+    objects = [node for node in containers(tree) if isinstance(node, dict) and node]
+    target = data.draw(st.sampled_from(objects))
+    key = data.draw(st.sampled_from(sorted(target)))
+    again = data.draw(st.just(target[key]) | json_values)
+    items = [*target.items(), (key, again)]
+    if data.draw(st.booleans()):
+        items.reverse()
+    wire = dump(replace_node(tree, target, Pairs(tuple(items)))).encode()
+    with pytest.raises(ProtocolError) as caught:
+        DECODERS[name](wire)
+    err = caught.value
+    assert err.code is ErrorCode.DUPLICATE_KEY, err
+    assert json.dumps(key, ensure_ascii=False)[:60] in err.message
+    assert_nackable(err)
+    if target is tree and key == "command_id" and again != tree[key]:
+        assert err.command_id is None
+
+
+NUMERIC_FIELDS = {
+    "command": ["timeout_s"],
+    "ack": ["attempt"],
+    "heartbeat": ["seq", "incarnation", "interval_s"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(DECODERS))
+@fuzz(100)
+@given(st.data())
+def test_huge_numbers_are_refused(name: str, data: st.DataObject) -> None:
+    """Valid JSON numbers past a field's bound: refused, never a model a reader overflows on."""
+    raw: dict[str, Any] = json.loads(encode(data.draw(MESSAGES[name])))
+    field = data.draw(st.sampled_from(NUMERIC_FIELDS[name]))
+    number = data.draw(
+        st.sampled_from([2**53 + 1, 2**64, 1e300, 1.7976931348623157e308, 86400.001])
+        | st.integers(min_value=2**53 + 1)
+        | st.floats(min_value=86400, exclude_min=True, allow_infinity=False)
+        | st.integers(4300, 5000).map(lambda n: Raw("9" * n))
+        | st.integers(309, 400).map(lambda n: Raw(f"1e{n}"))
+    )
+    raw[field] = number
+    with pytest.raises(ProtocolError) as caught:
+        DECODERS[name](dump(raw).encode())
+    assert caught.value.code in (ErrorCode.SCHEMA_INVALID, ErrorCode.MALFORMED_JSON)
+    assert_nackable(caught.value)
 
 
 # --------------------------------------------------------------------------- round trips

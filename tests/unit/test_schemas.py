@@ -173,6 +173,30 @@ def test_every_object_is_closed(name: str) -> None:
             assert "additionalProperties" in obj, obj
 
 
+def _number_schemas(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    found: list[tuple[str, dict[str, Any]]] = []
+    if isinstance(node, dict):
+        if node.get("type") in ("integer", "number") and "const" not in node:
+            found.append((path, node))
+        for key, value in node.items():
+            found.extend(_number_schemas(value, f"{path}/{key}"))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found.extend(_number_schemas(value, f"{path}/{i}"))
+    return found
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_number_is_bounded(name: str) -> None:
+    """A number a reader adds to a date or a counter must not overflow it (1e300 did)."""
+    numbers = _number_schemas(json_schemas()[name])
+    assert numbers
+    for path, number in numbers:
+        assert "maximum" in number or "exclusiveMaximum" in number, path
+        assert "minimum" in number or "exclusiveMinimum" in number, path
+        assert max(number.get("maximum", 0), number.get("exclusiveMaximum", 0)) <= 2**53, path
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_schema_version_is_required_on_the_wire(name: str) -> None:
     schema = json_schemas()[name]
@@ -268,6 +292,11 @@ INVALID: list[tuple[str, str, dict[str, Any]]] = [
     ("heartbeat-negative-seq", "heartbeat", _with("heartbeat", seq=-1)),
     ("heartbeat-seq-string", "heartbeat", _with("heartbeat", seq="1")),
     ("heartbeat-zero-interval", "heartbeat", _with("heartbeat", interval_s=0)),
+    ("heartbeat-huge-interval", "heartbeat", _with("heartbeat", interval_s=1e300)),
+    ("heartbeat-huge-seq", "heartbeat", _with("heartbeat", seq=2**53 + 1)),
+    ("heartbeat-huge-incarnation", "heartbeat", _with("heartbeat", incarnation=2**64)),
+    ("ack-huge-attempt", "ack", _with("ack", attempt=2**53 + 1)),
+    ("timeout-past-a-day", "command", command_dict(timeout_s=86400.5)),
     ("heartbeat-unknown-status", "heartbeat", _with("heartbeat", status="sleeping")),
     ("heartbeat-bad-label", "heartbeat", _with("heartbeat", labels={"a b": "c"})),
     ("heartbeat-no-schema-version", "heartbeat", _drop("schema_version", "heartbeat")),
