@@ -37,7 +37,7 @@ from controlplane.api_models import (
     parse_rollout_request,
     validation_details,
 )
-from controlplane.coordinator import Coordinator
+from controlplane.coordinator import RESYNC, Coordinator
 from controlplane.errors import ControlPlaneError
 from controlplane.metrics import CONTENT_TYPE, CoordinatorMetrics
 from controlplane.rollout_models import RolloutPhase, RolloutStatus
@@ -155,7 +155,7 @@ def create_app(
 
     def status_or_404(rollout_id: str) -> RolloutStatus:
         try:
-            return coordinator.fleet.status(rollout_id, coordinator.clock())
+            return coordinator.fleet.status(rollout_id, coordinator.now())
         except KeyError:
             raise ApiError(
                 404, ApiErrorCode.ROLLOUT_NOT_FOUND, f"no rollout {rollout_id!r} in the log"
@@ -195,16 +195,11 @@ def create_app(
         ] = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> list[RolloutStatus]:
-        fleet, now = coordinator.fleet, coordinator.clock()
-        commands = sorted(
-            (fleet.command(rid) for rid in fleet.rollout_ids()),
-            key=lambda c: (c.issued_at, c.rollout_id),
-            reverse=True,
-        )
+        fleet, now = coordinator.fleet, coordinator.now()
         wanted = set(phase) if phase else None
         out: list[RolloutStatus] = []
-        for command in commands:  # judged lazily: only as many as the page needs
-            status = fleet.status(command.rollout_id, now)
+        for _, rollout_id in reversed(fleet.rollout_keys()):  # judged lazily: as the page needs
+            status = fleet.status(rollout_id, now)
             if wanted is None or status.phase in wanted:
                 out.append(status)
                 if len(out) >= limit:
@@ -268,10 +263,6 @@ def create_app(
     )
     async def create_rollout(request: Request) -> JSONResponse:
         spec, options = parse_rollout_request(await request.body())
-        if options.rollout_id is not None and options.rollout_id in coordinator.fleet:
-            raise ApiError(
-                409, ApiErrorCode.ROLLOUT_EXISTS, f"rollout {options.rollout_id!r} already exists"
-            )
         command = await coordinator.create_rollout(
             spec,
             options.selector,
@@ -346,7 +337,7 @@ def create_app(
 
 
 def _workers(coordinator: Coordinator) -> Iterator[WorkerOut]:
-    now = coordinator.clock()
+    now = coordinator.now()
     registry = coordinator.fleet.registry
     for level in coordinator.fleet.worker_levels(now):
         yield WorkerOut(**level.model_dump(), heartbeat=registry.get(level.worker_id, now))
@@ -403,13 +394,24 @@ async def _wait_for_rollout(coordinator: Coordinator, rollout_id: str, wait_s: f
 async def _status_events(
     coordinator: Coordinator, rollout_id: str, closing: asyncio.Event, tick_s: float
 ) -> AsyncIterator[ServerSentEvent]:
-    """The rollout's status whenever it differs (``as_of`` aside), re-judged on every change or tick."""
+    """The rollout's status whenever it differs (``as_of`` aside), re-judged on every change or tick.
+
+    A client too slow for the change feed gets a ``resync`` event (the changes it missed were
+    dropped), then the full status again, even if unchanged."""
     last: str | None = None
     sent = 0
+    resync = False
     async with contextlib.aclosing(_changes(coordinator, tick_s)) as feed:
         while True:
-            status = coordinator.fleet.status(rollout_id, coordinator.clock())
+            status = coordinator.fleet.status(rollout_id, coordinator.now())
             seen = status.model_dump_json(exclude={"as_of"})
+            if resync:
+                sent += 1
+                yield ServerSentEvent(
+                    data=json.dumps({"rollout_id": rollout_id}), event="resync", id=str(sent)
+                )
+                resync = False
+                last = None
             if seen != last:
                 last = seen
                 sent += 1
@@ -426,6 +428,7 @@ async def _status_events(
             if closing.is_set():
                 return
             try:
-                await anext(feed)
+                changed = await anext(feed)
             except StopAsyncIteration:  # the coordinator stopped
                 return
+            resync = RESYNC in changed

@@ -88,7 +88,7 @@ def error_response(exc: ApiError) -> JSONResponse:
 
 def from_domain(exc: ControlPlaneError) -> ApiError:
     """Our error tree, translated to HTTP in this one place."""
-    if exc.code is ErrorCode.NO_MATCHING_WORKERS:
+    if exc.code in (ErrorCode.NO_MATCHING_WORKERS, ErrorCode.ROLLOUT_EXISTS):
         status = 409
     elif isinstance(exc, BusError):
         status = 503

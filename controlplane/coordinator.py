@@ -10,23 +10,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable
 from datetime import datetime
+from typing import Final
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from controlplane.bus import Producer
+from controlplane.errors import ControlPlaneError, ErrorCode
 from controlplane.follower import Batch, Follower
 from controlplane.lifecycle import AsyncService
 from controlplane.protocol import Command, CommandSpec, Selector, utcnow
 from controlplane.publisher import build_command, publish, resolve_selector
-from controlplane.rollout import DEFAULT_PROGRESS_DEADLINE_S, Fleet
+from controlplane.rollout import DEFAULT_MAX_ENDED_ROLLOUTS, DEFAULT_PROGRESS_DEADLINE_S, Fleet
 from controlplane.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "FLEET_COORDINATOR_"
+
+#: What a change-feed subscriber gets instead of the changes it fell behind on (its queue
+#: was full): re-read everything.
+RESYNC: Final = "*resync"
+#: Change sets a subscriber may have waiting before it is told to resync instead.
+SUBSCRIBER_QUEUE: Final = 64
+#: How often ended rollouts beyond ``max_ended_rollouts`` are summarized.
+COMPACT_EVERY_S: Final = 10.0
 
 
 class CoordinatorSettings(BaseSettings):
@@ -44,6 +55,12 @@ class CoordinatorSettings(BaseSettings):
         description="Bearer token for POST /rollouts; without one, writes are refused.",
     )
     progress_deadline_s: float = Field(default=DEFAULT_PROGRESS_DEADLINE_S, gt=0)
+    max_ended_rollouts: int = Field(
+        default=DEFAULT_MAX_ENDED_ROLLOUTS,
+        ge=0,
+        description="Ended rollouts kept in full; older ones are kept as a final summary "
+        "(phase, reason, counts, times), their per-worker details dropped.",
+    )
     issuer: str = "coordinator"
 
 
@@ -51,21 +68,54 @@ class Coordinator(AsyncService):
     """``async with Coordinator(settings) as c:`` runs the follower in the background."""
 
     def __init__(
-        self, settings: CoordinatorSettings, *, clock: Callable[[], datetime] = utcnow
+        self,
+        settings: CoordinatorSettings,
+        *,
+        clock: Callable[[], datetime] = utcnow,
+        current_as_of: Callable[[], datetime | None] | None = None,
     ) -> None:
+        """``current_as_of``: up to when the replica knows it has read the whole log (None:
+        not known); the follower's by default. Tests pass their clock."""
         self.settings = settings
         self.clock = clock
-        self.fleet = Fleet(progress_deadline_s=settings.progress_deadline_s)
+        self.fleet = Fleet(
+            progress_deadline_s=settings.progress_deadline_s,
+            max_ended_rollouts=settings.max_ended_rollouts,
+        )
         self.follower = Follower(settings.kafka, self.fleet)
         self.follower.listeners.append(self._on_batch)
+        self._current_as_of = current_as_of or self.follower.current_as_of
         self._producer = Producer(settings.kafka)
         self._subscribers: set[asyncio.Queue[set[str] | None]] = set()
         self._task: asyncio.Task[None] | None = None
+        self._compacted_at = time.monotonic()
         self.started_at = clock()
 
     @property
     def ready(self) -> bool:
         return self.follower.caught_up.is_set()
+
+    def judge_time(self) -> datetime | None:
+        """The instant to judge status and liveness at: ``min(clock, current_as_of)``, never
+        later than the replica knows the log (cut off from Kafka, it knows nothing about
+        workers since: no false ``lost``). None while it has not caught up."""
+        if not self.ready:
+            return None
+        as_of = self._current_as_of()
+        if as_of is None:
+            return None
+        return min(self.clock(), as_of)
+
+    def now(self) -> datetime:
+        """:meth:`judge_time`, or the clock while there is none (callers that must answer)."""
+        when = self.judge_time()
+        return self.clock() if when is None else when
+
+    def compact(self) -> int:
+        """Summarize ended rollouts beyond ``max_ended_rollouts`` (see :meth:`Fleet.compact`)."""
+        when = self.judge_time()
+        self._compacted_at = time.monotonic()
+        return 0 if when is None else self.fleet.compact(when)
 
     async def start(self) -> None:
         await self.follower.start()
@@ -78,7 +128,7 @@ class Coordinator(AsyncService):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for queue in list(self._subscribers):
-            queue.put_nowait(None)
+            _offer(queue, None)
         await self._producer.stop()
         await self.follower.stop()
 
@@ -94,6 +144,14 @@ class Coordinator(AsyncService):
             except Exception as exc:  # Kafka away: keep serving what we have, retry
                 log.warning("follower poll failed: %s", exc)
                 await asyncio.sleep(1.0)
+            if time.monotonic() - self._compacted_at >= COMPACT_EVERY_S:
+                summarized = self.compact()
+                if summarized:
+                    log.info(
+                        "summarized %d ended rollout(s) beyond the last %d",
+                        summarized,
+                        self.settings.max_ended_rollouts,
+                    )
 
     # ------------------------------------------------------------------ write path
 
@@ -107,9 +165,17 @@ class Coordinator(AsyncService):
         timeout_s: float | None = None,
         rollout_id: str | None = None,
     ) -> Command:
-        """Resolve the selector against live workers, publish the command; returns it."""
+        """Resolve the selector against live workers, publish the command; returns it.
+
+        Refuses a rollout id that is already in the log (``ROLLOUT_EXISTS``): workers would
+        skip the new command as a duplicate and the old status would answer for it."""
+        if rollout_id is not None and rollout_id in self.fleet:
+            raise ControlPlaneError(
+                f"rollout {rollout_id!r} already exists; choose another id",
+                code=ErrorCode.ROLLOUT_EXISTS,
+            )
         now = self.clock()
-        pinned = resolve_selector(selector, self.fleet.registry, now)
+        pinned = resolve_selector(selector, self.fleet.registry, self.now())
         command = build_command(
             spec,
             pinned,
@@ -129,11 +195,26 @@ class Coordinator(AsyncService):
         if batch.heartbeats:
             changed.add("*workers")
         for queue in self._subscribers:
-            queue.put_nowait(changed)
+            _offer(queue, changed)
 
-    async def changes(self, tick_s: float = 1.0) -> AsyncGenerator[set[str], None]:
-        """Sets of changed rollout ids ("*workers" for the registry); an empty set every tick."""
-        queue: asyncio.Queue[set[str] | None] = asyncio.Queue()
+    @property
+    def subscribers(self) -> int:
+        """Change-feed subscribers (open SSE streams, waits for a rollout)."""
+        return len(self._subscribers)
+
+    @property
+    def backlog(self) -> int:
+        """Change sets queued for subscribers and not yet taken (bounded per subscriber)."""
+        return sum(queue.qsize() for queue in self._subscribers)
+
+    async def changes(
+        self, tick_s: float = 1.0, *, maxsize: int = SUBSCRIBER_QUEUE
+    ) -> AsyncGenerator[set[str], None]:
+        """Sets of changed rollout ids ("*workers" for the registry); an empty set every tick.
+
+        A subscriber that falls ``maxsize`` sets behind gets ``{RESYNC}`` instead of them:
+        memory stays bounded whatever a slow client does."""
+        queue: asyncio.Queue[set[str] | None] = asyncio.Queue(maxsize=max(2, maxsize))
         self._subscribers.add(queue)
         try:
             while True:
@@ -146,3 +227,19 @@ class Coordinator(AsyncService):
                 yield item
         finally:
             self._subscribers.discard(queue)
+
+
+def _offer(queue: asyncio.Queue[set[str] | None], item: set[str] | None) -> None:
+    """Queue ``item``; when the queue is full, replace what waits by one resync (and ``None``,
+    the end, if that is what came)."""
+    try:
+        queue.put_nowait(item)
+        return
+    except asyncio.QueueFull:
+        pass
+    ended = item is None
+    while not queue.empty():
+        ended = ended or queue.get_nowait() is None
+    queue.put_nowait({RESYNC})
+    if ended:
+        queue.put_nowait(None)

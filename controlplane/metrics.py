@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from controlplane.ack_codec import AckLike
+from controlplane.errors import ErrorCode
 from controlplane.follower import Batch
 from controlplane.protocol import Command
 from controlplane.rollout_models import RolloutPhase
@@ -58,6 +59,24 @@ class Sample(NamedTuple):
     seconds: float
 
 
+#: Commands whose latency pairing is remembered (and commands with held acks): the oldest
+#: noted are forgotten beyond this (a redelivered ack for one may then be held again, never
+#: sampled twice unless its command is seen again).
+MAX_TRACKED_COMMANDS: Final = 4096
+
+#: Label value of ack error codes that are not :class:`~controlplane.errors.ErrorCode` values:
+#: the code is worker input, and every distinct label value is a new time series.
+OTHER_CODE: Final = "OTHER"
+_KNOWN_CODES: Final = frozenset(code.value for code in ErrorCode)
+
+
+def code_label(code: str | None) -> str:
+    """The ``code`` label of an ack: "" without an error, the code when it is one of ours."""
+    if code is None:
+        return ""
+    return code if code in _KNOWN_CODES else OTHER_CODE
+
+
 class AckLatency:
     """Pairs commands with their workers' terminal acks, whatever order they arrive in.
 
@@ -65,10 +84,12 @@ class AckLatency:
     are known: on a replay acks may come before their command (they are held until it does).
     Of several terminal acks held for one worker the earliest sent counts, as in the status rules;
     after a sample, later ones (redelivery) are ignored. Pure: no clock, no I/O.
-    Memory grows with (command, worker) pairs, like the Fleet's own ledgers.
+    Memory is bounded: the last ``max_commands`` commands noted, and held acks for at most as
+    many unknown command ids (the oldest forgotten first).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_commands: int = MAX_TRACKED_COMMANDS) -> None:
+        self._max = max(1, max_commands)
         self._issued: dict[str, tuple[datetime, str]] = {}
         self._held: dict[str, dict[str, AckLike]] = {}
         self._sampled: dict[str, set[str]] = {}
@@ -78,6 +99,10 @@ class AckLatency:
         if command.command_id in self._issued:  # a reused command id: the first one seen counts
             return []
         self._issued[command.command_id] = (command.issued_at, command.kind.value)
+        while len(self._issued) > self._max:  # dicts keep insertion order: the oldest first
+            oldest = next(iter(self._issued))
+            del self._issued[oldest]
+            self._sampled.pop(oldest, None)
         held = self._held.pop(command.command_id, {})
         return [self._sample(ack) for _, ack in sorted(held.items())]
 
@@ -86,12 +111,21 @@ class AckLatency:
         if not ack.state.terminal or ack.worker_id in self._sampled.get(ack.command_id, ()):
             return []
         if ack.command_id not in self._issued:
-            held = self._held.setdefault(ack.command_id, {})
+            held = self._held.get(ack.command_id)
+            if held is None:
+                held = self._held[ack.command_id] = {}
+                while len(self._held) > self._max:
+                    del self._held[next(iter(self._held))]
             first = held.get(ack.worker_id)
             if first is None or ack.sent_at < first.sent_at:
                 held[ack.worker_id] = ack
             return []
         return [self._sample(ack)]
+
+    @property
+    def tracked(self) -> int:
+        """Commands remembered plus command ids with held acks (bounded)."""
+        return len(self._issued) + len(self._held)
 
     @property
     def waiting(self) -> int:
@@ -127,7 +161,8 @@ class CoordinatorMetrics:
         )
         self._acks = Counter(
             "controlplane_acks",
-            "Acks folded, by state and error code (empty when the ack carries no error).",
+            "Acks folded, by state and error code (empty when the ack carries no error; "
+            f"{OTHER_CODE} for a code that is not one of ours).",
             ["state", "code"],
             registry=self.registry,
         )
@@ -155,9 +190,8 @@ class CoordinatorMetrics:
         for command in batch.commands:
             samples.extend(self.latency.command(command))
         for ack in batch.acks:
-            self._acks.labels(
-                ack.state.value, ack.error.code if ack.error is not None else ""
-            ).inc()
+            error = ack.error
+            self._acks.labels(ack.state.value, code_label(error.code if error else None)).inc()
             samples.extend(self.latency.ack(ack))
         for sample in samples:
             self._latency.labels(sample.kind, sample.state).observe(sample.seconds)
@@ -177,7 +211,7 @@ class _FleetCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         coordinator = self._coordinator
         fleet, follower = coordinator.fleet, coordinator.follower
-        now = coordinator.clock()
+        now = coordinator.judge_time()
 
         ready = GaugeMetricFamily(
             "controlplane_ready", "1 once the coordinator has caught up with the log."
@@ -196,6 +230,8 @@ class _FleetCollector(Collector):
         undecodable.add_metric([], follower.undecodable)
         yield undecodable
 
+        if now is None:  # not caught up (or cut off from Kafka): no judgement to report
+            return
         phases = collections.Counter(s.phase for s in fleet.rollouts(now))
         rollouts = GaugeMetricFamily(
             "controlplane_rollouts", "Rollouts by phase.", labels=["phase"]

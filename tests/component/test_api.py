@@ -20,7 +20,8 @@ from pydantic import SecretStr
 from controlplane.api import create_app
 from controlplane.api_models import parse_rollout_request
 from controlplane.api_server import ApiServer, serve
-from controlplane.coordinator import Coordinator, CoordinatorSettings
+from controlplane.coordinator import RESYNC, SUBSCRIBER_QUEUE, Coordinator, CoordinatorSettings
+from controlplane.errors import ControlPlaneError, ErrorCode
 from controlplane.follower import Batch
 from controlplane.metrics import AckLatency
 from controlplane.protocol import (
@@ -37,6 +38,7 @@ from controlplane.protocol import (
     WorkerStatus,
 )
 from controlplane.settings import KafkaSettings
+from tests.fleet import wait_for
 
 T0 = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
 TOKEN = "s3cret-token"
@@ -200,7 +202,7 @@ async def coordinator(clock: Clock) -> AsyncIterator[Coordinator]:
     settings = CoordinatorSettings(
         kafka=KafkaSettings(bootstrap_servers="127.0.0.1:9"), api_token=SecretStr(TOKEN)
     )
-    coord = Coordinator(settings, clock=clock)
+    coord = Coordinator(settings, clock=clock, current_as_of=clock)
     coord.follower.caught_up.set()
     try:
         yield coord
@@ -345,6 +347,85 @@ async def test_worker_expected_but_never_seen_has_no_heartbeat(
 
 
 RELOAD = {"kind": "reload_weights", "path": "/ckpt/model.safetensors", "version": "v9"}
+
+
+def unreadable_nack(rollout_id: str, worker_id: str, sent: float, code: str) -> Ack:
+    """A worker's NACK of a record it could not decode: its ids were readable, its kind not."""
+    cmd = command(rollout_id)
+    nack = ack(cmd, worker_id, AckState.REJECTED, sent, code=code)
+    return nack.model_copy(update={"kind": None, "weights_version": None})
+
+
+async def test_a_rollout_whose_command_no_worker_could_read_is_rejected_not_404(
+    coordinator: Coordinator, client: httpx.AsyncClient, fleet_of_two: dict[str, Command]
+) -> None:
+    feed(
+        coordinator,
+        unreadable_nack("r-bad", "w1", 8.0, "SCHEMA_INVALID"),
+        unreadable_nack("r-bad", "w2", 8.5, "UNSUPPORTED_SCHEMA_VERSION"),
+    )
+    r = await client.get("/api/v1/rollouts/r-bad")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (body["phase"], body["reason"], body["exit_code"]) == ("failed", "COMMAND_REJECTED", 1)
+    assert body["kind"] is None and body["counts"]["rejected"] == 2
+    assert [w["error"]["code"] for w in body["workers"]] == [
+        "SCHEMA_INVALID",
+        "UNSUPPORTED_SCHEMA_VERSION",
+    ]
+    listed = (await client.get("/api/v1/rollouts")).json()
+    assert [x["rollout_id"] for x in listed] == ["r-bad", "r-new", "r-old"]
+    events = sse_events((await client.get("/api/v1/rollouts/r-bad/events")).text)
+    assert [e for e, _ in events] == ["status", "end"]
+    assert (await client.get("/")).status_code == 200
+    # Its id is taken.
+    r = await client.post("/api/v1/rollouts", json={**RELOAD, "rollout_id": "r-bad"}, headers=AUTH)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "ROLLOUT_EXISTS"
+
+
+async def test_the_coordinator_refuses_a_rollout_id_already_in_the_log(
+    coordinator: Coordinator, fleet_of_two: dict[str, Command]
+) -> None:
+    with pytest.raises(ControlPlaneError) as caught:
+        await coordinator.create_rollout(
+            ReloadWeightsSpec(path="/ckpt", version="v9"), Selector(), rollout_id="r-old"
+        )
+    assert caught.value.code is ErrorCode.ROLLOUT_EXISTS
+
+
+async def test_status_and_liveness_are_judged_when_the_replica_was_last_known_current(
+    clock: Clock,
+) -> None:
+    """Cut off from Kafka at 10 s, its clock at 1000 s: nobody is judged lost for the silence
+    the replica could not see (its as-of stops), and the rollout is not timed out."""
+    settings = CoordinatorSettings(
+        kafka=KafkaSettings(bootstrap_servers="127.0.0.1:9"), api_token=SecretStr(TOKEN)
+    )
+    as_of = Clock(10.0)
+    coord = Coordinator(settings, clock=clock, current_as_of=as_of)
+    coord.follower.caught_up.set()
+    app = create_app(coord)
+    try:
+        new = command("r-new", issued=6.0)
+        feed(coord, heartbeat("w1", 9.0), heartbeat("w2", 9.0), new)
+        feed(coord, ack(new, "w1", AckState.RUNNING, 7.0), ack(new, "w2", AckState.RUNNING, 7.0))
+        clock.advance(990)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://c") as c:
+            workers = (await c.get("/api/v1/workers")).json()
+            assert [w["alive"] for w in workers] == [True, True]
+            status = (await c.get("/api/v1/rollouts/r-new")).json()
+            assert status["phase"] == "progressing" and status["counts"]["lost"] == 0
+            assert status["as_of"] == at(10).isoformat().replace("+00:00", "Z")
+            assert sample((await c.get("/metrics")).text, "controlplane_workers_alive") == 2
+            as_of.advance(990)  # back: it knows the log up to its clock again
+            workers = (await c.get("/api/v1/workers")).json()
+            assert [w["alive"] for w in workers] == [False, False]
+        assert coord.judge_time() == clock()
+        coord.follower.caught_up.clear()
+        assert coord.judge_time() is None
+    finally:
+        await coord.stop()
 
 
 async def test_writes_disabled_without_a_configured_token(coordinator: Coordinator) -> None:
@@ -541,6 +622,31 @@ async def test_latency_is_observed_when_the_command_arrives_after_its_acks(
     assert sample(text, "controlplane_ack_latency_waiting") == 0
 
 
+def test_latency_tracking_is_bounded() -> None:
+    tracker = AckLatency(max_commands=3)
+    for i in range(10):
+        cmd = command(f"r{i}", issued=0.0)
+        tracker.command(cmd)
+        tracker.ack(ack(cmd, "w1", AckState.SUCCEEDED, 1.0))
+        orphan = command(f"x{i}", issued=0.0)
+        tracker.ack(ack(orphan, "w1", AckState.SUCCEEDED, 1.0))  # its command never comes
+    assert tracker.tracked == 6 and tracker.waiting == 3
+
+
+async def test_unknown_error_codes_are_one_label_value(
+    coordinator: Coordinator, client: httpx.AsyncClient
+) -> None:
+    cmd = command("r1", workers=["w1"], issued=1.0)
+    feed(coordinator, heartbeat("w1", 0.5), cmd)
+    for i in range(5):  # a worker (or a forger) inventing codes: no new time series each
+        feed(coordinator, ack(cmd, f"w{i}", AckState.FAILED, 2.0, code=f"MADE_UP_{i}"))
+    feed(coordinator, ack(cmd, "w9", AckState.FAILED, 2.0, code="RUNNER_FAILED"))
+    text = (await client.get("/metrics")).text
+    assert sample(text, "controlplane_acks_total", state="failed", code="OTHER") == 5
+    assert sample(text, "controlplane_acks_total", state="failed", code="RUNNER_FAILED") == 1
+    assert "MADE_UP" not in text
+
+
 # --------------------------------------------------------------------------- SSE
 
 
@@ -565,7 +671,10 @@ async def test_events_follow_a_rollout_until_it_is_terminal(
 ) -> None:
     new = fleet_of_two["new"]
     stream = asyncio.create_task(client.get("/api/v1/rollouts/r-new/events"))
-    await asyncio.sleep(0.3)  # several ticks: an unchanged status is not sent again
+    await wait_for(lambda: coordinator.subscribers == 1)  # its first status is out
+    for _ in range(3):  # news that changes nothing: an unchanged status is not sent again
+        feed(coordinator, heartbeat("w1", 9.1))
+        await wait_for(lambda: coordinator.backlog == 0)
     feed(coordinator, ack(new, "w2", AckState.SUCCEEDED, 9.5))
     r = await asyncio.wait_for(stream, 10)
     events = sse_events(r.text)
@@ -574,19 +683,54 @@ async def test_events_follow_a_rollout_until_it_is_terminal(
     assert json.loads(events[2][1])["exit_code"] == 1
 
 
-async def test_events_end_when_a_worker_goes_silent_with_no_new_record(
+async def test_events_end_at_the_deadline_with_no_new_record(
     coordinator: Coordinator,
     clock: Clock,
     client: httpx.AsyncClient,
     fleet_of_two: dict[str, Command],
 ) -> None:
     stream = asyncio.create_task(client.get("/api/v1/rollouts/r-new/events"))
-    await asyncio.sleep(0.2)
-    clock.advance(30)  # w2's last heartbeat was at 9 s, every 5 s: lost after 24 s (level-based)
+    await wait_for(lambda: coordinator.subscribers == 1)
+    # w2 silent since 9 s: lost, but waited for (it may come back) until the progress deadline.
+    clock.advance(30)
+    status = (await client.get("/api/v1/rollouts/r-new")).json()
+    assert status["phase"] == "progressing" and status["counts"]["lost"] == 1
+    clock.advance(600)  # past the progress deadline (its last progress: in flight at 9 s)
     events = sse_events((await asyncio.wait_for(stream, 10)).text)
     final = json.loads(events[-2][1])
-    assert final["phase"] == "failed" and final["counts"]["lost"] == 1
-    assert events[-1][0] == "end"
+    assert (final["phase"], final["reason"]) == ("failed", "WORKERS_FAILED")  # w1 rejected
+    assert final["counts"]["lost"] == 1 and events[-1][0] == "end"
+
+
+async def test_a_client_too_slow_for_the_change_feed_gets_a_resync(
+    coordinator: Coordinator, client: httpx.AsyncClient, fleet_of_two: dict[str, Command]
+) -> None:
+    new = fleet_of_two["new"]
+    stream = asyncio.create_task(client.get("/api/v1/rollouts/r-new/events"))
+    await wait_for(lambda: coordinator.subscribers == 1)
+    for i in range(SUBSCRIBER_QUEUE * 3):  # faster than it reads: its queue stays bounded
+        feed(coordinator, heartbeat("w1", 9.1 + i / 1000))
+        assert coordinator.backlog <= SUBSCRIBER_QUEUE
+    feed(coordinator, ack(new, "w2", AckState.SUCCEEDED, 9.5))
+    events = sse_events((await asyncio.wait_for(stream, 10)).text)
+    names = [e for e, _ in events]
+    assert names[0] == "status" and "resync" in names and names[-1] == "end"
+    after = names[names.index("resync") + 1]
+    assert after == "status"  # the full status again, even if unchanged
+
+
+async def test_the_change_feed_drops_to_one_resync_when_a_subscriber_falls_behind(
+    coordinator: Coordinator,
+) -> None:
+    changes = coordinator.changes(60.0, maxsize=2)
+    first = asyncio.create_task(anext(changes))
+    await wait_for(lambda: coordinator.subscribers == 1)
+    for _ in range(5):
+        feed(coordinator, heartbeat("w1", 1.0))
+    assert coordinator.backlog == 1
+    assert await asyncio.wait_for(first, 10) == {RESYNC}
+    await changes.aclose()
+    assert coordinator.subscribers == 0
 
 
 async def test_events_wait_for_a_rollout_just_published(
@@ -596,7 +740,7 @@ async def test_events_wait_for_a_rollout_just_published(
     stream = asyncio.create_task(
         client.get("/api/v1/rollouts/r-later/events", params={"wait_s": 10})
     )
-    await asyncio.sleep(0.2)
+    await wait_for(lambda: coordinator.subscribers == 1)  # it is waiting
     later = command("r-later", workers=["w1"], issued=9.5)
     feed(coordinator, later, ack(later, "w1", AckState.SUCCEEDED, 9.8))
     r = await asyncio.wait_for(stream, 10)
@@ -607,7 +751,7 @@ async def test_events_end_when_the_coordinator_stops(
     coordinator: Coordinator, client: httpx.AsyncClient, fleet_of_two: dict[str, Command]
 ) -> None:
     stream = asyncio.create_task(client.get("/api/v1/rollouts/r-new/events"))
-    await asyncio.sleep(0.2)
+    await wait_for(lambda: coordinator.subscribers == 1)  # its first status is out
     await coordinator.stop()
     events = sse_events((await asyncio.wait_for(stream, 10)).text)
     assert [e for e, _ in events] == ["status"]
