@@ -31,9 +31,7 @@ class ErrorCode(StrEnum):
     EXPIRED = "EXPIRED"
     TTL_TOO_LONG = "TTL_TOO_LONG"
     ISSUED_IN_FUTURE = "ISSUED_IN_FUTURE"
-    SIGNATURE_INVALID = "SIGNATURE_INVALID"
     PATH_NOT_ALLOWED = "PATH_NOT_ALLOWED"
-    UNSUPPORTED_COMMAND = "UNSUPPORTED_COMMAND"
     NO_MATCHING_WORKERS = "NO_MATCHING_WORKERS"
     # Refused by the runner after validation, before any weight or setting changed.
     MODEL_NOT_LOADED = "MODEL_NOT_LOADED"
@@ -97,9 +95,7 @@ REJECTION_CODES: frozenset[ErrorCode] = frozenset(
         ErrorCode.EXPIRED,
         ErrorCode.TTL_TOO_LONG,
         ErrorCode.ISSUED_IN_FUTURE,
-        ErrorCode.SIGNATURE_INVALID,
         ErrorCode.PATH_NOT_ALLOWED,
-        ErrorCode.UNSUPPORTED_COMMAND,
         ErrorCode.NO_MATCHING_WORKERS,
         ErrorCode.MODEL_NOT_LOADED,
         ErrorCode.WEIGHTS_UNREADABLE,
@@ -155,9 +151,11 @@ class ProtocolError(ControlPlaneError):
 
 
 class CommandRejected(ControlPlaneError):
-    """A valid command this worker refuses: expired, unsigned, outside the allowed roots."""
+    """A valid command this worker refuses: expired, outside the allowed roots, no live worker
+    matches it. Always raised with the code that says which (there is no default)."""
 
-    default_code = ErrorCode.UNSUPPORTED_COMMAND
+    def __init__(self, message: str, *, code: ErrorCode) -> None:
+        super().__init__(message, code=code)
 
 
 class RunnerError(ControlPlaneError):

@@ -1,0 +1,70 @@
+"""Every error code is emitted somewhere and tested, or it does not exist.
+
+A code that nothing emits is a promise to CI scripts and dashboards that nothing keeps. Plain
+text checks over the tree: the source (``controlplane/``, ``workers/``, outside ``errors.py``
+itself) must write ``ErrorCode.NAME`` somewhere, and some test must name its value.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from controlplane.errors import REJECTION_CODES, RETRYABLE_CODES, CommandRejected, ErrorCode
+
+ROOT = Path(__file__).resolve().parents[2]
+ERRORS_PY = ROOT / "controlplane" / "errors.py"
+
+
+def _read(paths: list[Path]) -> str:
+    return "\n".join(path.read_text(encoding="utf-8") for path in sorted(paths))
+
+
+SOURCE = _read(
+    [
+        path
+        for top in ("controlplane", "workers")
+        for path in (ROOT / top).rglob("*.py")
+        if path != ERRORS_PY
+    ]
+)
+TESTS = _read([path for path in (ROOT / "tests").rglob("*.py") if path != Path(__file__)])
+CODES = list(ErrorCode)
+
+
+@pytest.mark.parametrize("code", CODES, ids=str)
+def test_every_code_is_emitted_by_the_source(code: ErrorCode) -> None:
+    assert re.search(rf"\bErrorCode\.{code.name}\b", SOURCE), (
+        f"nothing in controlplane/ or workers/ emits {code.value}: emit it or remove it"
+    )
+
+
+@pytest.mark.parametrize("code", CODES, ids=str)
+def test_every_code_is_named_by_a_test(code: ErrorCode) -> None:
+    assert re.search(rf"\b{code.value}\b", TESTS), f"no test names {code.value}"
+
+
+def test_the_code_sets_hold_only_codes_that_exist() -> None:
+    assert set(RETRYABLE_CODES) <= set(CODES)
+    assert set(REJECTION_CODES) <= set(CODES)
+    assert not RETRYABLE_CODES & {ErrorCode.MALFORMED_JSON, ErrorCode.DUPLICATE_KEY}
+
+
+def test_signature_codes_come_back_with_their_emitter() -> None:
+    """Signing is its own issue: its codes are added with the code that emits them."""
+    assert "SIGNATURE_INVALID" not in ErrorCode.__members__
+
+
+def test_a_refused_command_always_says_why() -> None:
+    """CommandRejected has no default code: each raise names the reason."""
+    with pytest.raises(TypeError):
+        CommandRejected("refused")  # type: ignore[call-arg]
+    err = CommandRejected("expired", code=ErrorCode.EXPIRED)
+    assert (err.code, err.is_rejection, err.retryable) == (ErrorCode.EXPIRED, True, False)
+
+
+def test_codes_without_an_emitter_are_gone() -> None:
+    """UNSUPPORTED_COMMAND had none: the command kinds are a closed union the decoder enforces."""
+    assert "UNSUPPORTED_COMMAND" not in ErrorCode.__members__

@@ -1,0 +1,79 @@
+"""Codes whose emitters had no test of their own (see test_error_codes.py): KAFKA_ERROR from
+the bus's translation of aiokafka's errors, BROKER_START_TIMEOUT from the local broker.
+
+No Kafka here: ``translate`` is a pure mapping from aiokafka's exception classes to our codes,
+and the broker's readiness wait is given a process that never listens.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from aiokafka.errors import (
+    KafkaConnectionError,
+    NotLeaderForPartitionError,
+    TopicAuthorizationFailedError,
+    UnknownTopicOrPartitionError,
+)
+
+from controlplane.broker import BrokerConfig, LocalBroker
+from controlplane.bus import translate
+from controlplane.errors import BrokerError, BusError, ErrorCode
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (TopicAuthorizationFailedError(), ErrorCode.KAFKA_ERROR),
+        (UnknownTopicOrPartitionError(), ErrorCode.BROKER_UNAVAILABLE),  # retriable in aiokafka
+        (NotLeaderForPartitionError(), ErrorCode.BROKER_UNAVAILABLE),
+        (KafkaConnectionError("refused"), ErrorCode.BROKER_UNAVAILABLE),
+        (TimeoutError(), ErrorCode.BROKER_UNAVAILABLE),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, Exception) else str(v),
+)
+def test_kafka_errors_are_translated_to_codes(error: Exception, code: ErrorCode) -> None:
+    with pytest.raises(BusError) as caught, translate("publishing"):
+        raise error
+    assert caught.value.code is code
+    assert caught.value.message.startswith("publishing: ")
+    assert caught.value.retryable  # both codes: Kafka may answer differently later
+
+
+def test_a_non_retriable_kafka_error_is_kafka_error() -> None:
+    with pytest.raises(BusError) as caught, translate("creating topics"):
+        raise TopicAuthorizationFailedError()
+    assert str(caught.value).startswith("KAFKA_ERROR: creating topics: ")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+def test_a_broker_that_never_answers_is_broker_start_timeout(tmp_path: Path) -> None:
+    broker = LocalBroker(BrokerConfig(port=_free_port(), data_dir=tmp_path / "broker"))
+    broker.data_dir.mkdir(parents=True)
+    broker.log_file.write_text("starting...\nstill starting...\n")
+    silent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        broker._proc = silent
+        broker.pid_file.write_text(str(silent.pid))
+        with pytest.raises(BrokerError) as caught:
+            broker._wait_ready(0.3)
+    finally:
+        if silent.poll() is None:
+            silent.kill()
+        silent.wait()
+    err = caught.value
+    assert err.code is ErrorCode.BROKER_START_TIMEOUT
+    assert err.retryable
+    assert "did not answer a metadata request" in err.message
+    assert "still starting..." in err.message  # the log's tail, to see why
+    assert not broker.pid_file.exists()  # stopped: nothing left half-started
