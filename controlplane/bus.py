@@ -620,9 +620,17 @@ class Admin(_Lifecycle):
         missing = [s for s in missing if s.name not in existing]
         differences = await self._differences(present) if present else []
         if differences:
+            hint = ""
+            if any("=" in d for d in differences):
+                hint = (
+                    "\n  a config can be changed in place: kafka-configs.sh --bootstrap-server "
+                    "HOST:PORT --alter --entity-type topics --entity-name TOPIC "
+                    "--add-config KEY=VALUE"
+                )
             raise TopicMismatch(
                 "existing topics differ from what this version needs:\n  "
-                + "\n  ".join(differences),
+                + "\n  ".join(differences)
+                + hint,
                 differences=differences,
             )
         return EnsureReport(created=[s.name for s in missing], existing=[s.name for s in present])

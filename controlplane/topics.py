@@ -50,6 +50,9 @@ class Topics:
     @property
     def workers(self) -> TopicSpec:
         # Compacted, keyed by worker id: the latest heartbeat of each worker survives.
+        # LogAppendTime: each heartbeat carries the broker's clock when it was appended, which
+        # the readers judge liveness by (a worker's own clock may be off; the follower falls
+        # back to its own clock at the fetch on a topic without it).
         return TopicSpec(
             f"{self.prefix}.workers",
             1,
@@ -57,6 +60,7 @@ class Topics:
                 "cleanup.policy": "compact",
                 "min.cleanable.dirty.ratio": "0.1",
                 "segment.ms": str(60 * 60 * 1000),
+                "message.timestamp.type": "LogAppendTime",
             },
         )
 

@@ -7,14 +7,23 @@ import gc
 import logging
 import uuid
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import pytest
 
+from controlplane.bus import Producer
 from controlplane.follower import Follower
-from controlplane.protocol import Command, UpdateConfigSpec, encode, utcnow
+from controlplane.protocol import (
+    Command,
+    Heartbeat,
+    UpdateConfigSpec,
+    WorkerStatus,
+    encode,
+    utcnow,
+)
 from controlplane.rollout import Fleet
 from controlplane.settings import KafkaSettings
+from controlplane.topics import worker_key
 from tests.fleet import make_command, publish
 
 pytestmark = pytest.mark.kafka
@@ -164,3 +173,84 @@ async def _until_current(follower: Follower, after: datetime | None) -> datetime
             at = follower.current_as_of()
             if at is not None and (after is None or at > after):
                 return at
+
+
+# --------------------------------------------------------------------------- received_at
+
+
+class _RecordingFleet(Fleet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: list[tuple[Heartbeat, datetime | None]] = []
+
+    def observe_heartbeat(self, heartbeat: Heartbeat, received_at: datetime | None = None) -> bool:
+        self.received.append((heartbeat, received_at))
+        return super().observe_heartbeat(heartbeat, received_at)
+
+
+def _heartbeat(worker_id: str, sent_at: datetime) -> Heartbeat:
+    return Heartbeat(
+        worker_id=worker_id,
+        runner="fake",
+        device="cpu",
+        status=WorkerStatus.READY,
+        seq=1,
+        sent_at=sent_at,
+        started_at=sent_at,
+        interval_s=1.0,
+    )
+
+
+async def _send_heartbeat(settings: KafkaSettings, hb: Heartbeat) -> tuple[datetime, datetime]:
+    """Publish; returns the wall clock just before and just after (to the millisecond)."""
+    async with Producer(settings) as producer:
+        before = utcnow().replace(microsecond=utcnow().microsecond // 1000 * 1000)
+        before = before - timedelta(milliseconds=1)
+        await producer.send(settings.topics.workers.name, encode(hb), key=worker_key(hb.worker_id))
+        after = utcnow()
+    return before, after
+
+
+async def test_received_at_is_the_brokers_append_time_whatever_the_workers_clock(
+    kafka: KafkaSettings,
+) -> None:
+    skewed = utcnow() - timedelta(hours=1)  # a worker whose clock is an hour behind
+    replayed = _heartbeat("w-replayed", skewed)
+    before_replayed, after_replayed = await _send_heartbeat(kafka, replayed)
+    fleet = _RecordingFleet()
+    async with Follower(kafka, fleet) as follower:
+        await follower.catch_up()
+        live = _heartbeat("w-live", skewed)
+        before_live, after_live = await _send_heartbeat(kafka, live)
+        async with asyncio.timeout(30):
+            while len(fleet.received) < 2:
+                await follower.poll(timeout_s=0.2)
+    got = {hb.worker_id: at for hb, at in fleet.received}
+    assert got["w-replayed"] is not None and got["w-live"] is not None
+    assert before_replayed <= got["w-replayed"] <= after_replayed
+    assert before_live <= got["w-live"] <= after_live
+
+
+async def test_without_log_append_time_replayed_keeps_its_own_clock_live_gets_the_readers(
+    kafka_bootstrap: str,
+) -> None:
+    from controlplane.bus import Admin
+    from tests.integration.test_topics import _OlderTopics
+
+    prefix = f"n{uuid.uuid4().hex[:8]}"
+    settings = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix)
+    async with Admin(settings) as admin:
+        await admin.ensure_topics(_OlderTopics(prefix=prefix))
+    skewed = utcnow() - timedelta(hours=1)
+    await _send_heartbeat(settings, _heartbeat("w-replayed", skewed))
+    fleet = _RecordingFleet()
+    async with Follower(settings, fleet) as follower:
+        await follower.catch_up()
+        before, _ = await _send_heartbeat(settings, _heartbeat("w-live", skewed))
+        async with asyncio.timeout(30):
+            while len(fleet.received) < 2:
+                await follower.poll(timeout_s=0.2)
+        after = utcnow()
+    got = {hb.worker_id: at for hb, at in fleet.received}
+    assert got["w-replayed"] is None  # the registry falls back to the heartbeat's sent_at
+    assert got["w-live"] is not None and before <= got["w-live"] <= after
