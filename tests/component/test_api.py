@@ -393,6 +393,41 @@ async def test_the_coordinator_refuses_a_rollout_id_already_in_the_log(
     assert caught.value.code is ErrorCode.ROLLOUT_EXISTS
 
 
+async def test_ended_rollouts_beyond_the_bound_are_served_as_summaries(clock: Clock) -> None:
+    settings = CoordinatorSettings(
+        kafka=KafkaSettings(bootstrap_servers="127.0.0.1:9"), max_ended_rollouts=1
+    )
+    coord = Coordinator(settings, clock=clock, current_as_of=clock)
+    coord.follower.caught_up.set()
+    app = create_app(coord)
+    try:
+        feed(coord, heartbeat("w1", 9.0), heartbeat("w2", 9.0))
+        for i in range(3):
+            cmd = command(f"r{i}", issued=float(i))
+            feed(coord, cmd, *succeeded(cmd, "w1", "w2", sent=i + 2.0))
+        assert coord.compact() == 2
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://c") as c:
+            listed = (await c.get("/api/v1/rollouts")).json()
+            assert [(r["rollout_id"], r["details_dropped"]) for r in listed] == [
+                ("r2", False),
+                ("r1", True),
+                ("r0", True),
+            ]
+            old = (await c.get("/api/v1/rollouts/r0")).json()
+            assert (old["phase"], old["counts"]["succeeded"], old["workers"]) == (
+                "succeeded",
+                2,
+                [],
+            )
+            assert (
+                sample((await c.get("/metrics")).text, "controlplane_rollouts", phase="succeeded")
+                == 3
+            )
+    finally:
+        await coord.stop()
+
+
 async def test_status_and_liveness_are_judged_when_the_replica_was_last_known_current(
     clock: Clock,
 ) -> None:

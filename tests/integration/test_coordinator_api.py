@@ -21,7 +21,9 @@ from pydantic import SecretStr
 from controlplane.api import create_app
 from controlplane.api_server import ApiServer
 from controlplane.coordinator import Coordinator, CoordinatorSettings
+from controlplane.protocol import ReloadWeightsSpec, encode
 from controlplane.settings import KafkaSettings
+from tests.fleet import make_command, publish
 from workers.agent import Agent
 from workers.fake_runner import FakeRunner
 from workers.settings import WorkerSettings
@@ -174,8 +176,31 @@ async def test_post_follow_and_restart(kafka: KafkaSettings, tmp_path: Path) -> 
         )
         assert 'controlplane_rollouts{phase="succeeded"} 1.0' in metrics
 
+        # A command no worker can read (schema_version 99, from any Kafka client): every
+        # worker NACKs it with the decoder's code; the rollout shows as rejected, not 404.
+        unreadable = make_command(
+            ReloadWeightsSpec(path=str(tmp_path / "ckpts" / "model.safetensors"), version="v3"),
+            rollout_id="r-unreadable",
+        )
+        raw = json.loads(encode(unreadable))
+        raw["schema_version"] = 99
+        await publish(kafka, json.dumps(raw).encode())
+        rejected = await until(
+            api,
+            "/api/v1/rollouts/r-unreadable",
+            lambda s: s.get("counts", {}).get("rejected") == 2,
+        )
+        assert (rejected["phase"], rejected["reason"]) == ("failed", "COMMAND_REJECTED")
+        assert {w["error"]["code"] for w in rejected["workers"]} == {"UNSUPPORTED_SCHEMA_VERSION"}
+
+        # Its id is taken, like any id in the log: refused before anything is published.
+        again = await api.post(
+            "/api/v1/rollouts", json={**reload_body, "rollout_id": "r-unreadable"}, headers=AUTH
+        )
+        assert again.status_code == 409 and again.json()["error"]["code"] == "ROLLOUT_EXISTS"
+
         before = (await api.get("/api/v1/rollouts")).json()
-        assert [s["rollout_id"] for s in before] == ["r-bad-config", rollout_id]
+        assert [s["rollout_id"] for s in before] == ["r-unreadable", "r-bad-config", rollout_id]
 
     # A new coordinator on the same topics: everything comes back from the log, identical.
     async with running_coordinator(kafka) as api:
@@ -183,7 +208,11 @@ async def test_post_follow_and_restart(kafka: KafkaSettings, tmp_path: Path) -> 
         assert without_as_of(after) == without_as_of(before)
         replayed = await follow(api, rollout_id)
         assert [name for name, _ in replayed] == ["status", "end"]
-        assert without_as_of([replayed[0][1]]) == without_as_of([before[1]])
+        assert without_as_of([replayed[0][1]]) == without_as_of([before[2]])
+        again = await api.post(
+            "/api/v1/rollouts", json={**reload_body, "rollout_id": "r-bad-config"}, headers=AUTH
+        )
+        assert again.status_code == 409 and again.json()["error"]["code"] == "ROLLOUT_EXISTS"
         metrics = (await api.get("/metrics")).text
         assert (
             'controlplane_command_ack_latency_seconds_count{kind="reload_weights",state="succeeded"} 2.0'
