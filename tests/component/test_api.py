@@ -37,6 +37,7 @@ from controlplane.protocol import (
     UpdateConfigSpec,
     WorkerStatus,
 )
+from controlplane.publisher import resolve_selector
 from controlplane.settings import KafkaSettings
 from tests.fleet import wait_for
 
@@ -391,6 +392,22 @@ async def test_the_coordinator_refuses_a_rollout_id_already_in_the_log(
             ReloadWeightsSpec(path="/ckpt", version="v9"), Selector(), rollout_id="r-old"
         )
     assert caught.value.code is ErrorCode.ROLLOUT_EXISTS
+
+
+@pytest.mark.parametrize("interval", [1e300, float("inf"), float("nan")])
+async def test_a_heartbeat_with_a_huge_interval_breaks_no_read_and_no_publish(
+    coordinator: Coordinator,
+    client: httpx.AsyncClient,
+    fleet_of_two: dict[str, Command],
+    interval: float,
+) -> None:
+    """The trial's heartbeat: ``interval_s`` 1e300 made every read and publish overflow."""
+    hostile = heartbeat("w3", 9.5).model_copy(update={"interval_s": interval})
+    feed(coordinator, hostile)
+    for path in ("/api/v1/workers", "/api/v1/workers/w3", "/api/v1/rollouts", "/metrics", "/"):
+        assert (await client.get(path)).status_code == 200, path
+    pinned = resolve_selector(Selector(), coordinator.fleet.registry, coordinator.now())
+    assert pinned.worker_ids == ["w1", "w2", "w3"]
 
 
 async def test_ended_rollouts_beyond_the_bound_are_served_as_summaries(clock: Clock) -> None:
