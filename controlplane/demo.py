@@ -323,9 +323,8 @@ class Demo:
         """The weights version each worker reports in its latest heartbeat (read from the log)."""
         async with Follower(KafkaSettings(bootstrap_servers=self.bootstrap)) as follower:
             await follower.catch_up()
-            return {
-                w.worker_id: w.weights_version for w in follower.fleet.registry.workers(utcnow())
-            }
+            now = follower.current_as_of() or utcnow()
+            return {w.worker_id: w.weights_version for w in follower.fleet.registry.workers(now)}
 
     # ------------------------------------------------------------------ helpers
 
@@ -335,7 +334,7 @@ class Demo:
         async with Follower(settings) as follower:
             while time.monotonic() < deadline:
                 await follower.poll(timeout_s=0.5)
-                now = utcnow()
+                now = follower.current_as_of() or utcnow()  # liveness as of what it has read
                 ready = [
                     w.worker_id
                     for w in follower.fleet.registry.workers(now)
