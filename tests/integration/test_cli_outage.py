@@ -333,3 +333,21 @@ async def test_an_outage_is_one_log_line_each_way_not_one_per_retry(
     aiokafka = [r for r in lines if r.name.startswith("aiokafka")]
     assert len(down) == 1 and len(up) == 1, [r.getMessage() for r in lines]
     assert len(aiokafka) <= 5, [r.getMessage() for r in aiokafka]
+
+
+async def test_a_follower_stops_cleanly_while_kafka_is_down(
+    outage_kafka: KafkaSettings, private_broker: LocalBroker
+) -> None:
+    """aiokafka's Fetcher.close() awaits the fetch tasks it cancels and lets their
+    CancelledError out; stop() must not (it was a traceback at the end of `--wait`)."""
+    from controlplane.follower import Follower
+
+    follower = Follower(outage_kafka)
+    await follower.start()
+    await follower.catch_up()
+    await asyncio.to_thread(private_broker.stop)
+    async with asyncio.timeout(60):
+        while health.reachable:
+            await follower.poll(timeout_s=0.2)
+    await follower.stop()  # raises nothing
+    assert follower.current_as_of() is not None  # what it knew before the outage
