@@ -1149,3 +1149,22 @@ def test_compact_keeps_the_desired_version_of_a_summarized_rollout() -> None:
 def test_without_a_bound_compact_keeps_everything() -> None:
     f = fleet(command(), *alive("w1", "w2", sent=50), *full("w1", 1, 5), *full("w2", 1, 6))
     assert f.compact(at(100)) == 0 and not f.status("r1", at(100)).details_dropped
+
+
+def test_a_worker_whose_clock_is_behind_is_not_lost_when_the_reader_got_its_heartbeats() -> None:
+    """Its clock is 30 s behind the reader's (and the command's issuer's)."""
+    skew = 30.0
+    f = Fleet()
+    f.observe_command(command(workers=["w1"]))
+    for t in range(0, 100, 5):
+        hb = heartbeat("w1", t - skew, started=-100 - skew, flight=("c1", 2 - skew))
+        f.observe_heartbeat(hb, received_at=at(t))
+    f.observe_ack(ack("w1", R, 2 - skew))
+    s = f.status("r1", at(96))
+    assert s.phase is RolloutPhase.PROGRESSING and states(s) == {"w1": WorkerState.RUNNING}
+    (level,) = f.worker_levels(at(96))
+    assert level.alive
+    assert [v.worker_id for v in f.registry.matching(Selector(), at(96))] == ["w1"]
+    # Judged by its own clock it would have been lost (and a publish found no worker).
+    g = fleet(command(workers=["w1"]), heartbeat("w1", 95 - skew, started=-100 - skew))
+    assert states(g.status("r1", at(96))) == {"w1": WorkerState.LOST}
