@@ -244,3 +244,6 @@ def main() -> None:
     except ControlPlaneError as exc:  # a last net: one line, never a traceback
         typer.echo(f"error: {exc.code}: {exc.message}", err=True)
         sys.exit(Exit.FAILED)
+    except Exception as exc:  # a bug: still one line (exit 5)
+        typer.echo(f"error: {ErrorCode.INTERNAL}: {type(exc).__name__}: {exc}", err=True)
+        sys.exit(Exit.INTERNAL)
