@@ -23,10 +23,10 @@ Rules (the coordinator, the API and the CLI all rely on them):
   terminal state later is an anomaly. Acks from workers outside the expected set are listed as
   ``unexpected`` and counted nowhere. Acks whose command never appeared are kept (``orphans()``)
   and folded in when it does.
-* **Lost is provisional.** An expected worker without a terminal ack whose latest heartbeat does
-  not prove it alive at an instant (received over 3 periods before it, or stopped, or its latest
-  incarnation started after it), or that was never seen and never acked, is ``lost`` at that
-  instant, with ``lost_at``. It does not end the rollout: it may come back (a restarted
+* **Lost is provisional.** An expected worker without a terminal ack whose heartbeats do not
+  prove it alive at an instant (neither its latest incarnation nor the one before it was
+  started, received within 3 periods and not stopped then), or that was never seen and never
+  acked, is ``lost`` at that instant, with ``lost_at``. It does not end the rollout: it may come back (a restarted
   incarnation re-applies the redelivered command) and its terminal ack counts whenever it is
   sent before the rollout ends. Lost becomes final only when the rollout ends by a deadline.
 * **Phase** is a pure function of the events and ``now``; event timestamps, not arrival order,

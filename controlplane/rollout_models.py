@@ -45,6 +45,8 @@ class RolloutReason(StrEnum):
 
     NO_MATCHING_WORKERS = "NO_MATCHING_WORKERS"
     WORKERS_FAILED = "WORKERS_FAILED"
+    #: No longer given (a lost worker is waited for until a deadline, see rollout.py); kept so
+    #: that clients reading older statuses still parse them.
     WORKERS_LOST = "WORKERS_LOST"
     EXPIRED = "EXPIRED"
     #: No worker could read the command (refused by the schema): known only from the NACKs.
