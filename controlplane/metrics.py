@@ -269,6 +269,16 @@ class _FleetCollector(Collector):
                 "Terminal acks held until their command is seen.",
                 self._latency.waiting,
             ),
+            (
+                "controlplane_rollouts_summarized",
+                "Ended rollouts beyond max_ended_rollouts, kept only as a final summary.",
+                fleet.stats().compacted,
+            ),
+            (
+                "controlplane_change_subscribers",
+                "Open change-feed subscribers (server-sent event streams, waits).",
+                coordinator.subscribers,
+            ),
         ):
             gauge = GaugeMetricFamily(name, text)
             gauge.add_metric([], value)

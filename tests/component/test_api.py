@@ -437,10 +437,9 @@ async def test_ended_rollouts_beyond_the_bound_are_served_as_summaries(clock: Cl
                 2,
                 [],
             )
-            assert (
-                sample((await c.get("/metrics")).text, "controlplane_rollouts", phase="succeeded")
-                == 3
-            )
+            metrics = (await c.get("/metrics")).text
+            assert sample(metrics, "controlplane_rollouts", phase="succeeded") == 3
+            assert sample(metrics, "controlplane_rollouts_summarized") == 2
     finally:
         await coord.stop()
 
