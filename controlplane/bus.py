@@ -113,6 +113,8 @@ class KafkaHealth:
         self.unreachable_since: float | None = None
         #: Why, in aiokafka's words, the first time it failed.
         self.reason = ""
+        #: No log lines (for a caller that reports outages in its own words, as `--wait` does).
+        self.quiet = False
 
     @property
     def reachable(self) -> bool:
@@ -130,7 +132,8 @@ class KafkaHealth:
                 return
             self.unreachable_since = self._failing_since
             reason = self.reason
-        log.warning("Kafka unreachable: %s", reason)
+        if not self.quiet:
+            log.warning("Kafka unreachable: %s", reason)
 
     def succeeded(self) -> None:
         if self._failing_since is None:  # the common case: no lock
@@ -138,7 +141,7 @@ class KafkaHealth:
         with self._lock:
             since, self.unreachable_since = self.unreachable_since, None
             self._failing_since = None
-        if since is not None:
+        if since is not None and not self.quiet:
             log.warning("Kafka reachable again after %.0f s", time.time() - since)
 
 

@@ -23,6 +23,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import JsonValue
 
+from controlplane.bus import health
 from controlplane.cli import BootstrapOpt, Exit, PrefixOpt, app, kafka_settings, run
 from controlplane.errors import BusError, CommandRejected, ErrorCode
 from controlplane.follower import Follower
@@ -195,6 +196,7 @@ async def _follow(
     touched = True
     status: RolloutStatus | None = None
     announced: datetime | None = None  # the outage already reported
+    health.quiet = True  # outages are reported below, in the progress's own words
     try:
         while True:
             now_m = time.monotonic()
@@ -248,6 +250,7 @@ async def _follow(
             batch = await follower.poll(timeout_s=min(wait_s, 0.25))
             touched = touched or rollout_id in batch.rollout_ids or bool(batch.heartbeats)
     finally:
+        health.quiet = False
         if bar is not None:
             bar.stop()
 
