@@ -16,7 +16,7 @@ from __future__ import annotations
 import getpass
 import json
 import time
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -155,7 +155,8 @@ def _as_of(follower: Follower) -> datetime:
 
 
 def _clock(when: datetime) -> str:
-    return when.astimezone().strftime("%H:%M:%S")
+    """HH:MM:SS in UTC, like the progress lines."""
+    return when.astimezone(UTC).strftime("%H:%M:%S")
 
 
 #: --wait spends at most 1/(1+this) of its time judging: after a judgement that took t seconds,
