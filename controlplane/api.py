@@ -170,6 +170,7 @@ def create_app(
             records=coordinator.follower.records,
             rollouts=len(coordinator.fleet.rollout_ids()),
             workers=len(coordinator.fleet.registry),
+            as_of=coordinator.judge_time(),
         )
 
     @app.get(

@@ -13,7 +13,15 @@ from fastapi import Depends
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, ValidationError
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    TypeAdapter,
+    ValidationError,
+)
 
 from controlplane.errors import BusError, ControlPlaneError, ErrorCode
 from controlplane.protocol import (
@@ -117,6 +125,11 @@ class Health(BaseModel):
     records: int = Field(description="Kafka records folded so far.")
     rollouts: int
     workers: int
+    as_of: AwareDatetime | None = Field(
+        default=None,
+        description="The instant statuses are judged at: the clock, or earlier when the "
+        "replica knows the log only up to then (cut off from Kafka); null before it caught up.",
+    )
 
 
 class WorkerOut(WorkerLevel):

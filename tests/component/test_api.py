@@ -472,6 +472,8 @@ async def test_status_and_liveness_are_judged_when_the_replica_was_last_known_cu
             as_of.advance(990)  # back: it knows the log up to its clock again
             workers = (await c.get("/api/v1/workers")).json()
             assert [w["alive"] for w in workers] == [False, False]
+            health = (await c.get("/healthz")).json()
+            assert health["as_of"] == clock().isoformat().replace("+00:00", "Z")
         assert coord.judge_time() == clock()
         coord.follower.caught_up.clear()
         assert coord.judge_time() is None
