@@ -206,7 +206,8 @@ async def _follow(
                 announced = down
                 _say(out, bar, f"Kafka unreachable since {_clock(down)}, retrying")
             elif down is None and announced is not None:
-                _say(out, bar, f"Kafka reachable again after {(utcnow() - announced).seconds} s")
+                gone = (utcnow() - announced).total_seconds()
+                _say(out, bar, f"Kafka reachable again after {gone:.0f} s")
                 announced = None
             as_of = follower.current_as_of()
             if (
