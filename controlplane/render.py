@@ -34,6 +34,8 @@ def target(status: RolloutStatus) -> str:
         return f"weights {status.target_version}"
     if status.overrides is not None:
         return "config " + ", ".join(f"{k}={v}" for k, v in sorted(status.overrides.items()))
+    if status.kind is None:  # known only from the workers' acks: the command did not decode
+        return "unreadable command"
     return status.kind.value
 
 
