@@ -56,8 +56,11 @@ Rules (the coordinator, the API and the CLI all rely on them):
   each worker that said so ``rejected`` with its code.
 * **Memory is bounded** (``max_ended_rollouts``): :meth:`Fleet.compact` keeps the last N ended
   rollouts in full and older ones as a final summary (phase, reason, counts, times;
-  ``details_dropped``), and drops their commands and acks; acks that arrive later for them are
-  counted and dropped.
+  ``details_dropped``: no per-worker details, anomalies or ``selector.worker_ids``), and drops
+  their commands and acks; acks that arrive later for them are counted and dropped. A summary
+  is a few hundred bytes per rollout id; acks for commands never seen (``orphans()``) are kept
+  until their command arrives (a replay reads acks ahead of commands), so only write access to
+  the topics, which ACLs guard, can grow them.
 * **Not durable**: ``abort`` lives only in this object until aborts travel on a topic.
 """
 
@@ -411,6 +414,8 @@ class Fleet:
                     self._summary_desired[detail.worker_id] = mine
         summary = status.model_copy(
             update={
+                # The expected ids are per-worker detail too (a CLI-pinned command names them all).
+                "selector": status.selector.model_copy(update={"worker_ids": None}),
                 "workers": (),
                 "unexpected": (),
                 "anomalies": (),
