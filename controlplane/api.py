@@ -222,7 +222,9 @@ def create_app(
         description=(
             "Each `status` event carries the RolloutStatus JSON; when the phase is terminal a "
             "final `end` event carries `{rollout_id, phase, reason, exit_code}` and the stream "
-            "closes. `wait_s` waits that long for a rollout just published to appear in the log."
+            "closes. A client too slow for the change feed gets a `resync` event, then the "
+            "full status again. `wait_s` waits that long for a rollout just published to "
+            "appear in the log."
         ),
         response_class=EventSourceResponse,
         responses=not_found,
