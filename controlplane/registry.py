@@ -69,13 +69,6 @@ def started_seen(hb: Heartbeat, received_at: datetime | None = None) -> datetime
     return shift(received_at, -_elapsed(hb.sent_at, hb.started_at))
 
 
-def since_seen(hb: Heartbeat, since: datetime, received_at: datetime | None = None) -> datetime:
-    """An instant ``since`` on the worker's clock (e.g. ``in_flight.since``), on the reader's."""
-    if received_at is None:
-        return since
-    return shift(received_at, -_elapsed(hb.sent_at, since))
-
-
 def lost_at(hb: Heartbeat, received_at: datetime | None = None) -> datetime:
     """The first instant at which ``hb`` no longer proves its worker alive (at once if stopped).
 
@@ -222,15 +215,21 @@ class Registry:
         if held is None or supersedes(hb, held[0]):
             self._previous[hb.worker_id] = (hb, received_at)
 
-    def was_alive_at(self, worker_id: str, when: datetime) -> bool:
-        """Whether the worker's latest incarnation, or the one before it, was alive at ``when``."""
+    def was_alive_at(self, worker_id: str, when: datetime, *, own_clock: bool = False) -> bool:
+        """Whether the worker's latest incarnation, or the one before it, was alive at ``when``.
+
+        ``own_clock``: judged on the worker's own timestamps (``sent_at``, ``started_at``), not
+        on when this reader received them: an answer that is a function of the log alone, the
+        same for every reader (what a verdict may depend on)."""
         hb = self._latest.get(worker_id)
         if hb is None:
             return False
-        if was_alive_at(hb, when, self._received.get(worker_id)):
+        if was_alive_at(hb, when, None if own_clock else self._received.get(worker_id)):
             return True
         previous = self._previous.get(worker_id)
-        return previous is not None and was_alive_at(previous[0], when, previous[1])
+        return previous is not None and was_alive_at(
+            previous[0], when, None if own_clock else previous[1]
+        )
 
     def forget(self, worker_id: str) -> bool:
         """Drop a worker (a tombstone on the compacted topic); True when it was known."""

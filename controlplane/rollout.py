@@ -1,9 +1,13 @@
 """The rollout state machine: folds commands, acks and heartbeats, in any order, into rollout status.
 
 Pure: no asyncio, no Kafka, no clock (time comes in as ``now``); O(1) per event, status on request.
-Times that judge liveness are the reader's: when it received each worker's latest heartbeat
-(``received_at``; without one, the heartbeat's own ``sent_at``). Judge at a ``now`` the reader
-knows to be current (the coordinator: ``min(clock, follower.current_as_of())``).
+Whether a worker is alive (``lost`` or not) is judged on the reader's clock: when it received
+the worker's latest heartbeat (``received_at``; without one, the heartbeat's own ``sent_at``).
+Judge at a ``now`` the reader knows to be current (the coordinator: ``min(clock,
+follower.current_as_of())``). A verdict depends only on the log's own timestamps, never on when
+a reader received something, so every reader (``--wait``, ``status``, any coordinator) agrees:
+in-flight spans and the expected set of a label-only command use the worker's clock, as its
+acks do.
 
 Rules (the coordinator, the API and the CLI all rely on them):
 
@@ -72,7 +76,7 @@ from typing import Final
 
 from controlplane.ack_codec import AckLike
 from controlplane.protocol import Command, Heartbeat, ReloadWeightsSpec
-from controlplane.registry import Registry, is_alive, seconds, seen_at, since_seen
+from controlplane.registry import Registry, is_alive, seconds
 from controlplane.rollout_ledger import CommandLedger, Report
 from controlplane.rollout_models import (
     Anomaly,
@@ -205,8 +209,7 @@ class Fleet:
         if flight is not None and flight.rollout_id not in self._summaries:
             spans = self._flights.setdefault((flight.rollout_id, flight.command_id), {})
             key = (heartbeat.worker_id, heartbeat.started_at)
-            since = since_seen(heartbeat, flight.since, received_at)
-            seen = seen_at(heartbeat, received_at)
+            since, seen = flight.since, heartbeat.sent_at  # the worker's clock, like its acks
             held = spans.get(key)
             spans[key] = (
                 (since, seen) if held is None else (min(held[0], since), max(held[1], seen))

@@ -19,7 +19,7 @@ from controlplane.protocol import (
     Selector,
     UpdateConfigSpec,
 )
-from controlplane.registry import Registry, lost_at, seen_at, shift, since_seen
+from controlplane.registry import Registry, lost_at, shift
 from controlplane.rollout_ledger import CommandLedger, Report, WorkerLedger
 from controlplane.rollout_models import (
     Anomaly,
@@ -77,6 +77,7 @@ class _Track:
         "lost_from",
         "now",
         "registry",
+        "silent_from",
         "terminal",
         "worker_id",
     )
@@ -101,17 +102,21 @@ class _Track:
         #: From when its latest heartbeat stops proving it alive (never seen, never acked: from
         #: the issue); None: never judged lost (unexpected, or known only from its acks).
         self.lost_from: datetime | None = None
+        #: The same on the worker's own clock (``sent_at``), which its acks' times share: what
+        #: a verdict may depend on (a function of the log alone, whoever reads it and when).
+        self.silent_from: datetime | None = None
         self.entry: Entry | None = None
         self.flights: list[Span] = []
         if not expected:  # an unexpected worker is never waited for, so never lost
             return
         if entry is None:
             if ledger is None:
-                self.lost_from = command.issued_at
+                self.lost_from = self.silent_from = command.issued_at
             return
         self.entry = entry
         hb, received = entry
         self.lost_from = max(lost_at(hb, received), command.issued_at)
+        self.silent_from = max(lost_at(hb), command.issued_at)
         self.flights.extend(flights)
         flight = hb.in_flight
         if (
@@ -119,7 +124,7 @@ class _Track:
             and flight.command_id == command.command_id
             and flight.rollout_id == command.rollout_id
         ):
-            self.flights.append((since_seen(hb, flight.since, received), seen_at(hb, received)))
+            self.flights.append((flight.since, hb.sent_at))
 
     def lost(self, when: datetime) -> bool:
         """Whether its heartbeats do not prove it alive at ``when`` (the reader's clock)."""
@@ -163,7 +168,7 @@ class _Track:
                 out.append((ledger.running_sent, ledger.running_sent))
         t = self.terminal
         if t is not None:
-            if self.lost_from is None or t.sent_at < self.lost_from:
+            if self.silent_from is None or t.sent_at < self.silent_from:
                 out.append(((t.started_at or t.sent_at), t.sent_at))
             else:
                 out.append((t.sent_at, t.sent_at))
@@ -320,7 +325,7 @@ def evaluate(
             hb.worker_id
             for hb in registry.heartbeats()
             if selector.matches(hb.worker_id, hb.labels)
-            and registry.was_alive_at(hb.worker_id, issued)
+            and registry.was_alive_at(hb.worker_id, issued, own_clock=True)
         }
         for worker_id, wl in ledger.workers.items():
             if worker_id in base:

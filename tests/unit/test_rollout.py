@@ -1168,3 +1168,32 @@ def test_a_worker_whose_clock_is_behind_is_not_lost_when_the_reader_got_its_hear
     # Judged by its own clock it would have been lost (and a publish found no worker).
     g = fleet(command(workers=["w1"]), heartbeat("w1", 95 - skew, started=-100 - skew))
     assert states(g.status("r1", at(96))) == {"w1": WorkerState.LOST}
+
+
+@pytest.mark.parametrize("label_only", [False, True])
+def test_the_verdict_does_not_depend_on_when_a_reader_received_the_heartbeats(
+    label_only: bool,
+) -> None:
+    """A live reader gets heartbeats late (or replays them: no receive time at all); the
+    verdict and when it came are the same for both: a function of the log alone."""
+    cmd = command(
+        workers=None if label_only else ["w1"], labels={"model": "llama"} if label_only else None
+    )
+    beats = [heartbeat("w1", t, flight=("c1", 1), interval=5) for t in range(-20, 60, 5)]
+    events: list[Event] = [cmd, ack("w1", A, 0.5), ack("w1", R, 1)]
+    verdicts = []
+    for delay in (None, 0.0, 2.5, 12.0):
+        f = fleet(*events, deadline=120)
+        for hb in beats:
+            f.observe_heartbeat(
+                hb, None if delay is None else hb.sent_at + timedelta(seconds=delay)
+            )
+        s = f.status("r1", at(400))
+        verdicts.append((s.phase, s.reason, s.finished_at, s.expected))
+    assert verdicts == [verdicts[0]] * 4
+    assert verdicts[0] == (
+        RolloutPhase.TIMED_OUT,
+        RolloutReason.PROGRESS_DEADLINE_EXCEEDED,
+        at(55 + 120),  # in flight on its last heartbeat, at 55 by its own clock
+        1,
+    )
