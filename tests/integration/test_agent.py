@@ -39,6 +39,7 @@ from tests.fleet import (
     make_command,
     publish,
     terminal,
+    wait_for,
 )
 from workers import agent as agent_module
 from workers.agent import Agent
@@ -726,3 +727,43 @@ async def test_a_journal_that_cannot_be_written_stops_the_worker_with_a_coded_er
     last = hbs.items[-1]
     assert last.degraded is not None and last.degraded.code == "JOURNAL_WRITE_FAILED"
     assert "the journal could not be closed" in caplog.text  # logged, not raised over it
+
+
+async def test_a_fetch_outage_is_logged_once_when_it_starts_and_once_when_it_ends(
+    kafka: KafkaSettings,
+    tmp_path: Path,
+    weights: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The command loop retries a failing fetch every second: not a WARNING each time."""
+    caplog.set_level(logging.DEBUG, logger="workers.agent")
+    down = threading.Event()
+    failures: list[int] = []
+
+    class CutConsumer(Consumer):
+        async def fetch(self, *, timeout_s: float = 1.0, max_records: int | None = None) -> Any:
+            if down.is_set():
+                failures.append(1)
+                raise BusError("fetching: Kafka unreachable (injected)")
+            return await super().fetch(timeout_s=timeout_s, max_records=max_records)
+
+    monkeypatch.setattr(agent_module, "Consumer", CutConsumer)
+    runner = RecordingRunner()
+    async with running_agent(kafka, tmp_path, runner), acks_tail(kafka) as acks:
+        down.set()
+        await wait_for(lambda: len(failures) >= 4)
+        down.clear()
+        cmd = reload(weights, "v2")
+        await publish(kafka, cmd)
+        await acks.until(has_terminal(cmd.command_id))
+    agent_lines = [r for r in caplog.records if r.name == "workers.agent"]
+
+    def count(text: str, level: int) -> int:
+        return sum(1 for r in agent_lines if text in r.getMessage() and r.levelno == level)
+
+    assert count("Kafka unreachable since", logging.WARNING) == 1
+    assert count("Kafka reachable again", logging.WARNING) == 1
+    assert count("fetch failed, retrying", logging.DEBUG) == len(failures) - 1
+    assert count("fetch failed", logging.WARNING) == 0
+    assert runner.applied == ["v2"]

@@ -1,0 +1,105 @@
+"""The worker agent through a real Kafka outage: a broker of its own, stopped and started again.
+
+The agent survives it, says so once when it starts and once when it ends (not at every retry),
+and applies a command published after the broker is back. (aiokafka's own log lines are bus.py's
+business; the command loop's fetch failures, which a stopped broker does not always cause, are
+shown in test_agent.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from controlplane.broker import BrokerConfig, LocalBroker
+from controlplane.bus import Admin
+from controlplane.protocol import AckState, ReloadWeightsSpec
+from controlplane.settings import KafkaSettings
+from tests.conftest import free_port
+from tests.fleet import acks_tail, has_terminal, make_command, publish, terminal
+from tests.integration.test_agent import RecordingRunner
+from workers.agent import Agent
+from workers.settings import WorkerSettings
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[LocalBroker]:
+    """A broker for this test alone (the session's must stay up for the others)."""
+    local = LocalBroker(
+        BrokerConfig(port=free_port(), controller_port=free_port(), data_dir=tmp_path / "kafka")
+    )
+    local.start(timeout=120)
+    try:
+        yield local
+    finally:
+        local.stop()
+
+
+def _records(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "workers.agent" and text in r.getMessage()]
+
+
+async def _until(predicate: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        await asyncio.sleep(0.1)
+
+
+async def test_an_outage_is_logged_once_and_commands_flow_after_it(
+    broker: LocalBroker, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="workers.agent")
+    kafka = KafkaSettings(
+        bootstrap_servers=broker.bootstrap, topic_prefix="outage", request_timeout_ms=5000
+    )
+    async with Admin(kafka) as admin:
+        await admin.ensure_topics(kafka.topics)
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    (ckpts / "model.safetensors").write_bytes(b"\0" * 64)
+    settings = WorkerSettings(
+        worker_id="w1",
+        kafka=kafka,
+        allowed_roots=[ckpts],
+        state_dir=tmp_path / "state",
+        heartbeat_interval_s=0.5,
+    )
+    runner = RecordingRunner()
+    agent = Agent(settings, runner)
+    task = asyncio.create_task(agent.run())
+    try:
+        await asyncio.wait_for(agent.ready.wait(), 60)
+        await asyncio.to_thread(broker.stop)
+        # The outage is felt: no heartbeat has got out for three periods.
+        await _until(
+            lambda: agent._last_beat + 3 * settings.heartbeat_interval_s < time.monotonic(),
+            "heartbeats stall",
+        )
+        await asyncio.to_thread(broker.start, timeout=120)
+        cmd = make_command(ReloadWeightsSpec(path=str(ckpts / "model.safetensors"), version="v2"))
+        async with acks_tail(kafka) as acks:
+            await publish(kafka, cmd)
+            await acks.until(has_terminal(cmd.command_id), timeout=120)
+        assert not task.done()
+    finally:
+        agent.request_stop()
+        await asyncio.wait_for(task, 120)
+    assert terminal(acks.items, cmd.command_id)[0].state is AckState.SUCCEEDED
+    assert runner.applied == ["v2"]
+    loud = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "workers.agent" and r.levelno >= logging.WARNING
+    ]
+    # At most: the outage seen by a heartbeat, and by the command loop's fetch.
+    assert sum("heartbeat failed" in m for m in loud) <= 1, loud
+    assert sum("Kafka unreachable since" in m for m in loud) <= 1, loud
+    assert not [m for m in loud if "fetch failed" in m], loud
