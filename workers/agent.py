@@ -213,12 +213,8 @@ class Agent:
         the one that stopped the worker. A journal that cannot be closed when nothing else
         failed is the error run() raises."""
         if self._state is not None:
-            error: object
-            try:  # WorkerState.close() may return what it could not write rather than raise it
-                error = self._state.close()  # type: ignore[func-returns-value,unused-ignore]
-            except Exception as exc:
-                error = _journal_error(exc, self.settings.worker_state_dir)
-            if isinstance(error, ControlPlaneError):
+            error = self._state.close()  # never raises: returns what it could not write
+            if error is not None:
                 self._log(logging.ERROR, "the journal could not be closed: %s", error)
                 if self._failed is None:
                     self._failed = error

@@ -14,7 +14,6 @@ are printed when a test fails.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import signal
@@ -44,7 +43,6 @@ HEARTBEAT_S = 1.0
 #: The fake workers' reload time: past a 2 s TTL, and long enough to restart a coordinator in.
 TTL_WORKER_DELAY_S = 4.0
 RESTART_WORKER_DELAY_S = 10.0
-HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 
 JSON = dict[str, Any]
 
@@ -326,7 +324,9 @@ def fleet(
     specs: list[tuple[str, str, dict[str, str], dict[str, Any]]] = [
         ("torch-a", "torch", tiny, {}),
         ("torch-b", "torch", tiny, {}),
-        ("xla-c" if HAS_XLA else "torch-c", "xla" if HAS_XLA else "torch", tiny, {}),
+        # Always the XLA runner: without torch_xla the worker exits with RUNNER_LOAD_FAILED and
+        # the fleet does not start (a torch worker in its place would pass as XLA).
+        ("xla-c", "xla", tiny, {}),
         (
             "slow-ttl",
             "fake",
@@ -388,7 +388,7 @@ def fleet(
         _report(
             request,
             f"[e2e] coordinator and {len(workers)} workers ready in "
-            f"{time.monotonic() - started:.1f}s (xla: {HAS_XLA}); logs in {root}",
+            f"{time.monotonic() - started:.1f}s; logs in {root}",
         )
         yield fleet
     finally:
@@ -413,6 +413,15 @@ def _logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
     logs = sorted(fleet.root.glob("*.log"))
     for log in logs:
         _report(request, f"\n==== {log.name} (last lines)\n{_tail(log)}")
+
+
+def test_each_worker_runs_the_runner_it_was_given(fleet: Fleet) -> None:
+    """The XLA worker reports the xla runner on an XLA device (torch_xla on PJRT's CPU)."""
+    views = {w["worker_id"]: w["heartbeat"] for w in fleet.api("/api/v1/workers")}
+    assert views["xla-c"]["runner"] == "xla"
+    assert views["xla-c"]["device"].startswith("xla") and "(CPU)" in views["xla-c"]["device"]
+    assert {views[w]["runner"] for w in ("torch-a", "torch-b")} == {"torch"}
+    assert all(views[w]["degraded"] is None for w in fleet.main_ids)
 
 
 # --------------------------------------------------------------------------- exit code 0
