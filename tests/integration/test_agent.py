@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import threading
@@ -576,23 +575,36 @@ async def test_a_runner_that_fails_to_load_is_degraded_and_refuses_reloads(
     assert runner.applied == [] and runner.closed
 
 
-def _garbage_with_id(command_id: str, rollout_id: str) -> bytes:
-    """A record that is not a command but whose ids are plainly readable (spec is no object)."""
-    return json.dumps(
-        {"schema_version": 1, "command_id": command_id, "rollout_id": rollout_id, "spec": 42}
-    ).encode()
+#: Records that are not commands but whose ids are plainly readable, and the code of their NACK.
+GARBAGE_WITH_IDS: dict[str, tuple[str, str]] = {
+    "schema": (
+        '{"schema_version":1,"command_id":"%s","rollout_id":"%s","spec":42}',
+        "SCHEMA_INVALID",
+    ),
+    "truncated": (
+        '{"schema_version":1,"command_id":"%s","rollout_id":"%s","spec":{',
+        "MALFORMED_JSON",
+    ),
+    "nan": (
+        '{"schema_version":1,"command_id":"%s","rollout_id":"%s","timeout_s":NaN}',
+        "MALFORMED_JSON",
+    ),
+}
 
 
+@pytest.mark.parametrize("kind", sorted(GARBAGE_WITH_IDS))
 async def test_a_nack_of_garbage_is_not_remembered_and_the_real_command_still_applies(
-    kafka: KafkaSettings, tmp_path: Path, weights: Path
+    kafka: KafkaSettings, tmp_path: Path, weights: Path, kind: str
 ) -> None:
     """Anyone can put a record with a guessable id (``{rollout_id}.c1``) in front of the real
     command: its NACK is published and its offset committed, but it never enters the journal,
     so the real command of that id is applied when it comes (here after a restart)."""
     real = reload(weights, "v2")
+    template, code = GARBAGE_WITH_IDS[kind]
+    garbage = (template % (real.command_id, real.rollout_id)).encode()
     async with acks_tail(kafka) as acks:
         async with running_agent(kafka, tmp_path, RecordingRunner()):
-            await publish(kafka, _garbage_with_id(real.command_id, real.rollout_id))
+            await publish(kafka, garbage)
             await acks.until(has_terminal(real.command_id))
         state = WorkerState.open(tmp_path / "state" / "w1")
         try:
@@ -604,7 +616,7 @@ async def test_a_nack_of_garbage_is_not_remembered_and_the_real_command_still_ap
             assert await probe.committed(kafka.topics.commands.name, 0) == 1
         runner = RecordingRunner()
         async with running_agent(kafka, tmp_path, runner):
-            await publish(kafka, _garbage_with_id(real.command_id, real.rollout_id), real)
+            await publish(kafka, garbage, real)
             await acks.until(
                 lambda items: any(
                     a.command_id == real.command_id and a.state is AckState.SUCCEEDED for a in items
@@ -619,7 +631,7 @@ async def test_a_nack_of_garbage_is_not_remembered_and_the_real_command_still_ap
         AckState.SUCCEEDED,
     ]
     nack = acks.items[0]
-    assert nack.error is not None and nack.error.code == "SCHEMA_INVALID"
+    assert nack.error is not None and nack.error.code == code
     assert nack.rollout_id == real.rollout_id
     assert runner.applied == ["v2"]
 
