@@ -345,7 +345,12 @@ class _Lifecycle(AsyncService):
 class Producer(_Lifecycle):
     """An idempotent producer with acks=all: commands and acks must not be lost or duplicated."""
 
-    def __init__(self, settings: KafkaSettings, *, linger_ms: int = 0) -> None:
+    def __init__(
+        self, settings: KafkaSettings, *, linger_ms: int = 0, stop_timeout_s: float = 5.0
+    ) -> None:
+        """``stop_timeout_s``: how long stop() may spend delivering records still pending (every
+        send here waits for its delivery, so those are records whose send already failed or was
+        cancelled); with Kafka down, aiokafka's own stop() would wait for ever."""
         self._producer = AIOKafkaProducer(
             **client_options(settings),
             acks="all",
@@ -353,13 +358,28 @@ class Producer(_Lifecycle):
             linger_ms=linger_ms,
             max_request_size=2 * 1024 * 1024,
         )
+        self.stop_timeout_s = stop_timeout_s
 
     async def _start(self) -> None:
         with translate("starting the producer"):
             await self._producer.start()
 
     async def _stop(self) -> None:
-        await self._producer.stop()
+        try:
+            async with asyncio.timeout(self.stop_timeout_s):
+                await self._producer.stop()
+            return
+        except TimeoutError:
+            log.warning(
+                "the producer could not deliver its pending records within %g s "
+                "(Kafka unreachable?); closing without them",
+                self.stop_timeout_s,
+            )
+        sender = getattr(self._producer, "_sender", None)
+        if sender is not None:
+            with contextlib.suppress(Exception):
+                await sender.close()
+        await self._producer.client.close()
 
     async def send(self, topic: str, value: bytes | None, *, key: bytes | None = None) -> Record:
         """Publish one record and wait until the cluster has it. Returns where it landed."""

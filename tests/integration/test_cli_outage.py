@@ -348,3 +348,22 @@ async def test_a_follower_stops_cleanly_while_kafka_is_down(
             await follower.poll(timeout_s=0.2)
     await follower.stop()  # raises nothing
     assert follower.current_as_of() is not None  # what it knew before the outage
+
+
+async def test_a_producer_with_a_record_pending_stops_while_kafka_is_down(
+    outage_kafka: KafkaSettings, private_broker: LocalBroker
+) -> None:
+    """aiokafka's stop() flushes pending records and, with Kafka down, waits for ever (a CLI
+    whose publish failed hung in ``async with Producer``). Our stop() is bounded."""
+    producer = Producer(outage_kafka)
+    await producer.start()
+    await asyncio.to_thread(private_broker.stop)
+    sending = asyncio.create_task(producer.send(outage_kafka.topics.commands.name, b"{}"))
+    async with asyncio.timeout(60):
+        while health.reachable:
+            await asyncio.wait({sending}, timeout=0.1)
+    sending.cancel()
+    with contextlib.suppress(asyncio.CancelledError, BusError):
+        await sending
+    async with asyncio.timeout(60):
+        await producer.stop()
