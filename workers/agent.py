@@ -824,6 +824,7 @@ class Agent:
         if not self._state.dirty:
             return
         try:
+            failpoints.hit("journal_sync")
             await asyncio.to_thread(self._state.sync)
         except Exception as exc:
             raise self._journal_failed(exc) from exc

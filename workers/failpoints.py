@@ -1,11 +1,13 @@
-"""Named crash points for tests of crash safety (like fail-rs or FoundationDB's buggify).
+"""Named fault points for tests of crash safety (like fail-rs or FoundationDB's buggify).
 
-``FLEET_FAILPOINTS="after_apply=kill,after_ack=kill"`` makes the agent SIGKILL itself there.
+``FLEET_FAILPOINTS="after_apply=kill,after_ack=kill"`` makes the agent SIGKILL itself there;
+``journal_sync=enospc`` makes every journal sync fail as on a full disk (``OSError`` ENOSPC).
 Inert unless that variable is set. No other side effects.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
@@ -22,7 +24,9 @@ def _active() -> dict[str, str]:
 
 
 def hit(name: str) -> None:
-    """Crash here if the failpoint ``name`` is armed (only action: kill, as SIGKILL would)."""
+    """Act here if the failpoint ``name`` is armed: ``kill`` (as SIGKILL would) or ``enospc``."""
     action = _active().get(name)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "enospc":
+        raise OSError(errno.ENOSPC, f"No space left on device (failpoint {name})")
