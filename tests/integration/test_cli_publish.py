@@ -126,3 +126,12 @@ def test_a_ttl_over_the_maximum_is_refused_before_kafka() -> None:
     assert info.value.code is ErrorCode.TTL_TOO_LONG
     proc = cli("update-config", "--set", "a=1", "--all", "--ttl", str(MAX_TTL_S), "-b", dead)
     assert proc.returncode == 4, proc.stdout + proc.stderr  # the maximum itself is allowed
+
+
+@pytest.mark.kafka
+async def test_wait_timeout_with_kafka_up_is_exit_2_not_4(kafka: KafkaSettings) -> None:
+    worker = await live_worker(kafka)  # never acks
+    proc = update_config(kafka, "--worker", worker, "--wait", "--wait-timeout", "2")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "gave up waiting: the rollout is still" in proc.stdout
+    assert "Traceback" not in proc.stderr and "Kafka unreachable" not in proc.stderr
