@@ -33,6 +33,7 @@ from controlplane.protocol import (
     Selector,
     UpdateConfigSpec,
 )
+from controlplane.publisher import MAX_TTL_S
 from controlplane.registry import WorkerView
 from controlplane.rollout_models import WorkerLevel
 
@@ -147,7 +148,10 @@ class RolloutOptions(BaseModel):
         description="Workers to target; resolved to the live matching worker ids at publish time.",
     )
     ttl_s: float = Field(
-        default=3600.0, gt=0, le=30 * 86400, description="Seconds until it expires."
+        default=3600.0,
+        gt=0,
+        le=MAX_TTL_S,
+        description="Seconds until it expires (at most 7 days, the workers' default max_ttl_s).",
     )
     timeout_s: float | None = Field(
         default=None,

@@ -19,11 +19,10 @@ from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from controlplane.bus import Producer
-from controlplane.errors import ControlPlaneError, ErrorCode
 from controlplane.follower import Batch, Follower
 from controlplane.lifecycle import AsyncService
 from controlplane.protocol import Command, CommandSpec, Selector, utcnow
-from controlplane.publisher import build_command, publish, resolve_selector
+from controlplane.publisher import build_command, check_new_rollout, publish, resolve_selector
 from controlplane.rollout import DEFAULT_MAX_ENDED_ROLLOUTS, DEFAULT_PROGRESS_DEADLINE_S, Fleet
 from controlplane.settings import KafkaSettings
 
@@ -169,11 +168,8 @@ class Coordinator(AsyncService):
 
         Refuses a rollout id that is already in the log (``ROLLOUT_EXISTS``): workers would
         skip the new command as a duplicate and the old status would answer for it."""
-        if rollout_id is not None and rollout_id in self.fleet:
-            raise ControlPlaneError(
-                f"rollout {rollout_id!r} already exists; choose another id",
-                code=ErrorCode.ROLLOUT_EXISTS,
-            )
+        if rollout_id is not None:
+            check_new_rollout(rollout_id, self.fleet)
         now = self.clock()
         pinned = resolve_selector(selector, self.fleet.registry, self.now())
         command = build_command(

@@ -526,6 +526,8 @@ async def test_missing_or_wrong_token_is_401(
             422,
             "SCHEMA_INVALID",
         ),  # strict, as on the wire
+        # Longer than the workers' default max_ttl_s: every worker would refuse it (TTL_TOO_LONG).
+        (json.dumps({**RELOAD, "ttl_s": 8 * 86400}).encode(), 422, "SCHEMA_INVALID"),
         (json.dumps({**RELOAD, "version": "bad version!"}).encode(), 422, "SCHEMA_INVALID"),
         (json.dumps({**RELOAD, "colour": "red"}).encode(), 422, "SCHEMA_INVALID"),
         (json.dumps({"kind": "update_config", "overrides": {}}).encode(), 422, "SCHEMA_INVALID"),
