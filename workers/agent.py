@@ -772,14 +772,19 @@ class Agent:
         assert self._producer is not None
         hb = self._heartbeat()
         self._last_beat = time.monotonic()
+        # While Kafka is down a send waits for it (the record stays queued and goes out when
+        # Kafka is back): the loop, and a stop, do not wait longer than this for it.
+        limit = max(1.0, 3 * self.settings.heartbeat_interval_s)
         try:
-            await self._producer.send(
-                self.topics.workers.name, encode(hb), key=worker_key(self.worker_id)
-            )
-        except BusError as exc:  # logged when they start failing, not at every beat
+            async with asyncio.timeout(limit):
+                await self._producer.send(
+                    self.topics.workers.name, encode(hb), key=worker_key(self.worker_id)
+                )
+        except (BusError, TimeoutError) as exc:  # logged when they start failing, not each time
+            reason = str(exc) if isinstance(exc, BusError) else f"not sent within {limit:g}s"
             level = logging.DEBUG if self._heartbeats_failing else logging.WARNING
             self._heartbeats_failing = True
-            self._log(level, "heartbeat failed: %s", exc)
+            self._log(level, "heartbeat failed: %s", reason)
         else:
             if self._heartbeats_failing:
                 self._log(logging.INFO, "heartbeats sent again")
