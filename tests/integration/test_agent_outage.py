@@ -101,3 +101,29 @@ async def test_an_outage_is_logged_once_and_commands_flow_after_it(
     assert sum("Kafka unreachable since" in m for m in loud) <= 1, loud
     assert not [m for m in loud if "fetch failed" in m], loud
     assert len(_records(caplog, "heartbeats sent again")) == 1
+
+
+async def test_a_stop_during_an_outage_does_not_wait_for_kafka(
+    broker: LocalBroker, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGTERM while Kafka is down: the agent stops (its last heartbeat cannot go out; nothing
+    it has not journaled is at stake). It used to wait in a heartbeat's send for Kafka."""
+    kafka = KafkaSettings(
+        bootstrap_servers=broker.bootstrap, topic_prefix="outage", request_timeout_ms=5000
+    )
+    async with Admin(kafka) as admin:
+        await admin.ensure_topics(kafka.topics)
+    settings = WorkerSettings(
+        worker_id="w1", kafka=kafka, state_dir=tmp_path / "state", heartbeat_interval_s=0.5
+    )
+    runner = RecordingRunner()
+    agent = Agent(settings, runner)
+    task = asyncio.create_task(agent.run())
+    try:
+        await asyncio.wait_for(agent.ready.wait(), 60)
+        await asyncio.to_thread(broker.stop)
+        await _until(lambda: bool(_records(caplog, "heartbeat failed")), "a heartbeat fails")
+    finally:
+        agent.request_stop()
+        await asyncio.wait_for(task, 60)
+    assert runner.closed
