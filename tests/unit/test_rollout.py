@@ -880,10 +880,12 @@ def scenarios(draw: st.DrawFn) -> list[Event]:
         started = draw(st.sampled_from([-100.0, 30.0])) if label_only else -100.0
         labels = {"model": draw(st.sampled_from(["llama", "llama", "other"]))}
         death = draw(st.one_of(st.none(), st.integers(0, 400)))
-        kinds = draw(st.lists(st.sampled_from([A, R, S, F, X]), max_size=4))
+        # An incarnation sends nothing after it died (a SIGKILLed process stamps no more acks).
+        first, last = (int(started) + 1 if started > 0 else 0), 450 if death is None else death
+        kinds = draw(st.lists(st.sampled_from([A, R, S, F, X]), max_size=4 if first <= last else 0))
         times = draw(
             st.lists(
-                st.integers(int(started) + 1 if started > 0 else 0, 450),
+                st.integers(first, max(first, last)),
                 min_size=len(kinds),
                 max_size=len(kinds),
             ).map(sorted)
