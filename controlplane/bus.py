@@ -33,6 +33,7 @@ from aiokafka.errors import (
     KafkaTimeoutError,
     NodeNotReadyError,
     RequestTimedOutError,
+    for_code,
 )
 from aiokafka.helpers import create_ssl_context
 from aiokafka.structs import OffsetAndMetadata
@@ -615,7 +616,25 @@ class Admin(_Lifecycle):
         await self._admin.close()
 
     async def ensure_topics(self, topics: Topics) -> EnsureReport:
-        """Create missing topics; verify existing ones. Idempotent; raises TopicMismatch."""
+        """Create missing topics; verify existing ones. Idempotent; raises TopicMismatch.
+
+        A replication factor of None is the cluster's ``default.replication.factor`` (read from
+        a broker); the topics are created with it and existing ones are checked against it, as
+        are their partitions and configs (``min.insync.replicas`` included). A factor the
+        cluster cannot give (more replicas than brokers) is a :class:`BusError` with the
+        broker's own words.
+        """
+        if topics.replication_factor is None:
+            topics = topics.resolved(await self._default_replication_factor())
+        rf = topics.replication_factor
+        assert rf is not None  # resolved above
+        min_isr = topics.effective_min_insync_replicas
+        if min_isr is not None and min_isr > rf:
+            raise BusError(
+                f"min.insync.replicas {min_isr} exceeds the replication factor {rf}: "
+                "no write to these topics could ever be acknowledged",
+                code=ErrorCode.SETTINGS_INVALID,
+            )
         specs = topics.all()
         with translate("listing topics"):
             existing = set(await self._admin.list_topics())
@@ -627,36 +646,77 @@ class Admin(_Lifecycle):
                         NewTopic(
                             s.name,
                             num_partitions=s.partitions,
-                            replication_factor=topics.replication_factor,
+                            replication_factor=rf,
                             topic_configs=dict(s.config),
                         )
                         for s in missing
                     ]
                 )
+            failures: list[str] = []
             for name, code, message in _topic_errors(resp):
                 if code == 36:  # TOPIC_ALREADY_EXISTS: listed late, or a concurrent creator won
                     existing.add(name)
                 elif code != 0:
-                    raise BusError(f"creating topic {name} failed: error {code} {message or ''}")
+                    failures.append(f"{name}: {_kafka_error_name(code)}: {message or ''}".strip())
+            if failures:
+                # INVALID_REPLICATION_FACTOR (38, e.g. more replicas than brokers) and
+                # INVALID_CONFIG (40) are settings the cluster cannot honour.
+                raise BusError(
+                    f"creating topics with replication factor {rf} failed:\n  "
+                    + "\n  ".join(failures),
+                    code=ErrorCode.SETTINGS_INVALID
+                    if {c for _, c, _ in _topic_errors(resp)} & {38, 40}
+                    else ErrorCode.KAFKA_ERROR,
+                )
         # Whatever we did not create ourselves is checked against what we need.
         present = [s for s in specs if s.name in existing]
         missing = [s for s in missing if s.name not in existing]
         differences = await self._differences(present) if present else []
         if differences:
-            hint = ""
+            hints = []
             if any("=" in d for d in differences):
-                hint = (
-                    "\n  a config can be changed in place: kafka-configs.sh --bootstrap-server "
+                hints.append(
+                    "a config can be changed in place: kafka-configs.sh --bootstrap-server "
                     "HOST:PORT --alter --entity-type topics --entity-name TOPIC "
                     "--add-config KEY=VALUE"
+                )
+            if any("replication factor" in d for d in differences):
+                hints.append(
+                    "a replication factor is changed by reassigning the partitions "
+                    "(kafka-reassign-partitions.sh --bootstrap-server HOST:PORT "
+                    "--reassignment-json-file FILE --execute), or by recreating the topic"
                 )
             raise TopicMismatch(
                 "existing topics differ from what this version needs:\n  "
                 + "\n  ".join(differences)
-                + hint,
+                + "".join(f"\n  {h}" for h in hints),
                 differences=differences,
             )
         return EnsureReport(created=[s.name for s in missing], existing=[s.name for s in present])
+
+    async def _default_replication_factor(self) -> int:
+        """The cluster's ``default.replication.factor``, as one of its brokers reports it."""
+        with translate("describing the cluster"):
+            cluster = await self._admin.describe_cluster()
+            brokers = sorted(b["node_id"] for b in cluster.get("brokers", []))
+            if not brokers:
+                raise BusError("the cluster reports no brokers", code=ErrorCode.BROKER_UNAVAILABLE)
+            key = "default.replication.factor"
+            configs = await self._admin.describe_configs(
+                [ConfigResource(ConfigResourceType.BROKER, str(brokers[0]), {key: None})]
+            )
+        for resp in configs:
+            for resource in resp.resources:
+                error_code, error_message, entries = resource[0], resource[1], resource[4]
+                if error_code != 0:
+                    raise BusError(
+                        f"reading {key} of broker {brokers[0]}: "
+                        f"{_kafka_error_name(error_code)}: {error_message or ''}".strip()
+                    )
+                for entry in entries or []:
+                    if entry[0] == key and entry[1] is not None:
+                        return int(entry[1])
+        raise BusError(f"broker {brokers[0]} did not report {key}")
 
     async def _differences(self, specs: list[TopicSpec]) -> list[str]:
         # A topic created a moment ago (by someone else) may not be described yet: no partitions,
@@ -668,9 +728,21 @@ class Admin(_Lifecycle):
             await asyncio.sleep(0.25)
         diffs: list[str] = []
         for s in specs:
-            have = partitions.get(s.name)
-            if have is not None and have != s.partitions:
-                diffs.append(f"{s.name}: {have} partitions, expected {s.partitions}")
+            replicas = partitions.get(s.name)
+            if replicas and len(replicas) != s.partitions:
+                diffs.append(f"{s.name}: {len(replicas)} partitions, expected {s.partitions}")
+            if replicas and s.replication_factor is not None:
+                # The weakest partition is what a broker's loss can cost.
+                have_rf = min(replicas)
+                if have_rf != s.replication_factor or max(replicas) != s.replication_factor:
+                    have = (
+                        str(have_rf)
+                        if have_rf == max(replicas)
+                        else f"{have_rf} to {max(replicas)}"
+                    )
+                    diffs.append(
+                        f"{s.name}: replication factor {have}, expected {s.replication_factor}"
+                    )
             for key, want in s.config.items():
                 got = actual_cfg.get(s.name, {}).get(key)
                 if got != want:
@@ -679,13 +751,14 @@ class Admin(_Lifecycle):
 
     async def _describe(
         self, specs: list[TopicSpec]
-    ) -> tuple[dict[str, int], dict[str, dict[str, str]]]:
+    ) -> tuple[dict[str, list[int]], dict[str, dict[str, str]]]:
+        """Per topic: the replica count of each of its partitions, and its configs."""
         with translate("describing topics"):
             described = await self._admin.describe_topics([s.name for s in specs])
             configs = await self._admin.describe_configs(
                 [ConfigResource(ConfigResourceType.TOPIC, s.name) for s in specs]
             )
-        partitions = {d["topic"]: len(d["partitions"]) for d in described}
+        partitions = {d["topic"]: [len(p["replicas"]) for p in d["partitions"]] for d in described}
         actual_cfg: dict[str, dict[str, str]] = {}
         for resp in configs:
             for resource in resp.resources:
@@ -704,6 +777,12 @@ def _readable_end(state: Any) -> int | None:
         return lso
     highwater = getattr(state, "highwater", None)
     return highwater if isinstance(highwater, int) else None
+
+
+def _kafka_error_name(code: int) -> str:
+    """``INVALID_REPLICATION_FACTOR (38)``: the protocol's name of an error code, and the code."""
+    name = getattr(for_code(code), "message", None)
+    return f"{name} ({code})" if isinstance(name, str) and name else f"error {code}"
 
 
 def _topic_errors(resp: Any) -> list[tuple[str, int, str | None]]:

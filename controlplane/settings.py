@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, Field, SecretStr, ValidationError
+from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings.exceptions import SettingsError
 
 from controlplane.errors import ControlPlaneError, ErrorCode
@@ -26,7 +26,22 @@ class KafkaSettings(BaseModel):
         default=DEFAULT_BOOTSTRAP, description="Comma-separated host:port list."
     )
     topic_prefix: str = DEFAULT_PREFIX
-    replication_factor: int = Field(default=1, ge=1)
+    replication_factor: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Replicas per partition of the topics `topics ensure` creates and checks; "
+            "None: the cluster's default.replication.factor."
+        ),
+    )
+    min_insync_replicas: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "min.insync.replicas of the topics; None: the replication factor minus 1 when it "
+            "is 3 or more (a write survives losing a broker, and one broker may be down), else 1."
+        ),
+    )
     client_id: str = "fleet-controlplane"
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None
@@ -37,9 +52,23 @@ class KafkaSettings(BaseModel):
     ssl_keyfile: str | None = None
     request_timeout_ms: int = Field(default=30_000, ge=1000)
 
+    @model_validator(mode="after")
+    def _min_insync_fits(self) -> KafkaSettings:
+        rf, min_isr = self.replication_factor, self.min_insync_replicas
+        if rf is not None and min_isr is not None and min_isr > rf:
+            raise ValueError(
+                f"min_insync_replicas {min_isr} exceeds replication_factor {rf}: "
+                "no write could ever be acknowledged"
+            )
+        return self
+
     @property
     def topics(self) -> Topics:
-        return Topics(prefix=self.topic_prefix, replication_factor=self.replication_factor)
+        return Topics(
+            prefix=self.topic_prefix,
+            replication_factor=self.replication_factor,
+            min_insync_replicas=self.min_insync_replicas,
+        )
 
 
 def load_settings(factory: Callable[..., S], **values: Any) -> S:

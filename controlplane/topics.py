@@ -1,15 +1,32 @@
 """Topic names, partition counts, configs, message keys and consumer group ids: all of them, here.
 
 No I/O. ``bus.ensure_topics`` creates these or reports how existing ones differ.
+
+Replication: ``Topics.replication_factor`` None means the cluster's ``default.replication.factor``
+(``bus.Admin`` reads it from a broker and passes it to :meth:`Topics.resolved`), and
+``min_insync_replicas`` None means :func:`default_min_insync_replicas` of that factor.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final
 
 DEFAULT_PREFIX: Final = "fleet"
 DAY_MS: Final = 24 * 60 * 60 * 1000
+
+
+def default_min_insync_replicas(replication_factor: int) -> int:
+    """``min.insync.replicas`` when none is set: RF-1 when RF >= 3, else 1.
+
+    With RF 3 and min ISR 2, an acknowledged write (``acks=all``) is on two brokers, so losing
+    any one broker loses nothing, and the topic stays writable while one broker is down. With
+    RF 2, min ISR 2 would stop every write while either broker is down, so it is 1 (a write is
+    then on one broker only while the other is out of the ISR); with RF 1 there is no choice.
+    """
+    if replication_factor < 1:
+        raise ValueError(f"replication factor {replication_factor} < 1")
+    return replication_factor - 1 if replication_factor >= 3 else 1
 
 
 @dataclass(frozen=True)
@@ -18,6 +35,8 @@ class TopicSpec:
     partitions: int
     #: Topic-level configs we rely on; others are left to the cluster's defaults.
     config: dict[str, str] = field(default_factory=dict)
+    #: Replicas per partition; None: the cluster's default (not resolved yet).
+    replication_factor: int | None = None
 
 
 @dataclass(frozen=True)
@@ -25,9 +44,38 @@ class Topics:
     """The three topics of one fleet. A prefix lets several fleets (or tests) share a cluster."""
 
     prefix: str = DEFAULT_PREFIX
-    replication_factor: int = 1
+    #: Replicas per partition; None: the cluster's ``default.replication.factor``.
+    replication_factor: int | None = None
+    #: ``min.insync.replicas`` of every topic; None: :func:`default_min_insync_replicas`.
+    min_insync_replicas: int | None = None
     #: How long commands and acks are kept; the coordinator rebuilds status from them on start.
     retention_ms: int = 30 * DAY_MS
+
+    def resolved(self, cluster_default_replication_factor: int) -> Topics:
+        """These topics with a concrete replication factor (the cluster's when none is set)."""
+        if self.replication_factor is not None:
+            return self
+        return replace(self, replication_factor=cluster_default_replication_factor)
+
+    @property
+    def effective_min_insync_replicas(self) -> int | None:
+        """The ``min.insync.replicas`` the topics get; None until the factor is known."""
+        if self.min_insync_replicas is not None:
+            return self.min_insync_replicas
+        if self.replication_factor is None:
+            return None
+        return default_min_insync_replicas(self.replication_factor)
+
+    def _durability(self, *, no_unclean_election: bool) -> dict[str, str]:
+        config: dict[str, str] = {}
+        min_isr = self.effective_min_insync_replicas
+        if min_isr is not None:
+            config["min.insync.replicas"] = str(min_isr)
+        if no_unclean_election:
+            # An out-of-sync replica never becomes leader: that would drop acknowledged
+            # commands or acks (the cluster's default is false too; said here, and checked).
+            config["unclean.leader.election.enable"] = "false"
+        return config
 
     @property
     def commands(self) -> TopicSpec:
@@ -35,7 +83,12 @@ class Topics:
         return TopicSpec(
             f"{self.prefix}.commands",
             1,
-            {"cleanup.policy": "delete", "retention.ms": str(self.retention_ms)},
+            {
+                "cleanup.policy": "delete",
+                "retention.ms": str(self.retention_ms),
+                **self._durability(no_unclean_election=True),
+            },
+            self.replication_factor,
         )
 
     @property
@@ -44,7 +97,12 @@ class Topics:
         return TopicSpec(
             f"{self.prefix}.acks",
             6,
-            {"cleanup.policy": "delete", "retention.ms": str(self.retention_ms)},
+            {
+                "cleanup.policy": "delete",
+                "retention.ms": str(self.retention_ms),
+                **self._durability(no_unclean_election=True),
+            },
+            self.replication_factor,
         )
 
     @property
@@ -61,7 +119,9 @@ class Topics:
                 "min.cleanable.dirty.ratio": "0.1",
                 "segment.ms": str(60 * 60 * 1000),
                 "message.timestamp.type": "LogAppendTime",
+                **self._durability(no_unclean_election=False),
             },
+            self.replication_factor,
         )
 
     def all(self) -> list[TopicSpec]:

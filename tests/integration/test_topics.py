@@ -8,9 +8,11 @@ import sys
 import uuid
 
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from controlplane.bus import LOG_APPEND_TIME, Admin, Consumer, Producer, Record
-from controlplane.errors import ErrorCode, TopicMismatch
+from controlplane.errors import BusError, ErrorCode, TopicMismatch
 from controlplane.settings import KafkaSettings
 from controlplane.topics import Topics
 
@@ -52,7 +54,7 @@ async def test_ensure_reports_a_partition_count_difference(kafka_bootstrap: str)
 
     class FewerAcks(Topics):
         @property
-        def acks(self):  # type: ignore[no-untyped-def,override]
+        def acks(self):  # type: ignore[no-untyped-def]
             spec = super().acks
             return type(spec)(spec.name, 2, spec.config)
 
@@ -67,7 +69,7 @@ class _OlderTopics(Topics):
     """Topics as an earlier version created them: no LogAppendTime on the workers topic."""
 
     @property
-    def workers(self):  # type: ignore[no-untyped-def,override]
+    def workers(self):  # type: ignore[no-untyped-def]
         spec = super().workers
         config = {k: v for k, v in spec.config.items() if k != "message.timestamp.type"}
         return type(spec)(spec.name, spec.partitions, config)
@@ -119,3 +121,171 @@ async def test_topics_created_without_log_append_time_are_reported_not_a_crash(
     assert proc.stderr.startswith("error: TOPIC_MISMATCH: existing topics differ"), proc.stderr
     assert "message.timestamp.type=CreateTime, expected LogAppendTime" in proc.stderr
     assert "kafka-configs.sh" in proc.stderr
+
+
+# --------------------------------------------------------------------------- replication
+
+
+async def _replication(bootstrap: str, names: list[str]) -> dict[str, tuple[set[int], str, str]]:
+    """Per topic, as the broker describes it: the replica counts of its partitions, its
+    min.insync.replicas and its unclean.leader.election.enable."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        described = await admin.describe_topics(names)
+        responses = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, name) for name in names]
+        )
+    finally:
+        await admin.close()
+    configs = {
+        resource[3]: {entry[0]: entry[1] for entry in resource[4]}
+        for response in responses
+        for resource in response.resources
+    }
+    return {
+        d["topic"]: (
+            {len(p["replicas"]) for p in d["partitions"]},
+            configs[d["topic"]]["min.insync.replicas"],
+            configs[d["topic"]]["unclean.leader.election.enable"],
+        )
+        for d in described
+    }
+
+
+async def _cluster(bootstrap: str) -> tuple[int, int]:
+    """(brokers, default.replication.factor) of the cluster, read without the product's code."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        brokers = [b["node_id"] for b in (await admin.describe_cluster())["brokers"]]
+        (response,) = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.BROKER, str(brokers[0]))]
+        )
+    finally:
+        await admin.close()
+    entries = {entry[0]: entry[1] for entry in response.resources[0][4]}
+    return len(brokers), int(entries["default.replication.factor"])
+
+
+async def test_defaults_take_the_clusters_replication_factor_and_pass_the_check(
+    kafka_bootstrap: str,
+) -> None:
+    prefix = f"r{uuid.uuid4().hex[:8]}"
+    settings = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix)
+    async with Admin(settings) as admin:
+        created = await admin.ensure_topics(settings.topics)
+        checked = await admin.ensure_topics(settings.topics)
+    names = [t.name for t in settings.topics.all()]
+    assert created.created == names and checked.existing == names
+    brokers, default_rf = await _cluster(kafka_bootstrap)
+    min_isr = str(default_rf - 1 if default_rf >= 3 else 1)
+    if brokers == 1:
+        assert (default_rf, min_isr) == (1, "1")
+    described = await _replication(kafka_bootstrap, names)
+    assert described == {
+        f"{prefix}.commands": ({default_rf}, min_isr, "false"),
+        f"{prefix}.acks": ({default_rf}, min_isr, "false"),
+        f"{prefix}.workers": ({default_rf}, min_isr, "false"),
+    }
+
+
+async def test_a_topic_made_by_hand_with_another_min_insync_is_reported(
+    kafka_bootstrap: str,
+) -> None:
+    prefix = f"i{uuid.uuid4().hex[:8]}"
+    settings = KafkaSettings(
+        bootstrap_servers=kafka_bootstrap, topic_prefix=prefix, replication_factor=1
+    )
+    acks = settings.topics.acks
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        config = {**acks.config, "min.insync.replicas": "2"}
+        await admin.create_topics([NewTopic(acks.name, acks.partitions, 1, topic_configs=config)])
+    finally:
+        await admin.close()
+    async with Admin(settings) as ours:
+        with pytest.raises(TopicMismatch) as info:
+            await ours.ensure_topics(settings.topics)
+    assert info.value.code is ErrorCode.TOPIC_MISMATCH
+    assert info.value.differences == [f"{prefix}.acks: min.insync.replicas=2, expected 1"]
+    assert "kafka-configs.sh" in info.value.message
+    # As a user sees it: `topics ensure` exits 1 and names the difference, no traceback.
+    args = ["topics", "ensure", "-b", kafka_bootstrap, "--topic-prefix", prefix]
+    proc = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "controlplane", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: TOPIC_MISMATCH: existing topics differ"), proc.stderr
+    assert f"{prefix}.acks: min.insync.replicas=2, expected 1" in proc.stderr
+
+
+async def test_topics_with_fewer_replicas_than_wanted_are_reported_not_a_crash(
+    kafka_bootstrap: str,
+) -> None:
+    prefix = f"f{uuid.uuid4().hex[:8]}"
+    settings = KafkaSettings(
+        bootstrap_servers=kafka_bootstrap, topic_prefix=prefix, replication_factor=1
+    )
+    async with Admin(settings) as admin:
+        await admin.ensure_topics(settings.topics)
+        with pytest.raises(TopicMismatch) as info:
+            await admin.ensure_topics(Topics(prefix=prefix, replication_factor=2))
+    assert info.value.differences == [
+        f"{prefix}.commands: replication factor 1, expected 2",
+        f"{prefix}.acks: replication factor 1, expected 2",
+        f"{prefix}.workers: replication factor 1, expected 2",
+    ]
+    assert "kafka-reassign-partitions.sh" in info.value.message
+
+
+async def test_more_replicas_than_brokers_is_a_coded_error_in_the_brokers_words(
+    kafka_bootstrap: str,
+) -> None:
+    brokers, _ = await _cluster(kafka_bootstrap)
+    prefix = f"b{uuid.uuid4().hex[:8]}"
+    settings = KafkaSettings(
+        bootstrap_servers=kafka_bootstrap, topic_prefix=prefix, replication_factor=brokers + 1
+    )
+    async with Admin(settings) as admin:
+        with pytest.raises(BusError) as info:
+            async with asyncio.timeout(60):
+                await admin.ensure_topics(settings.topics)
+    assert info.value.code is ErrorCode.SETTINGS_INVALID
+    message = info.value.message
+    assert message.startswith(f"creating topics with replication factor {brokers + 1} failed")
+    assert f"{prefix}.commands: INVALID_REPLICATION_FACTOR (38): " in message
+    # The broker's own explanation, e.g. "... only 1 broker(s) are registered."
+    assert "broker" in message.split("INVALID_REPLICATION_FACTOR (38): ", 1)[1]
+
+
+async def test_min_insync_above_the_replication_factor_is_refused_before_creating(
+    kafka_bootstrap: str,
+) -> None:
+    prefix = f"n{uuid.uuid4().hex[:8]}"
+    settings = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix)
+    async with Admin(settings) as admin:
+        with pytest.raises(BusError) as info:
+            await admin.ensure_topics(
+                Topics(prefix=prefix, replication_factor=1, min_insync_replicas=2)
+            )
+    assert info.value.code is ErrorCode.SETTINGS_INVALID
+    assert "min.insync.replicas 2 exceeds the replication factor 1" in info.value.message
+    assert not {t.name for t in settings.topics.all()} & set(await _topic_names(kafka_bootstrap))
+
+
+async def _topic_names(bootstrap: str) -> list[str]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        names: list[str] = await admin.list_topics()
+    finally:
+        await admin.close()
+    return names
