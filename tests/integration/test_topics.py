@@ -194,22 +194,27 @@ async def test_a_topic_made_by_hand_with_another_min_insync_is_reported(
     kafka_bootstrap: str,
 ) -> None:
     prefix = f"i{uuid.uuid4().hex[:8]}"
-    settings = KafkaSettings(
-        bootstrap_servers=kafka_bootstrap, topic_prefix=prefix, replication_factor=1
-    )
-    acks = settings.topics.acks
+    settings = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix)
+    _, default_rf = await _cluster(kafka_bootstrap)
+    acks = settings.topics.resolved(default_rf).acks
+    want = acks.config["min.insync.replicas"]
+    other = str(int(want) + 1)
     admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
     await admin.start()
     try:
-        config = {**acks.config, "min.insync.replicas": "2"}
-        await admin.create_topics([NewTopic(acks.name, acks.partitions, 1, topic_configs=config)])
+        config = {**acks.config, "min.insync.replicas": other}
+        await admin.create_topics(
+            [NewTopic(acks.name, acks.partitions, default_rf, topic_configs=config)]
+        )
     finally:
         await admin.close()
     async with Admin(settings) as ours:
         with pytest.raises(TopicMismatch) as info:
             await ours.ensure_topics(settings.topics)
     assert info.value.code is ErrorCode.TOPIC_MISMATCH
-    assert info.value.differences == [f"{prefix}.acks: min.insync.replicas=2, expected 1"]
+    assert info.value.differences == [
+        f"{prefix}.acks: min.insync.replicas={other}, expected {want}"
+    ]
     assert "kafka-configs.sh" in info.value.message
     # As a user sees it: `topics ensure` exits 1 and names the difference, no traceback.
     args = ["topics", "ensure", "-b", kafka_bootstrap, "--topic-prefix", prefix]
@@ -224,7 +229,7 @@ async def test_a_topic_made_by_hand_with_another_min_insync_is_reported(
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error: TOPIC_MISMATCH: existing topics differ"), proc.stderr
-    assert f"{prefix}.acks: min.insync.replicas=2, expected 1" in proc.stderr
+    assert f"{prefix}.acks: min.insync.replicas={other}, expected {want}" in proc.stderr
 
 
 async def test_topics_with_fewer_replicas_than_wanted_are_reported_not_a_crash(
@@ -244,6 +249,31 @@ async def test_topics_with_fewer_replicas_than_wanted_are_reported_not_a_crash(
         f"{prefix}.workers: replication factor 1, expected 2",
     ]
     assert "kafka-reassign-partitions.sh" in info.value.message
+
+
+async def test_on_a_replicated_cluster_an_rf_1_topic_is_reported_under_the_defaults(
+    kafka_bootstrap: str,
+) -> None:
+    """The issue's case: on a 3-node cluster, topics made with RF 1 used to pass as `ok`."""
+    _, default_rf = await _cluster(kafka_bootstrap)
+    if default_rf < 2:
+        pytest.skip(f"the cluster's default.replication.factor is {default_rf}: nothing to differ")
+    prefix = f"o{uuid.uuid4().hex[:8]}"
+    single = KafkaSettings(
+        bootstrap_servers=kafka_bootstrap, topic_prefix=prefix, replication_factor=1
+    )
+    defaults = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix)
+    async with Admin(defaults) as admin:
+        await admin.ensure_topics(single.topics)
+        with pytest.raises(TopicMismatch) as info:
+            await admin.ensure_topics(defaults.topics)
+    min_isr = default_rf - 1 if default_rf >= 3 else 1
+    expected = []
+    for topic in ("commands", "acks", "workers"):
+        expected.append(f"{prefix}.{topic}: replication factor 1, expected {default_rf}")
+        if min_isr != 1:
+            expected.append(f"{prefix}.{topic}: min.insync.replicas=1, expected {min_isr}")
+    assert info.value.differences == expected
 
 
 async def test_more_replicas_than_brokers_is_a_coded_error_in_the_brokers_words(
