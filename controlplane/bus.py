@@ -88,6 +88,9 @@ class PartitionProgress:
 class EnsureReport:
     created: list[str]
     existing: list[str]
+    #: What the created topics got and the existing ones were checked against.
+    replication_factor: int | None = None
+    min_insync_replicas: int | None = None
 
 
 @dataclass(frozen=True)
@@ -692,7 +695,12 @@ class Admin(_Lifecycle):
                 + "".join(f"\n  {h}" for h in hints),
                 differences=differences,
             )
-        return EnsureReport(created=[s.name for s in missing], existing=[s.name for s in present])
+        return EnsureReport(
+            created=[s.name for s in missing],
+            existing=[s.name for s in present],
+            replication_factor=rf,
+            min_insync_replicas=min_isr,
+        )
 
     async def _default_replication_factor(self) -> int:
         """The cluster's ``default.replication.factor``, as one of its brokers reports it."""
@@ -712,6 +720,8 @@ class Admin(_Lifecycle):
                     raise BusError(
                         f"reading {key} of broker {brokers[0]}: "
                         f"{_kafka_error_name(error_code)}: {error_message or ''}".strip()
+                        + "; set the replication factor explicitly "
+                        "(<PREFIX>KAFKA__REPLICATION_FACTOR) to skip this"
                     )
                 for entry in entries or []:
                     if entry[0] == key and entry[1] is not None:

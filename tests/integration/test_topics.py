@@ -182,6 +182,8 @@ async def test_defaults_take_the_clusters_replication_factor_and_pass_the_check(
     min_isr = str(default_rf - 1 if default_rf >= 3 else 1)
     if brokers == 1:
         assert (default_rf, min_isr) == (1, "1")
+    assert (created.replication_factor, created.min_insync_replicas) == (default_rf, int(min_isr))
+    assert (checked.replication_factor, checked.min_insync_replicas) == (default_rf, int(min_isr))
     described = await _replication(kafka_bootstrap, names)
     assert described == {
         f"{prefix}.commands": ({default_rf}, min_isr, "false"),
