@@ -720,8 +720,7 @@ class Admin(_Lifecycle):
                     raise BusError(
                         f"reading {key} of broker {brokers[0]}: "
                         f"{_kafka_error_name(error_code)}: {error_message or ''}".strip()
-                        + "; set the replication factor explicitly "
-                        "(<PREFIX>KAFKA__REPLICATION_FACTOR) to skip this"
+                        + "; a replication factor set explicitly needs no such read"
                     )
                 for entry in entries or []:
                     if entry[0] == key and entry[1] is not None:
