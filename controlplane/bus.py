@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -44,6 +44,8 @@ from controlplane.settings import KafkaSettings
 from controlplane.topics import Topics, TopicSpec
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 #: ConsumerRecord.timestamp_type of a record stamped by the broker (topic config
 #: ``message.timestamp.type=LogAppendTime``); 0 is CreateTime (the producer's clock).
@@ -609,6 +611,8 @@ class Consumer(_Lifecycle):
 class Admin(_Lifecycle):
     def __init__(self, settings: KafkaSettings) -> None:
         self._admin = AIOKafkaAdminClient(**client_options(settings))
+        #: How long a request is tried again while a broker is unavailable.
+        self._retry_s = settings.request_timeout_ms / 1000
 
     async def _start(self) -> None:
         with translate("connecting the admin client"):
@@ -617,6 +621,31 @@ class Admin(_Lifecycle):
 
     async def _stop(self) -> None:
         await self._admin.close()
+
+    async def _retrying(self, what: str, call: Callable[[], Awaitable[R]]) -> R:
+        """``call()``, tried again for up to the request timeout while Kafka is unavailable.
+
+        A broker that died stays in the cluster's metadata until the cluster fences it (about
+        9 s), and aiokafka sends an admin request to a random broker (or the cached controller):
+        one dead node of three must not fail ``topics ensure``. Each retry refreshes the metadata.
+        """
+        deadline = time.monotonic() + self._retry_s
+        failed = False
+        while True:
+            try:
+                with translate(what):
+                    result = await call()
+            except BusError as exc:
+                if exc.code is not ErrorCode.BROKER_UNAVAILABLE or time.monotonic() >= deadline:
+                    raise
+                failed = True
+            else:
+                if failed:
+                    health.succeeded()
+                return result
+            with contextlib.suppress(KafkaError, OSError, TimeoutError):
+                await self._admin._client.force_metadata_update()
+            await asyncio.sleep(0.25)
 
     async def ensure_topics(self, topics: Topics) -> EnsureReport:
         """Create missing topics; verify existing ones. Idempotent; raises TopicMismatch.
@@ -639,22 +668,23 @@ class Admin(_Lifecycle):
                 code=ErrorCode.SETTINGS_INVALID,
             )
         specs = topics.all()
-        with translate("listing topics"):
-            existing = set(await self._admin.list_topics())
+        existing = set(await self._retrying("listing topics", self._admin.list_topics))
         missing = [s for s in specs if s.name not in existing]
         if missing:
-            with translate("creating topics"):
-                resp = await self._admin.create_topics(
-                    [
-                        NewTopic(
-                            s.name,
-                            num_partitions=s.partitions,
-                            replication_factor=rf,
-                            topic_configs=dict(s.config),
-                        )
-                        for s in missing
-                    ]
+            new_topics = [
+                NewTopic(
+                    s.name,
+                    num_partitions=s.partitions,
+                    replication_factor=rf,
+                    topic_configs=dict(s.config),
                 )
+                for s in missing
+            ]
+            # Tried again only when it was not answered: then a topic it did create comes
+            # back as TOPIC_ALREADY_EXISTS and is checked like any existing one.
+            resp = await self._retrying(
+                "creating topics", lambda: self._admin.create_topics(new_topics)
+            )
             failures: list[str] = []
             for name, code, message in _topic_errors(resp):
                 if code == 36:  # TOPIC_ALREADY_EXISTS: listed late, or a concurrent creator won
@@ -704,28 +734,40 @@ class Admin(_Lifecycle):
 
     async def _default_replication_factor(self) -> int:
         """The cluster's ``default.replication.factor``, as one of its brokers reports it."""
-        with translate("describing the cluster"):
+        key = "default.replication.factor"
+        attempt = 0
+
+        async def ask() -> list[Any]:
+            nonlocal attempt
             cluster = await self._admin.describe_cluster()
             brokers = sorted(b["node_id"] for b in cluster.get("brokers", []))
             if not brokers:
                 raise BusError("the cluster reports no brokers", code=ErrorCode.BROKER_UNAVAILABLE)
-            key = "default.replication.factor"
-            configs = await self._admin.describe_configs(
-                [ConfigResource(ConfigResourceType.BROKER, str(brokers[0]), {key: None})]
-            )
+            # Another broker on each attempt: the one asked may be dead and not fenced yet.
+            broker = brokers[attempt % len(brokers)]
+            attempt += 1
+            resource = ConfigResource(ConfigResourceType.BROKER, str(broker), {key: None})
+            return list(await self._admin.describe_configs([resource]))
+
+        configs = await self._retrying("reading the cluster's default replication factor", ask)
         for resp in configs:
             for resource in resp.resources:
-                error_code, error_message, entries = resource[0], resource[1], resource[4]
+                error_code, error_message, name, entries = (
+                    resource[0],
+                    resource[1],
+                    resource[3],
+                    resource[4],
+                )
                 if error_code != 0:
                     raise BusError(
-                        f"reading {key} of broker {brokers[0]}: "
+                        f"reading {key} of broker {name}: "
                         f"{_kafka_error_name(error_code)}: {error_message or ''}".strip()
                         + "; a replication factor set explicitly needs no such read"
                     )
                 for entry in entries or []:
                     if entry[0] == key and entry[1] is not None:
                         return int(entry[1])
-        raise BusError(f"broker {brokers[0]} did not report {key}")
+        raise BusError(f"the cluster did not report {key}")
 
     async def _differences(self, specs: list[TopicSpec]) -> list[str]:
         # A topic created a moment ago (by someone else) may not be described yet: no partitions,
@@ -762,11 +804,16 @@ class Admin(_Lifecycle):
         self, specs: list[TopicSpec]
     ) -> tuple[dict[str, list[int]], dict[str, dict[str, str]]]:
         """Per topic: the replica count of each of its partitions, and its configs."""
-        with translate("describing topics"):
-            described = await self._admin.describe_topics([s.name for s in specs])
-            configs = await self._admin.describe_configs(
-                [ConfigResource(ConfigResourceType.TOPIC, s.name) for s in specs]
-            )
+        names = [s.name for s in specs]
+        described = await self._retrying(
+            "describing topics", lambda: self._admin.describe_topics(names)
+        )
+        configs = await self._retrying(
+            "describing topic configs",
+            lambda: self._admin.describe_configs(
+                [ConfigResource(ConfigResourceType.TOPIC, name) for name in names]
+            ),
+        )
         partitions = {d["topic"]: [len(p["replicas"]) for p in d["partitions"]] for d in described}
         actual_cfg: dict[str, dict[str, str]] = {}
         for resp in configs:
