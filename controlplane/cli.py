@@ -16,7 +16,15 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from controlplane.broker import DEFAULT_CONTROLLER_PORT, DEFAULT_PORT, BrokerConfig, LocalBroker
+from controlplane.broker import (
+    DEFAULT_CONTROLLER_PORT,
+    DEFAULT_PORT,
+    BrokerConfig,
+    ClusterConfig,
+    ClusterStatus,
+    LocalBroker,
+    LocalCluster,
+)
 from controlplane.errors import BusError, ControlPlaneError, ErrorCode
 from controlplane.settings import DEFAULT_BOOTSTRAP, KafkaSettings
 
@@ -110,6 +118,39 @@ def _broker(
     )
 
 
+def _cluster(
+    nodes: int,
+    port: int,
+    controller_port: int,
+    data_dir: Path,
+    java: str = "java",
+    heap_mb: int = 512,
+) -> LocalCluster:
+    """A cluster of ``nodes``; one already laid out in ``data_dir`` keeps its ports."""
+    config = ClusterConfig(
+        nodes=nodes,
+        port=port,
+        controller_port=controller_port,
+        data_dir=data_dir,
+        java=java,
+        heap_mb=heap_mb,
+    )
+    saved = LocalCluster.load(data_dir)
+    if saved is not None and saved.config.nodes == nodes:
+        config.ports = saved.config.client_ports()
+        config.controller_ports = saved.config.quorum_ports()
+    return LocalCluster(config)
+
+
+def _cluster_line(status: ClusterStatus) -> str:
+    up = status.running_nodes
+    pids = ", ".join(str(n.pid) for n in status.nodes if n.pid is not None)
+    return (
+        f"Apache Kafka {status.kafka_version} cluster, {len(up)} of {len(status.nodes)} nodes "
+        f"at {status.bootstrap} (pids {pids})"
+    )
+
+
 PortOpt = Annotated[int, typer.Option("--port", help="Client port on 127.0.0.1.")]
 CPortOpt = Annotated[int, typer.Option("--controller-port", help="KRaft controller port.")]
 DataOpt = Annotated[Path, typer.Option("--data-dir", help="Broker data and log directory.")]
@@ -123,11 +164,24 @@ def broker_start(
     java: Annotated[str, typer.Option(help="Java executable (17+).")] = "java",
     heap_mb: Annotated[int, typer.Option(help="Broker JVM heap in MB.")] = 512,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for readiness.")] = 90.0,
+    nodes: Annotated[
+        int,
+        typer.Option(
+            "--nodes",
+            help="Combined broker+controller nodes (N > 1: a local cluster; node i listens on "
+            "--port + 2(i-1) and --controller-port + 2(i-1), data in DATA_DIR/node-i).",
+        ),
+    ] = 1,
 ) -> None:
     """Resolve Kafka's jars (cached), format KRaft storage, start, wait until it serves."""
-    broker = _broker(port, controller_port, data_dir, java, heap_mb)
     try:
-        status = broker.start(timeout=timeout)
+        if nodes != 1 or LocalCluster.load(data_dir) is not None:
+            cluster = _cluster(nodes, port, controller_port, data_dir, java, heap_mb)
+            cstatus = cluster.start(timeout=max(timeout, 120.0))
+            typer.echo(f"{_cluster_line(cstatus)} running; data {cstatus.data_dir}")
+            typer.echo(cstatus.bootstrap)
+            return
+        status = _broker(port, controller_port, data_dir, java, heap_mb).start(timeout=timeout)
     except ControlPlaneError as exc:
         raise fail(exc) from None
     typer.echo(
@@ -160,7 +214,16 @@ def broker_stop(
     controller_port: CPortOpt = DEFAULT_CONTROLLER_PORT,
     data_dir: DataOpt = Path(".fleet/broker"),
 ) -> None:
-    """Stop the broker: SIGTERM, wait, then SIGKILL."""
+    """Stop the broker (or every node of a cluster): SIGTERM, wait, then SIGKILL."""
+    try:
+        cluster = LocalCluster.load(data_dir)
+    except ControlPlaneError as exc:
+        raise fail(exc) from None
+    if cluster is not None:
+        count = len(cluster.status().running_nodes)
+        cluster.stop()
+        typer.echo(f"stopped ({count} of {len(cluster.nodes)} nodes)" if count else "not running")
+        return
     stopped = _broker(port, controller_port, data_dir).stop()
     typer.echo("stopped" if stopped else "not running")
 
@@ -171,7 +234,20 @@ def broker_status(
     controller_port: CPortOpt = DEFAULT_CONTROLLER_PORT,
     data_dir: DataOpt = Path(".fleet/broker"),
 ) -> None:
-    """Say whether the broker runs; exit 1 when it does not."""
+    """Say whether the broker (or every node of a cluster) runs; exit 1 when it does not."""
+    try:
+        cluster = LocalCluster.load(data_dir)
+    except ControlPlaneError as exc:
+        raise fail(exc) from None
+    if cluster is not None:
+        cstatus = cluster.status()
+        if not cstatus.running_nodes:
+            typer.echo("not running")
+            raise typer.Exit(Exit.FAILED)
+        typer.echo(f"{'running' if cstatus.running else 'degraded'}: {_cluster_line(cstatus)}")
+        if not cstatus.running:
+            raise typer.Exit(Exit.FAILED)
+        return
     status = _broker(port, controller_port, data_dir).status()
     if status.running:
         typer.echo(

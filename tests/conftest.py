@@ -1,6 +1,8 @@
 """Shared fixtures: a real Apache Kafka broker for the session, and isolated topics per test.
 
 Set KAFKA_BOOTSTRAP=host:port to run the Kafka tests against an existing cluster instead.
+``kafka_cluster`` is a local 3-node KRaft cluster (started only by the tests that ask for it,
+once per session): tests may crash and restart its nodes, and must leave all three running.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.broker import BrokerConfig, LocalBroker
+from controlplane.broker import BrokerConfig, ClusterConfig, LocalBroker, LocalCluster
 from controlplane.bus import Admin, probe_sync
 from controlplane.settings import KafkaSettings
 
@@ -84,6 +86,32 @@ def kafka_bootstrap(
         yield broker.bootstrap
     finally:
         broker.stop()
+
+
+@pytest.fixture(scope="session")
+def kafka_cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    """A local 3-node KRaft cluster (combined broker+controller nodes 1..3, RF 3, min ISR 2)."""
+    cluster = LocalCluster(
+        ClusterConfig(
+            nodes=3,
+            ports=[free_port() for _ in range(3)],
+            controller_ports=[free_port() for _ in range(3)],
+            data_dir=tmp_path_factory.mktemp("kafka-cluster"),
+            heap_mb=256,
+        )
+    )
+    status = cluster.start(timeout=180)
+    say(
+        request.config,
+        f"\n[kafka] started a {len(status.nodes)}-node Apache Kafka {status.kafka_version} "
+        f"cluster (KRaft, pids {', '.join(str(n.pid) for n in status.nodes)}) at {status.bootstrap}",
+    )
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture

@@ -1,0 +1,197 @@
+"""The local 3-node KRaft cluster: it starts as one cluster, replicated writes survive a crashed
+leader, and a crashed node rejoins.
+
+One cluster for the whole session (``kafka_cluster``); every test here leaves all three nodes
+running (the ``cluster`` fixture restarts any node a failing test left down).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+from controlplane.broker import LocalCluster
+from controlplane.bus import probe, probe_sync
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+NODES = 3
+
+
+@pytest.fixture
+def cluster(kafka_cluster: LocalCluster) -> Iterator[LocalCluster]:
+    yield kafka_cluster
+    # Heal: whatever a test crashed comes back before the next one.
+    for node_id in range(1, NODES + 1):
+        if not kafka_cluster.node(node_id).status().running:
+            kafka_cluster.start_node(node_id, timeout=180)
+    kafka_cluster.wait_for_brokers(NODES, timeout=180)
+
+
+async def _until(predicate: Callable[[], Awaitable[bool]], *, timeout: float, what: str) -> None:
+    """Poll ``predicate`` until it holds; fail naming ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await predicate():
+            return
+        await asyncio.sleep(0.25)
+    pytest.fail(f"not within {timeout:.0f}s: {what}")
+
+
+async def _partition(admin: AIOKafkaAdminClient, topic: str) -> dict[str, Any]:
+    """Partition 0's metadata; empty while the topic is not yet known (just created)."""
+    [described] = await admin.describe_topics([topic])
+    partitions = [p for p in described["partitions"] if p["partition"] == 0]
+    return dict(partitions[0]) if described["error_code"] == 0 and partitions else {}
+
+
+def test_three_nodes_one_cluster(cluster: LocalCluster) -> None:
+    status = cluster.status()
+    assert status.running and status.running_nodes == [1, 2, 3]
+    assert len(status.bootstrap.split(",")) == NODES
+    info = probe_sync(cluster.bootstrap, timeout=20)
+    assert info.brokers == NODES
+    assert info.controller_id in (1, 2, 3)
+    # Every node answers for the same cluster, the one its storage was formatted with.
+    for node in cluster.nodes:
+        assert probe_sync(node.bootstrap, timeout=20).cluster_id == status.cluster_id
+        meta = (node.data_dir / "kraft-logs" / "meta.properties").read_text()
+        assert f"cluster.id={status.cluster_id}" in meta
+        assert f"node.id={node.config.node_id}" in meta
+
+
+async def test_replication_defaults_follow_the_node_count(cluster: LocalCluster) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=cluster.bootstrap)
+    await admin.start()
+    try:
+        wanted = {
+            "default.replication.factor": "3",
+            "min.insync.replicas": "2",
+            "offsets.topic.replication.factor": "3",
+            "transaction.state.log.replication.factor": "3",
+        }
+        for node_id in range(1, NODES + 1):
+            [resp] = await admin.describe_configs(
+                [ConfigResource(ConfigResourceType.BROKER, str(node_id), dict.fromkeys(wanted))]
+            )
+            [resource] = resp.resources
+            assert resource[0] == 0, resource
+            got = {entry[0]: entry[1] for entry in resource[4]}
+            assert {k: got.get(k) for k in wanted} == wanted, node_id
+    finally:
+        await admin.close()
+
+
+async def test_acks_all_survives_a_crashed_leader_and_the_node_rejoins(
+    cluster: LocalCluster,
+) -> None:
+    topic = f"rf3-{uuid.uuid4().hex[:8]}"
+    bootstrap = cluster.bootstrap
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True)
+    try:
+        await admin.create_topics(
+            [
+                NewTopic(
+                    topic,
+                    num_partitions=1,
+                    replication_factor=3,
+                    topic_configs={"min.insync.replicas": "2"},
+                )
+            ]
+        )
+
+        async def fully_replicated() -> bool:
+            p = await _partition(admin, topic)
+            return p.get("error_code") == 0 and len(p["isr"]) == NODES
+
+        await _until(fully_replicated, timeout=60, what=f"{topic} has 3 in-sync replicas")
+        await producer.start()
+        async with asyncio.timeout(60):
+            await producer.send_and_wait(topic, b"before")
+
+        leader = int((await _partition(admin, topic))["leader"])
+        assert leader in (1, 2, 3)
+        assert await asyncio.to_thread(cluster.stop_node, leader, kill=True)
+        # The crash is seen: KRaft fences the dead broker, leaving two.
+        await asyncio.to_thread(cluster.wait_for_brokers, NODES - 1, timeout=120)
+
+        # Two in-sync replicas are left: min.insync.replicas=2 still takes acks=all writes.
+        async with asyncio.timeout(120):
+            await producer.send_and_wait(topic, b"after")
+        now = await _partition(admin, topic)
+        assert now["leader"] != leader and leader not in now["isr"], now
+
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest"
+        )
+        await consumer.start()
+        try:
+            tp = TopicPartition(topic, 0)
+            consumer.assign([tp])
+            await consumer.seek_to_beginning(tp)
+            values: list[bytes] = []
+            async with asyncio.timeout(60):
+                while len(values) < 2:
+                    batch = await consumer.getmany(tp, timeout_ms=1000)
+                    values += [m.value for m in batch.get(tp, []) if m.value is not None]
+            assert values == [b"before", b"after"]
+        finally:
+            await consumer.stop()
+
+        # The crashed node comes back: three brokers, and it catches up into the ISR.
+        await asyncio.to_thread(cluster.start_node, leader, timeout=180)
+        assert (await probe(bootstrap, timeout=20)).brokers == NODES
+        await _until(fully_replicated, timeout=120, what=f"node {leader} back in {topic}'s ISR")
+    finally:
+        await producer.stop()
+        await admin.close()
+
+
+def test_clean_stop_and_start_of_one_node(cluster: LocalCluster) -> None:
+    assert cluster.stop_node(3, kill=False)
+    assert not cluster.node(3).status().running
+    assert cluster.wait_for_brokers(NODES - 1, timeout=120) == NODES - 1
+    assert cluster.status().running_nodes == [1, 2]
+    status = cluster.start_node(3, timeout=180)
+    assert status.running_nodes == [1, 2, 3]
+    assert probe_sync(cluster.bootstrap, timeout=20).brokers == NODES
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "controlplane", "broker", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_cli_finds_the_cluster_in_its_data_dir(cluster: LocalCluster) -> None:
+    data_dir = str(cluster.data_dir)
+    out = _cli("status", "--data-dir", data_dir)
+    assert out.returncode == 0, out.stderr
+    assert "3 of 3 nodes" in out.stdout and cluster.bootstrap in out.stdout
+    # Starting it again is a no-op that prints the bootstrap list.
+    out = _cli("start", "--nodes", "3", "--data-dir", data_dir)
+    assert out.returncode == 0, out.stderr
+    assert cluster.bootstrap in out.stdout
+    # A different size for the same directory is a coded error, not a second cluster.
+    out = _cli("start", "--nodes", "2", "--data-dir", data_dir)
+    assert out.returncode == 1
+    assert "SETTINGS_INVALID" in out.stderr and "Traceback" not in out.stderr
+    out = _cli("start", "--data-dir", data_dir)
+    assert out.returncode == 1
+    assert "SETTINGS_INVALID" in out.stderr and "--nodes 3" in out.stderr
