@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.broker import BrokerConfig, LocalBroker, default_cache_dir
+from controlplane.broker import (
+    BrokerConfig,
+    ClusterConfig,
+    LocalBroker,
+    LocalCluster,
+    default_cache_dir,
+)
 from controlplane.bus import probe_sync
 from controlplane.errors import BrokerError, ErrorCode
 from tests.conftest import free_port
@@ -166,10 +172,8 @@ def test_a_cluster_id_that_starts_with_a_dash_formats(
     must not read such an id as an option."""
     import uuid
 
-    import controlplane.broker as broker_module
-
     forced = uuid.UUID(bytes=bytes([0xF8]) + uuid.uuid4().bytes[1:])
-    monkeypatch.setattr(broker_module.uuid, "uuid4", lambda: forced)
+    monkeypatch.setattr("controlplane.broker.uuid.uuid4", lambda: forced)
     broker = LocalBroker(_config(tmp_path))
     try:
         broker.start(timeout=120)
@@ -177,3 +181,121 @@ def test_a_cluster_id_that_starts_with_a_dash_formats(
         assert cluster_id is not None and cluster_id.startswith("-"), cluster_id
     finally:
         broker.stop()
+
+
+# --------------------------------------------------------------------------- a local cluster
+
+
+def _cluster_config(tmp_path: Path, nodes: int, **kw: object) -> ClusterConfig:
+    return ClusterConfig(
+        nodes=nodes,
+        ports=[free_port() for _ in range(nodes)],
+        controller_ports=[free_port() for _ in range(nodes)],
+        data_dir=tmp_path / "cluster",
+        heap_mb=256,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize(("nodes", "rf", "min_isr"), [(1, 1, 1), (2, 2, 1), (3, 3, 2), (5, 3, 2)])
+def test_cluster_replication_defaults_follow_n(nodes: int, rf: int, min_isr: int) -> None:
+    config = ClusterConfig(nodes=nodes)
+    props = config.replication_properties()
+    assert props["default.replication.factor"] == str(rf)
+    assert props["offsets.topic.replication.factor"] == str(rf)
+    assert props["transaction.state.log.replication.factor"] == str(rf)
+    assert props["min.insync.replicas"] == str(min_isr)
+    assert props["transaction.state.log.min.isr"] == str(min_isr)
+
+
+def test_cluster_nodes_share_one_static_quorum(tmp_path: Path) -> None:
+    """Default ports step by 2 from --port/--controller-port; every node names all voters, has its
+    own node id, data dir and listeners, and the same cluster id."""
+    cluster = LocalCluster(ClusterConfig(nodes=3, data_dir=tmp_path / "c"))
+    assert cluster.bootstrap == "127.0.0.1:19092,127.0.0.1:19094,127.0.0.1:19096"
+    voters = "1@127.0.0.1:19093,2@127.0.0.1:19095,3@127.0.0.1:19097"
+    for i, node in enumerate(cluster.nodes, start=1):
+        props = node._properties()
+        assert props["node.id"] == str(i)
+        assert props["controller.quorum.voters"] == voters
+        assert "controller.quorum.bootstrap.servers" not in props
+        assert props["listeners"] == (
+            f"PLAINTEXT://127.0.0.1:{19090 + 2 * i},CONTROLLER://127.0.0.1:{19091 + 2 * i}"
+        )
+        assert props["log.dirs"] == str(tmp_path / "c" / f"node-{i}" / "kraft-logs")
+        assert props["default.replication.factor"] == "3"
+        assert node.config.cluster_id == cluster.cluster_id
+    # A lone broker keeps its standalone quorum.
+    alone = LocalBroker(_config(tmp_path))._properties()
+    assert alone["node.id"] == "1" and "controller.quorum.voters" not in alone
+    assert alone["controller.quorum.bootstrap.servers"].startswith("127.0.0.1:")
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"nodes": 0},
+        {"nodes": 2, "port": 20000, "controller_port": 20002},  # node 2's client port
+        {"nodes": 2, "ports": [20000], "controller_ports": [20001, 20003]},
+    ],
+)
+def test_cluster_bad_layout_is_a_coded_error(tmp_path: Path, kw: dict[str, object]) -> None:
+    with pytest.raises(BrokerError) as info:
+        LocalCluster(ClusterConfig(data_dir=tmp_path / "c", **kw))  # type: ignore[arg-type]
+    assert info.value.code is ErrorCode.SETTINGS_INVALID
+
+
+def test_cluster_refuses_a_single_broker_dir_and_unknown_nodes(tmp_path: Path) -> None:
+    (tmp_path / "c" / "kraft-logs").mkdir(parents=True)
+    with pytest.raises(BrokerError) as info:
+        LocalCluster(ClusterConfig(nodes=3, data_dir=tmp_path / "c"))
+    assert info.value.code is ErrorCode.SETTINGS_INVALID
+    assert "single-node" in info.value.message
+    cluster = LocalCluster(ClusterConfig(nodes=2, data_dir=tmp_path / "d"))
+    with pytest.raises(BrokerError) as info:
+        cluster.stop_node(3)
+    assert info.value.code is ErrorCode.SETTINGS_INVALID
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_cli_starts_reports_and_stops_a_cluster(tmp_path: Path) -> None:
+    """`broker start --nodes 2` prints the bootstrap list; status and stop find the cluster by its
+    data dir; a node that dies makes status say so (exit 1)."""
+    import subprocess
+
+    data_dir = str(tmp_path / "c")
+    port, cport = free_port(), free_port()
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "controlplane", "broker", *args, "--data-dir", data_dir],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+
+    # Ports step by 2: pick a client/controller pair whose next pair is most likely free too.
+    out = cli("start", "--nodes", "2", "--port", str(port), "--controller-port", str(cport))
+    cluster = LocalCluster.load(Path(data_dir))
+    assert cluster is not None
+    try:
+        if out.returncode != 0 and "PORT_IN_USE" in out.stderr:
+            pytest.skip(f"a derived port was taken: {out.stderr}")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines()[-1] == cluster.bootstrap
+        assert probe_sync(cluster.bootstrap, timeout=20).brokers == 2
+        out = cli("status")
+        assert out.returncode == 0 and "running:" in out.stdout and "2 of 2 nodes" in out.stdout
+        assert cluster.stop_node(2, kill=True)
+        out = cli("status")
+        assert out.returncode == 1 and "degraded:" in out.stdout and "1 of 2 nodes" in out.stdout
+        out = cli("stop")
+        assert out.returncode == 0 and out.stdout.strip() == "stopped (1 of 2 nodes)"
+        assert not any(n.status().running for n in cluster.nodes)
+        out = cli("status")
+        assert out.returncode == 1 and out.stdout.strip() == "not running"
+        assert cli("stop").stdout.strip() == "not running"
+    finally:
+        cluster.stop()
