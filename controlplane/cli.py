@@ -178,7 +178,7 @@ def broker_start(
         if nodes != 1 or LocalCluster.load(data_dir) is not None:
             cluster = _cluster(nodes, port, controller_port, data_dir, java, heap_mb)
             cstatus = cluster.start(timeout=max(timeout, 120.0))
-            typer.echo(f"{_cluster_line(cstatus)} running; data {cstatus.data_dir}")
+            typer.echo(f"running: {_cluster_line(cstatus)}; data {cstatus.data_dir}")
             typer.echo(cstatus.bootstrap)
             return
         status = _broker(port, controller_port, data_dir, java, heap_mb).start(timeout=timeout)

@@ -2,7 +2,8 @@
 
 Set KAFKA_BOOTSTRAP=host:port to run the Kafka tests against an existing cluster instead.
 ``kafka_cluster`` is a local 3-node KRaft cluster (started only by the tests that ask for it,
-once per session): tests may crash and restart its nodes, and must leave all three running.
+once per session): tests may crash and restart its nodes, and must leave all three running;
+``kafka_on_cluster`` is ``kafka`` on it.
 """
 
 from __future__ import annotations
@@ -112,6 +113,17 @@ def kafka_cluster(
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture
+async def kafka_on_cluster(kafka_cluster: LocalCluster) -> AsyncIterator[KafkaSettings]:
+    """Like ``kafka``, on the 3-node cluster: a fresh set of topics (the cluster's RF 3)."""
+    settings = KafkaSettings(
+        bootstrap_servers=kafka_cluster.bootstrap, topic_prefix=f"c{uuid.uuid4().hex[:10]}"
+    )
+    async with Admin(settings) as admin:
+        await admin.ensure_topics(settings.topics)
+    yield settings
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ from aiokafka.errors import KafkaError
 
 from controlplane.broker import LocalCluster
 from controlplane.bus import probe, probe_sync
+from controlplane.settings import KafkaSettings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -204,3 +205,32 @@ def test_cli_finds_the_cluster_in_its_data_dir(cluster: LocalCluster) -> None:
     out = _cli("start", "--data-dir", data_dir)
     assert out.returncode == 1
     assert "SETTINGS_INVALID" in out.stderr and "--nodes 3" in out.stderr
+
+
+async def test_the_products_topics_on_the_cluster_are_replicated(
+    cluster: LocalCluster, kafka_on_cluster: KafkaSettings
+) -> None:
+    """topics ensure with default settings takes the cluster's RF 3 and sets min ISR 2."""
+    names = [spec.name for spec in kafka_on_cluster.topics.all()]
+    assert len(names) == 3
+    admin = AIOKafkaAdminClient(bootstrap_servers=cluster.bootstrap)
+    await admin.start()
+    try:
+        for name in names:
+            [described] = await admin.describe_topics([name])
+            assert described["error_code"] == 0, described
+            assert {len(p["replicas"]) for p in described["partitions"]} == {NODES}, name
+        responses = await admin.describe_configs(
+            [
+                ConfigResource(ConfigResourceType.TOPIC, n, {"min.insync.replicas": None})
+                for n in names
+            ]
+        )
+        got = {
+            resource[3]: {entry[0]: entry[1] for entry in resource[4]}
+            for resp in responses
+            for resource in resp.resources
+        }
+        assert {n: got[n]["min.insync.replicas"] for n in names} == dict.fromkeys(names, "2")
+    finally:
+        await admin.close()
