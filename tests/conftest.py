@@ -115,6 +115,28 @@ def kafka_cluster(
         cluster.stop()
 
 
+async def partition_leader(bootstrap: str, topic: str, partition: int = 0) -> int | None:
+    """The node id leading ``topic``'s ``partition`` now, or None while it has none (or the
+    metadata request went to a node that just crashed): for fault tests on ``kafka_cluster``."""
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.errors import KafkaError
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        await admin.start()
+        [described] = await admin.describe_topics([topic])
+    except KafkaError:
+        return None
+    finally:
+        await admin.close()
+    if described["error_code"] != 0:
+        return None
+    for p in described["partitions"]:
+        if p["partition"] == partition and p["error_code"] == 0 and p["leader"] >= 0:
+            return int(p["leader"])
+    return None
+
+
 @pytest.fixture
 async def kafka_on_cluster(kafka_cluster: LocalCluster) -> AsyncIterator[KafkaSettings]:
     """Like ``kafka``, on the 3-node cluster: a fresh set of topics (the cluster's RF 3)."""

@@ -24,6 +24,7 @@ from aiokafka.errors import KafkaError
 from controlplane.broker import LocalCluster
 from controlplane.bus import probe, probe_sync
 from controlplane.settings import KafkaSettings
+from tests.conftest import partition_leader
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -127,7 +128,7 @@ async def test_acks_all_survives_a_crashed_leader_and_the_node_rejoins(
         async with asyncio.timeout(60):
             await producer.send_and_wait(topic, b"before")
 
-        leader = int((await _partition(admin, topic))["leader"])
+        leader = await partition_leader(bootstrap, topic)
         assert leader in (1, 2, 3)
         assert await asyncio.to_thread(cluster.stop_node, leader, kill=True)
         # The crash is seen: KRaft fences the dead broker, leaving two.
