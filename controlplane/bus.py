@@ -626,15 +626,20 @@ class Admin(_Lifecycle):
         """``call()``, tried again for up to the request timeout while Kafka is unavailable.
 
         A broker that died stays in the cluster's metadata until the cluster fences it (about
-        9 s), and aiokafka sends an admin request to a random broker (or the cached controller):
-        one dead node of three must not fail ``topics ensure``. Each retry refreshes the metadata.
+        9 s), and aiokafka sends an admin request to a random broker, or to the cached
+        controller, where it waits for a connection for the whole request timeout: one dead node
+        of three must not fail ``topics ensure``. So each attempt has at most a few seconds, and
+        each retry refreshes the metadata first. (A create that timed out after it was sent is
+        answered TOPIC_ALREADY_EXISTS when tried again.)
         """
         deadline = time.monotonic() + self._retry_s
+        attempt_s = min(5.0, self._retry_s)
         failed = False
         while True:
             try:
                 with translate(what):
-                    result = await call()
+                    async with asyncio.timeout(attempt_s):
+                        result = await call()
             except BusError as exc:
                 if exc.code is not ErrorCode.BROKER_UNAVAILABLE or time.monotonic() >= deadline:
                     raise

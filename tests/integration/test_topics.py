@@ -11,6 +11,7 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
+from controlplane.broker import LocalCluster
 from controlplane.bus import LOG_APPEND_TIME, Admin, Consumer, Producer, Record
 from controlplane.errors import BusError, ErrorCode, TopicMismatch
 from controlplane.settings import KafkaSettings
@@ -132,17 +133,24 @@ async def _replication(bootstrap: str, names: list[str]) -> dict[str, tuple[set[
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
-        described = await admin.describe_topics(names)
-        responses = await admin.describe_configs(
-            [ConfigResource(ConfigResourceType.TOPIC, name) for name in names]
-        )
+        # A broker other than the controller may not know a topic created a moment ago.
+        async with asyncio.timeout(30):
+            while True:
+                described = await admin.describe_topics(names)
+                responses = await admin.describe_configs(
+                    [ConfigResource(ConfigResourceType.TOPIC, name) for name in names]
+                )
+                configs = {
+                    resource[3]: {entry[0]: entry[1] for entry in resource[4]}
+                    for response in responses
+                    for resource in response.resources
+                    if resource[0] == 0
+                }
+                if set(configs) == set(names) and all(d["partitions"] for d in described):
+                    break
+                await asyncio.sleep(0.1)  # a poll interval, not a wait for something
     finally:
         await admin.close()
-    configs = {
-        resource[3]: {entry[0]: entry[1] for entry in resource[4]}
-        for response in responses
-        for resource in response.resources
-    }
     return {
         d["topic"]: (
             {len(p["replicas"]) for p in d["partitions"]},
@@ -321,3 +329,63 @@ async def _topic_names(bootstrap: str) -> list[str]:
     finally:
         await admin.close()
     return names
+
+
+# --------------------------------------------------------------------------- on the 3-node cluster
+
+
+@pytest.mark.slow
+async def test_on_the_3_node_cluster_ensure_makes_rf_3_min_isr_2_and_reports_rf_1(
+    kafka_cluster: LocalCluster,
+) -> None:
+    bootstrap = kafka_cluster.bootstrap
+    prefix = f"k{uuid.uuid4().hex[:8]}"
+    settings = KafkaSettings(bootstrap_servers=bootstrap, topic_prefix=prefix)
+    async with Admin(settings) as admin:
+        report = await admin.ensure_topics(settings.topics)
+    assert (report.replication_factor, report.min_insync_replicas) == (3, 2)
+    names = [t.name for t in settings.topics.all()]
+    assert await _replication(bootstrap, names) == {
+        f"{prefix}.commands": ({3}, "2", "false"),
+        f"{prefix}.acks": ({3}, "2", "false"),
+        f"{prefix}.workers": ({3}, "2", "false"),
+    }
+    # Topics made as the product made them before (RF 1) are a mismatch, not `ok`.
+    old = f"k{uuid.uuid4().hex[:8]}"
+    args = ["topics", "ensure", "-b", bootstrap, "--topic-prefix", old]
+    async with Admin(settings) as admin:
+        await admin.ensure_topics(Topics(prefix=old, replication_factor=1))
+    proc = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "controlplane", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert f"{old}.acks: replication factor 1, expected 3" in proc.stderr
+    assert f"{old}.acks: min.insync.replicas=1, expected 2" in proc.stderr
+
+
+@pytest.mark.slow
+async def test_ensure_works_while_a_crashed_node_is_not_yet_fenced(
+    kafka_cluster: LocalCluster,
+) -> None:
+    """A SIGKILLed node stays in the metadata for seconds; admin requests sent to it (aiokafka
+    picks a random broker) failed `topics ensure` with BROKER_UNAVAILABLE."""
+    bootstrap = kafka_cluster.bootstrap
+    existing = f"u{uuid.uuid4().hex[:8]}"
+    async with Admin(KafkaSettings(bootstrap_servers=bootstrap)) as admin:
+        await admin.ensure_topics(Topics(prefix=existing))
+    kafka_cluster.stop_node(2, kill=True)
+    try:
+        for _ in range(3):
+            for prefix in (existing, f"u{uuid.uuid4().hex[:8]}"):
+                settings = KafkaSettings(bootstrap_servers=bootstrap, topic_prefix=prefix)
+                async with Admin(settings) as admin:
+                    report = await admin.ensure_topics(settings.topics)
+                assert (report.replication_factor, report.min_insync_replicas) == (3, 2)
+    finally:
+        await asyncio.to_thread(kafka_cluster.start_node, 2, timeout=180)
