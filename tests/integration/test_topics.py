@@ -261,31 +261,6 @@ async def test_topics_with_fewer_replicas_than_wanted_are_reported_not_a_crash(
     assert "kafka-reassign-partitions.sh" in info.value.message
 
 
-async def test_on_a_replicated_cluster_an_rf_1_topic_is_reported_under_the_defaults(
-    kafka_bootstrap: str,
-) -> None:
-    """The issue's case: on a 3-node cluster, topics made with RF 1 used to pass as `ok`."""
-    _, default_rf = await _cluster(kafka_bootstrap)
-    if default_rf < 2:
-        pytest.skip(f"the cluster's default.replication.factor is {default_rf}: nothing to differ")
-    prefix = f"o{uuid.uuid4().hex[:8]}"
-    single = KafkaSettings(
-        bootstrap_servers=kafka_bootstrap, topic_prefix=prefix, replication_factor=1
-    )
-    defaults = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix)
-    async with Admin(defaults) as admin:
-        await admin.ensure_topics(single.topics)
-        with pytest.raises(TopicMismatch) as info:
-            await admin.ensure_topics(defaults.topics)
-    min_isr = default_rf - 1 if default_rf >= 3 else 1
-    expected = []
-    for topic in ("commands", "acks", "workers"):
-        expected.append(f"{prefix}.{topic}: replication factor 1, expected {default_rf}")
-        if min_isr != 1:
-            expected.append(f"{prefix}.{topic}: min.insync.replicas=1, expected {min_isr}")
-    assert info.value.differences == expected
-
-
 async def test_more_replicas_than_brokers_is_a_coded_error_in_the_brokers_words(
     kafka_bootstrap: str,
 ) -> None:
