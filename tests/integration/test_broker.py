@@ -299,3 +299,20 @@ def test_cli_starts_reports_and_stops_a_cluster(tmp_path: Path) -> None:
         assert cli("stop").stdout.strip() == "not running"
     finally:
         cluster.stop()
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_a_cluster_node_that_dies_during_start_shows_its_log(tmp_path: Path) -> None:
+    # Storage formats (its JVM has its own heap), but no Kafka node lives in 8 MB of heap.
+    config = _cluster_config(tmp_path, 2)
+    config.heap_mb = 8
+    cluster = LocalCluster(config)
+    try:
+        with pytest.raises(BrokerError) as info:
+            cluster.start(timeout=120)
+        assert info.value.code is ErrorCode.BROKER_DIED
+        assert "exited with status" in info.value.message and "broker.log" in info.value.message
+        assert cluster.status().running_nodes == []
+    finally:
+        cluster.stop()
