@@ -26,7 +26,7 @@ from controlplane.broker import (
     LocalCluster,
 )
 from controlplane.errors import BusError, ControlPlaneError, ErrorCode
-from controlplane.settings import DEFAULT_BOOTSTRAP, KafkaSettings
+from controlplane.settings import DEFAULT_BOOTSTRAP, KafkaSettings, load_settings
 
 T = TypeVar("T")
 
@@ -78,6 +78,7 @@ def fail(error: ControlPlaneError) -> typer.Exit:
         ErrorCode.NO_MATCHING_WORKERS,
         ErrorCode.TTL_TOO_LONG,
         ErrorCode.ROLLOUT_EXISTS,
+        ErrorCode.SETTINGS_INVALID,
     ):
         return typer.Exit(Exit.INVALID)
     return typer.Exit(Exit.FAILED)
@@ -262,17 +263,51 @@ def broker_status(
 
 
 @topics_app.command("ensure")
-def topics_ensure(bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP, prefix: PrefixOpt = "fleet") -> None:
+def topics_ensure(
+    bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
+    prefix: PrefixOpt = "fleet",
+    replication_factor: Annotated[
+        int | None,
+        typer.Option(
+            "--replication-factor",
+            envvar="FLEET_REPLICATION_FACTOR",
+            help="Replicas per partition; default: the cluster's default.replication.factor.",
+        ),
+    ] = None,
+    min_insync_replicas: Annotated[
+        int | None,
+        typer.Option(
+            "--min-insync-replicas",
+            envvar="FLEET_MIN_INSYNC_REPLICAS",
+            help="min.insync.replicas; default: the replication factor - 1 from 3, else 1.",
+        ),
+    ] = None,
+) -> None:
     """Create the topics, or check that existing ones match (exit 1 listing differences)."""
     from controlplane.bus import Admin
 
+    try:
+        settings = load_settings(
+            KafkaSettings,
+            bootstrap_servers=bootstrap,
+            topic_prefix=prefix,
+            replication_factor=replication_factor,
+            min_insync_replicas=min_insync_replicas,
+        )
+    except ControlPlaneError as exc:
+        raise fail(exc) from None
+
     async def go() -> None:
-        async with Admin(kafka_settings(bootstrap, prefix)) as admin:
-            report = await admin.ensure_topics(kafka_settings(bootstrap, prefix).topics)
+        async with Admin(settings) as admin:
+            report = await admin.ensure_topics(settings.topics)
         for name in report.created:
             typer.echo(f"created  {name}")
         for name in report.existing:
             typer.echo(f"ok       {name}")
+        typer.echo(
+            f"replication factor {report.replication_factor}, "
+            f"min.insync.replicas {report.min_insync_replicas}"
+        )
 
     run(go())
 

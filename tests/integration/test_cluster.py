@@ -201,10 +201,10 @@ def test_cli_finds_the_cluster_in_its_data_dir(cluster: LocalCluster) -> None:
     assert cluster.bootstrap in out.stdout
     # A different size for the same directory is a coded error, not a second cluster.
     out = _cli("start", "--nodes", "2", "--data-dir", data_dir)
-    assert out.returncode == 1
+    assert out.returncode == 3  # invalid input
     assert "SETTINGS_INVALID" in out.stderr and "Traceback" not in out.stderr
     out = _cli("start", "--data-dir", data_dir)
-    assert out.returncode == 1
+    assert out.returncode == 3
     assert "SETTINGS_INVALID" in out.stderr and "--nodes 3" in out.stderr
 
 

@@ -364,3 +364,38 @@ async def test_ensure_works_while_a_crashed_node_is_not_yet_fenced(
                 assert (report.replication_factor, report.min_insync_replicas) == (3, 2)
     finally:
         await asyncio.to_thread(kafka_cluster.start_node, 2, timeout=180)
+
+
+async def test_topics_ensure_takes_replication_options_and_refuses_bad_ones(
+    kafka_bootstrap: str,
+) -> None:
+    """As a user types it: more replicas than brokers, or a min ISR above the factor, is
+    invalid input (exit 3, one coded line in the broker's or our words); a valid pair is made
+    and said."""
+    brokers, _ = await _cluster(kafka_bootstrap)
+
+    def ensure(*extra: str) -> subprocess.CompletedProcess[str]:
+        prefix = f"o{uuid.uuid4().hex[:8]}"
+        args = ["topics", "ensure", "-b", kafka_bootstrap, "--topic-prefix", prefix, *extra]
+        return subprocess.run(
+            [sys.executable, "-m", "controlplane", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    proc = await asyncio.to_thread(ensure, "--replication-factor", str(brokers + 1))
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("error: SETTINGS_INVALID: "), proc.stderr
+    assert "INVALID_REPLICATION_FACTOR (38)" in proc.stderr and "Traceback" not in proc.stderr
+    proc = await asyncio.to_thread(
+        ensure, "--replication-factor", "2", "--min-insync-replicas", "3"
+    )
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "min" in proc.stderr and "Traceback" not in proc.stderr
+    proc = await asyncio.to_thread(
+        ensure, "--replication-factor", str(brokers), "--min-insync-replicas", "1"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"replication factor {brokers}, min.insync.replicas 1" in proc.stdout
