@@ -296,7 +296,9 @@ class LocalBroker:
     def stop(self, *, timeout: float = 30.0) -> bool:
         """SIGTERM, wait, then SIGKILL. Returns True if a broker was running. Idempotent."""
         pid = self._read_pid()
-        if pid is None or not _alive(pid):
+        if pid is None or not _alive(pid, self._proc):  # (polling our own child reaps it)
+            if self._proc is not None and self._proc.poll() is not None:
+                self._proc = None
             self.pid_file.unlink(missing_ok=True)
             return False
         with contextlib.suppress(ProcessLookupError):

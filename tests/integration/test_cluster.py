@@ -221,17 +221,25 @@ async def test_the_products_topics_on_the_cluster_are_replicated(
             [described] = await admin.describe_topics([name])
             assert described["error_code"] == 0, described
             assert {len(p["replicas"]) for p in described["partitions"]} == {NODES}, name
-        responses = await admin.describe_configs(
-            [
-                ConfigResource(ConfigResourceType.TOPIC, n, {"min.insync.replicas": None})
-                for n in names
-            ]
-        )
-        got = {
-            resource[3]: {entry[0]: entry[1] for entry in resource[4]}
-            for resp in responses
-            for resource in resp.resources
-        }
+        # A broker that has not applied the new topics' metadata yet answers without their
+        # configs: ask again until every topic's is there (a condition, with a deadline).
+        deadline = time.monotonic() + 60
+        while True:
+            responses = await admin.describe_configs(
+                [
+                    ConfigResource(ConfigResourceType.TOPIC, n, {"min.insync.replicas": None})
+                    for n in names
+                ]
+            )
+            got = {
+                resource[3]: {entry[0]: entry[1] for entry in resource[4]}
+                for resp in responses
+                for resource in resp.resources
+            }
+            if all("min.insync.replicas" in got.get(n, {}) for n in names):
+                break
+            assert time.monotonic() < deadline, f"configs never described: {got}"
+            await asyncio.sleep(0.2)
         assert {n: got[n]["min.insync.replicas"] for n in names} == dict.fromkeys(names, "2")
     finally:
         await admin.close()
