@@ -6,6 +6,7 @@ import asyncio
 import subprocess
 import sys
 import uuid
+from collections.abc import Awaitable
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -108,15 +109,7 @@ async def test_topics_created_without_log_append_time_are_reported_not_a_crash(
     assert info.value.differences == [
         f"{prefix}.workers: message.timestamp.type=CreateTime, expected LogAppendTime"
     ]
-    args = ["topics", "ensure", "-b", kafka_bootstrap, "--topic-prefix", prefix]
-    proc = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "controlplane", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = await topics_ensure(kafka_bootstrap, prefix)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error: TOPIC_MISMATCH: existing topics differ"), proc.stderr
@@ -227,15 +220,7 @@ async def test_a_topic_made_by_hand_with_another_min_insync_is_reported(
     ]
     assert "kafka-configs.sh" in info.value.message
     # As a user sees it: `topics ensure` exits 1 and names the difference, no traceback.
-    args = ["topics", "ensure", "-b", kafka_bootstrap, "--topic-prefix", prefix]
-    proc = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "controlplane", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = await topics_ensure(kafka_bootstrap, prefix)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error: TOPIC_MISMATCH: existing topics differ"), proc.stderr
@@ -327,17 +312,9 @@ async def test_on_the_3_node_cluster_ensure_makes_rf_3_min_isr_2_and_reports_rf_
     }
     # Topics made as the product made them before (RF 1) are a mismatch, not `ok`.
     old = f"k{uuid.uuid4().hex[:8]}"
-    args = ["topics", "ensure", "-b", bootstrap, "--topic-prefix", old]
     async with Admin(settings) as admin:
         await admin.ensure_topics(Topics(prefix=old, replication_factor=1))
-    proc = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "controlplane", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = await topics_ensure(bootstrap, old)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert f"{old}.acks: replication factor 1, expected 3" in proc.stderr
@@ -374,28 +351,31 @@ async def test_topics_ensure_takes_replication_options_and_refuses_bad_ones(
     and said."""
     brokers, _ = await _cluster(kafka_bootstrap)
 
-    def ensure(*extra: str) -> subprocess.CompletedProcess[str]:
-        prefix = f"o{uuid.uuid4().hex[:8]}"
-        args = ["topics", "ensure", "-b", kafka_bootstrap, "--topic-prefix", prefix, *extra]
-        return subprocess.run(
-            [sys.executable, "-m", "controlplane", *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+    def ensure(*extra: str) -> Awaitable[subprocess.CompletedProcess[str]]:
+        return topics_ensure(kafka_bootstrap, f"o{uuid.uuid4().hex[:8]}", *extra)
 
-    proc = await asyncio.to_thread(ensure, "--replication-factor", str(brokers + 1))
+    proc = await ensure("--replication-factor", str(brokers + 1))
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert proc.stderr.startswith("error: SETTINGS_INVALID: "), proc.stderr
     assert "INVALID_REPLICATION_FACTOR (38)" in proc.stderr and "Traceback" not in proc.stderr
-    proc = await asyncio.to_thread(
-        ensure, "--replication-factor", "2", "--min-insync-replicas", "3"
-    )
+    proc = await ensure("--replication-factor", "2", "--min-insync-replicas", "3")
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "min" in proc.stderr and "Traceback" not in proc.stderr
-    proc = await asyncio.to_thread(
-        ensure, "--replication-factor", str(brokers), "--min-insync-replicas", "1"
-    )
+    proc = await ensure("--replication-factor", str(brokers), "--min-insync-replicas", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"replication factor {brokers}, min.insync.replicas 1" in proc.stdout
+
+
+async def topics_ensure(
+    bootstrap: str, prefix: str, *extra: str
+) -> subprocess.CompletedProcess[str]:
+    """`controlplane topics ensure` as a user runs it, in a process of its own."""
+    args = ["topics", "ensure", "-b", bootstrap, "--topic-prefix", prefix, *extra]
+    return await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "controlplane", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
