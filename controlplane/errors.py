@@ -58,6 +58,9 @@ class ErrorCode(StrEnum):
     ROLLOUT_EXISTS = "ROLLOUT_EXISTS"
     # Kafka.
     BROKER_UNAVAILABLE = "BROKER_UNAVAILABLE"
+    #: A publish the cluster did not confirm within the delivery timeout: the record may
+    #: still be written (the producer was retrying), so "not published" would be a guess.
+    PUBLISH_OUTCOME_UNKNOWN = "PUBLISH_OUTCOME_UNKNOWN"
     TOPIC_MISMATCH = "TOPIC_MISMATCH"
     KAFKA_ERROR = "KAFKA_ERROR"
     # Local broker provisioning.

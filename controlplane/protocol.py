@@ -52,6 +52,8 @@ LATEST_TIME: Final = datetime(9000, 1, 1, tzinfo=UTC)
 MAX_COUNTER: Final = 2**53
 #: Upper bound of a heartbeat period, in seconds.
 MAX_HEARTBEAT_INTERVAL_S: Final = 3600
+#: The longest lease a heartbeat may ask for (three of the longest periods).
+MAX_LEASE_S: Final = 3 * MAX_HEARTBEAT_INTERVAL_S
 
 
 def _rfc3339_only(value: object) -> object:
@@ -390,7 +392,30 @@ class Heartbeat(_Wire):
         description="Heartbeat period (at most an hour); a worker silent for 3 periods is "
         "considered lost."
     )
+    lease_s: Annotated[float, Field(gt=0, le=MAX_LEASE_S)] | None = Field(
+        default=None,
+        description="How long this heartbeat vouches for the worker: readers consider it lost "
+        "when no newer heartbeat was appended within this many seconds (None: 3 periods). "
+        "At least one period.",
+    )
+    acks_unpublished: Annotated[int, Field(ge=0, le=MAX_COUNTER)] = Field(
+        default=0,
+        description="Acks the worker has journaled that Kafka has not confirmed yet.",
+    )
+    publish_failing_since: Timestamp | None = Field(
+        default=None,
+        description="Since when the worker's publishes to Kafka go unconfirmed (None: they go "
+        "through). A heartbeat carrying it was itself published late.",
+    )
     agent_version: str = ""
+
+    @model_validator(mode="after")
+    def _lease_covers_a_period(self) -> Heartbeat:
+        if self.lease_s is not None and self.lease_s < self.interval_s:
+            raise ValueError(
+                f"lease_s {self.lease_s:g} is shorter than the heartbeat period {self.interval_s:g}"
+            )
+        return self
 
 
 # --------------------------------------------------------------------------- codec

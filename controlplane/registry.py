@@ -44,8 +44,12 @@ def seconds(value: float, *, limit: float = MAX_INTERVAL_S) -> timedelta:
 
 
 def silence_limit(hb: Heartbeat) -> timedelta:
-    """How long after ``hb`` its worker still counts as alive without another heartbeat."""
-    return seconds(LIVENESS_PERIODS * hb.interval_s, limit=LIVENESS_PERIODS * MAX_INTERVAL_S)
+    """How long after ``hb`` its worker still counts as alive without another heartbeat: the
+    lease it asked for, else ``LIVENESS_PERIODS`` periods (docs/rollouts.md, Liveness)."""
+    limit = LIVENESS_PERIODS * MAX_INTERVAL_S
+    if hb.lease_s is not None:
+        return seconds(hb.lease_s, limit=limit)
+    return seconds(LIVENESS_PERIODS * hb.interval_s, limit=limit)
 
 
 def seen_at(hb: Heartbeat, received_at: datetime | None = None) -> datetime:
@@ -82,7 +86,7 @@ def lost_at(hb: Heartbeat, received_at: datetime | None = None) -> datetime:
 
 
 def is_alive(hb: Heartbeat, now: datetime, received_at: datetime | None = None) -> bool:
-    """Alive: not stopped, and received within ``LIVENESS_PERIODS`` periods of ``now``.
+    """Alive: not stopped, and received within its silence limit (lease) of ``now``.
 
     Judged on the reader's clock (``received_at``; None: the worker's own ``sent_at``), so a
     worker whose clock is behind is not judged lost for it.

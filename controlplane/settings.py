@@ -51,6 +51,15 @@ class KafkaSettings(BaseModel):
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     request_timeout_ms: int = Field(default=30_000, ge=1000)
+    delivery_timeout_ms: int = Field(
+        default=30_000,
+        ge=1000,
+        description=(
+            "How long one publish may wait for the cluster to confirm it (acks=all). Past it "
+            "the publish's outcome is unknown (PUBLISH_OUTCOME_UNKNOWN): the producer keeps "
+            "the record and may still write it."
+        ),
+    )
 
     @model_validator(mode="after")
     def _min_insync_fits(self) -> KafkaSettings:
