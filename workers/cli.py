@@ -112,6 +112,12 @@ def run(
     ] = None,
     state_dir: Annotated[Path | None, typer.Option(help="Local state directory.")] = None,
     heartbeat_s: Annotated[float | None, typer.Option(help="Heartbeat interval.")] = None,
+    lease_s: Annotated[
+        float | None,
+        typer.Option(
+            help="How long a heartbeat vouches for this worker (default: 10 heartbeat periods)."
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING.")] = "INFO",
 ) -> None:
     """Run a worker agent until SIGTERM/SIGINT (then drain: finish or time out, ack, stop).
@@ -143,6 +149,7 @@ def run(
             "allowed_roots": allow_root,
             "state_dir": state_dir,
             "heartbeat_interval_s": heartbeat_s,
+            "lease_s": lease_s,
             # Merged into the environment's FLEET_WORKER_KAFKA__* (validated with them).
             "kafka": {k: v for k, v in kafka_flags.items() if v is not None} or None,
         }

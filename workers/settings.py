@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from controlplane.errors import ControlPlaneError, ErrorCode
 from controlplane.protocol import (
+    MAX_LEASE_S,
     MAX_MESSAGE_BYTES,
     Heartbeat,
     Identifier,
@@ -27,6 +28,8 @@ from controlplane.settings import KafkaSettings, load_settings
 from workers.runner import RUNNERS
 
 ENV_PREFIX = "FLEET_WORKER_"
+#: Heartbeat periods a heartbeat vouches for the worker when ``lease_s`` is not set.
+LEASE_PERIODS = 10
 
 
 def _default_worker_id() -> str:
@@ -60,6 +63,17 @@ class WorkerSettings(BaseSettings):
         description="Local state (applied command ids, position, current weights); one subdir per worker.",
     )
     heartbeat_interval_s: float = Field(default=3.0, gt=0)
+    lease_s: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "How long each heartbeat vouches for this worker: readers count it lost when no"
+            " newer heartbeat arrived within this many seconds. None: LEASE_PERIODS heartbeat"
+            " periods (30 s with the default 3 s period), longer than Kafka takes to fence a"
+            " dead broker and elect new leaders (broker.session.timeout.ms, 9 s by default),"
+            " so a broker failover never makes a live worker look lost. At least one period."
+        ),
+    )
     command_timeout_s: float = Field(
         default=900.0, gt=0, description="Default per-command timeout."
     )
@@ -106,6 +120,16 @@ class WorkerSettings(BaseSettings):
         return name
 
     @model_validator(mode="after")
+    def _lease_covers_a_period(self) -> WorkerSettings:
+        if self.lease_s is not None and self.lease_s < self.heartbeat_interval_s:
+            raise ValueError(
+                f"lease_s {self.lease_s:g} is shorter than heartbeat_interval_s"
+                f" {self.heartbeat_interval_s:g}: a heartbeat must vouch for the worker at"
+                " least until the next one is due"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _fits_a_heartbeat(self) -> WorkerSettings:
         """What every heartbeat carries from here must pass the wire's rules now, not when the
         first heartbeat is built (after Kafka connects)."""
@@ -121,6 +145,7 @@ class WorkerSettings(BaseSettings):
                 sent_at=now,
                 started_at=now,
                 interval_s=self.heartbeat_interval_s,
+                lease_s=self.effective_lease_s,
             )
         except ValidationError as exc:
             problems = "; ".join(
@@ -137,6 +162,14 @@ class WorkerSettings(BaseSettings):
         return [r.expanduser().resolve() for r in roots]
 
     @property
+    def effective_lease_s(self) -> float:
+        """The lease every heartbeat carries: ``lease_s``, else :data:`LEASE_PERIODS` periods
+        (at most the longest lease the wire allows)."""
+        if self.lease_s is not None:
+            return self.lease_s
+        return min(LEASE_PERIODS * self.heartbeat_interval_s, MAX_LEASE_S)
+
+    @property
     def worker_state_dir(self) -> Path:
         """This worker's journal directory: one per worker id (see :func:`worker_dir_name`)."""
         return self.state_dir / worker_dir_name(self.worker_id)
@@ -148,6 +181,7 @@ _HEARTBEAT_FIELDS = {
     "labels": "labels",
     "runner": "runner",
     "interval_s": "heartbeat_interval_s",
+    "lease_s": "lease_s",
 }
 
 

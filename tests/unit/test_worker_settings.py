@@ -9,7 +9,7 @@ import pytest
 from pydantic import Field
 
 from controlplane.errors import ControlPlaneError, ErrorCode
-from controlplane.protocol import Heartbeat
+from controlplane.protocol import MAX_HEARTBEAT_INTERVAL_S, MAX_LEASE_S, Heartbeat
 from controlplane.settings import load_settings
 from workers import settings as settings_module
 from workers.settings import WorkerSettings, load_worker_settings, worker_dir_name
@@ -80,3 +80,59 @@ def test_each_worker_id_has_its_own_state_directory(tmp_path: Path) -> None:
     assert all(d.parent == tmp_path for d in dirs)  # "/" never makes a subdirectory
     assert directory("a/b") == tmp_path / "a%2Fb"
     assert worker_dir_name("a/b") != worker_dir_name("a_b")
+
+
+def test_the_lease_defaults_to_ten_periods_and_comes_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settings = WorkerSettings()
+    assert settings.lease_s is None
+    assert settings.effective_lease_s == 10 * settings.heartbeat_interval_s == 30
+    assert WorkerSettings(heartbeat_interval_s=0.5).effective_lease_s == 5
+    # The longest period still gets a lease the wire accepts (three periods at most).
+    longest = load_worker_settings(heartbeat_interval_s=MAX_HEARTBEAT_INTERVAL_S)
+    assert longest.effective_lease_s == MAX_LEASE_S
+    monkeypatch.setenv("FLEET_WORKER_LEASE_S", "12.5")
+    assert load_worker_settings().effective_lease_s == 12.5
+    assert load_worker_settings(lease_s=3).effective_lease_s == 3  # one period is enough
+
+
+@pytest.mark.parametrize(
+    ("values", "words"),
+    [
+        ({"lease_s": 2.9}, "shorter than heartbeat_interval_s 3"),
+        ({"lease_s": 5, "heartbeat_interval_s": 10}, "shorter than heartbeat_interval_s 10"),
+        ({"lease_s": 0}, "greater than 0"),
+        ({"lease_s": MAX_LEASE_S + 1}, "less than or equal to"),
+    ],
+)
+def test_a_lease_shorter_than_a_period_or_too_long_is_refused(
+    values: dict[str, float], words: str
+) -> None:
+    with pytest.raises(ControlPlaneError) as refused:
+        load_worker_settings(**values)
+    assert refused.value.code is ErrorCode.SETTINGS_INVALID
+    assert "lease_s" in refused.value.message and words in refused.value.message
+
+
+def test_the_lease_flag_is_checked_before_anything_connects(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from workers.cli import EXIT_SETTINGS, app
+
+    result = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "--runner",
+            "fake",
+            "--state-dir",
+            str(tmp_path),
+            "--heartbeat-s",
+            "2",
+            "--lease-s",
+            "1",
+        ],
+    )
+    assert result.exit_code == EXIT_SETTINGS, result.output
+    assert "SETTINGS_INVALID" in result.output and "lease_s 1" in result.output
