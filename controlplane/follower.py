@@ -17,6 +17,16 @@ folded everything: the time the last fetch was sent, for every partition whose p
 reached the end that fetch returned. It stops advancing while Kafka is unreachable (and while
 the reader lags), so liveness judged at that time never counts a silence it could not hear.
 
+A reader that also writes (``probe=True``: the coordinator, ``--wait``, ``status``) knows more:
+it appends a small probe record to the workers topic every ``probe_interval_s`` and reads it
+back. A record read from the workers partition with broker append time T proves that every
+heartbeat appended before T has been read too (one partition, read in order), so with probes
+:meth:`Follower.current_as_of` is also never later than the latest such T. When Kafka accepts
+no writes, or holds them back (a broker died and the in-sync replicas still list it, until it
+is fenced: ``acks=all`` writes wait on every partition it replicated; or fewer in-sync
+replicas than ``min.insync.replicas``), heartbeats stop arriving though every fetch answers:
+the probes stop too, and no worker is judged lost for a silence the log itself imposed.
+
 When a heartbeat was received (``received_at``, for liveness): the broker's append time when
 the workers topic says ``message.timestamp.type=LogAppendTime`` (topics.py asks for it); else
 the reader's clock when it fetched the record, once caught up (a live fetch brings what was
@@ -29,25 +39,41 @@ reader's clock: a heartbeat is never received in the future.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
+import json
 import logging
+import os
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from operator import attrgetter
-from typing import Any
+from typing import Any, Final
 
 from controlplane.ack_codec import AckLike, decode_ack_fast
-from controlplane.bus import LOG_APPEND_TIME, Consumer, Record, collector_paused, health
-from controlplane.errors import ProtocolError
+from controlplane.bus import (
+    LOG_APPEND_TIME,
+    Consumer,
+    Producer,
+    Record,
+    collector_paused,
+    health,
+)
+from controlplane.errors import BusError, ProtocolError
 from controlplane.lifecycle import AsyncService
 from controlplane.protocol import Command, Heartbeat, decode_command, decode_heartbeat
 from controlplane.rollout import Fleet
 from controlplane.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
+
+#: The key of the readers' probe records on the workers topic: one key for every reader, so
+#: compaction keeps one. Never a worker id (ids are identifiers: no NUL). Value: JSON
+#: ``{"probe": <reader id>, "sent_at": <unix seconds>}``.
+PROBE_KEY: Final = b"\x00probe"
 
 
 @dataclass
@@ -83,10 +109,24 @@ class Follower(AsyncService):
         fleet: Fleet | None = None,
         *,
         decode_ack: AckDecoder = decode_ack_fast,
+        probe: bool = False,
+        probe_interval_s: float = 1.0,
     ) -> None:
         """``decode_ack``: the compiled decoder by default; ``protocol.decode_ack`` gives the
-        same acks as pydantic models, several times slower."""
+        same acks as pydantic models, several times slower. ``probe``: write a probe record to
+        the workers topic every ``probe_interval_s`` and judge only up to what was read back
+        (see the module's docstring)."""
         self.settings = settings
+        self.probe = probe
+        self.probe_interval_s = probe_interval_s
+        self.reader_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        #: Probes this reader wrote and read back (diagnostics, tests).
+        self.probes_sent = 0
+        self.probes_read = 0
+        #: Unix time up to which the workers partition is known read: the latest broker append
+        #: time read there, or the send time of this reader's own probe read back.
+        self._written_until: float | None = None
+        self._probe_task: asyncio.Task[None] | None = None
         self.fleet = fleet if fleet is not None else Fleet()
         self.topics = settings.topics
         self.caught_up = asyncio.Event()
@@ -129,10 +169,46 @@ class Follower(AsyncService):
         elif gc.isenabled():  # (someone else's pause is theirs to end)
             gc.disable()
             self._paused_collector = True
+        if self.probe:
+            self._probe_task = asyncio.create_task(self._probe_loop(), name="follower-probe")
 
     async def stop(self) -> None:
         self._resume_collector()
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe_task
+            self._probe_task = None
         await self._consumer.stop()
+
+    async def _start_producer(self) -> Producer:
+        producer = Producer(self.settings, stop_timeout_s=1.0)
+        try:
+            await producer.start()
+        except BaseException:
+            await producer.stop()
+            raise
+        return producer
+
+    async def _probe_loop(self) -> None:
+        """Append a probe to the workers topic every ``probe_interval_s`` (one at a time: a
+        probe Kafka holds back is waited for, for at most the delivery timeout)."""
+        topic = self.topics.workers.name
+        producer: Producer | None = None
+        try:
+            while True:
+                try:
+                    if producer is None:
+                        producer = await self._start_producer()
+                    value = json.dumps({"probe": self.reader_id, "sent_at": time.time()})
+                    await producer.send(topic, value.encode(), key=PROBE_KEY)
+                    self.probes_sent += 1
+                except BusError as exc:
+                    log.debug("probe not written: %s", exc)
+                await asyncio.sleep(self.probe_interval_s)
+        finally:
+            if producer is not None:
+                await producer.stop()
 
     def _resume_collector(self) -> None:
         if self._paused_collector:
@@ -189,9 +265,13 @@ class Follower(AsyncService):
         folded: list[Any] = getattr(batch, kind)
         append = folded.append
         heartbeats = kind == "heartbeats"
+        if heartbeats:
+            self._note_written(records)
         for record in records:
             value = record.value
             if value is None:  # a tombstone on the compacted workers topic
+                continue
+            if heartbeats and record.key == PROBE_KEY:
                 continue
             try:
                 message = decode(value)
@@ -240,6 +320,31 @@ class Follower(AsyncService):
             return None
         return datetime.fromtimestamp(now, UTC)
 
+    def _note_written(self, records: list[Record]) -> None:
+        """Advance the workers partition's known-read time (see ``_written_until``)."""
+        latest = self._written_until
+        for record in records:
+            at: float | None = None
+            if record.key == PROBE_KEY and record.value is not None:
+                at = self._own_probe_sent_at(record.value)
+                if at is not None:
+                    self.probes_read += 1
+            if record.timestamp_type == LOG_APPEND_TIME and record.timestamp_ms >= 0:
+                at = record.timestamp_ms / 1000
+            if at is not None and (latest is None or at > latest):
+                latest = at
+        self._written_until = latest
+
+    def _own_probe_sent_at(self, value: bytes) -> float | None:
+        """When this reader sent the probe ``value`` (None: another reader's, or not one)."""
+        try:
+            probe = json.loads(value)
+            if probe.get("probe") == self.reader_id:
+                return float(probe["sent_at"])
+        except (ValueError, TypeError, KeyError, AttributeError):
+            pass
+        return None
+
     def current_as_of(self) -> datetime | None:
         """The time up to which this reader knows it has folded everything in the log: None
         before it caught up. Judge liveness at this time, never later: a reader cut off from
@@ -247,7 +352,18 @@ class Follower(AsyncService):
 
         Per partition, the time the last answered fetch was sent, once the position has reached
         the end that fetch reported; the oldest of them. It stops advancing while Kafka is
-        unreachable."""
+        unreachable. With probes, also never later than the workers partition is known read
+        (the latest broker append time read there): it stops advancing while Kafka holds
+        writes back."""
+        as_of = self.fetched_as_of()
+        if as_of is None or not self.probe:
+            return as_of
+        if self._written_until is None:
+            return None
+        return min(as_of, datetime.fromtimestamp(self._written_until, UTC))
+
+    def fetched_as_of(self) -> datetime | None:
+        """:meth:`current_as_of` by the consumer's fetches alone."""
         if not self.caught_up.is_set():
             return None
         progress = self._consumer.progress()

@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -22,7 +23,10 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 
 from controlplane.broker import LocalCluster
-from controlplane.bus import probe, probe_sync
+from controlplane.bus import Admin, Producer, probe, probe_sync
+from controlplane.follower import Follower
+from controlplane.protocol import Heartbeat, WorkerStatus, encode, utcnow
+from controlplane.registry import lost_at
 from controlplane.settings import KafkaSettings
 from tests.conftest import partition_leader
 
@@ -243,3 +247,95 @@ async def test_the_products_topics_on_the_cluster_are_replicated(
         assert {n: got[n]["min.insync.replicas"] for n in names} == dict.fromkeys(names, "2")
     finally:
         await admin.close()
+
+
+# --------------------------------------------------------------------------- liveness
+#
+# A broker dies: until KRaft fences it (broker.session.timeout.ms), acks=all writes wait on
+# every partition whose in-sync replicas still list it; after, with min.insync.replicas equal
+# to the replication factor, they are refused. Every fetch still answers meanwhile: a reader
+# that judged by its fetches alone would call every worker lost.
+
+
+async def test_a_prober_judges_no_worker_lost_while_kafka_holds_writes_back(
+    cluster: LocalCluster,
+) -> None:
+    prefix = f"p{uuid.uuid4().hex[:8]}"
+    settings = KafkaSettings(
+        bootstrap_servers=cluster.bootstrap,
+        topic_prefix=prefix,
+        replication_factor=NODES,
+        min_insync_replicas=NODES,  # one node down: no write is taken
+        delivery_timeout_ms=2000,
+    )
+    async with Admin(settings) as admin:
+        await admin.ensure_topics(settings.topics)
+    # A lease longer than the fencing delay (9 s): both phases, held back then refused, pass.
+    hb = Heartbeat(
+        worker_id="w-quiet",
+        runner="fake",
+        device="cpu",
+        status=WorkerStatus.READY,
+        seq=1,
+        sent_at=utcnow(),
+        started_at=utcnow(),
+        interval_s=5.0,
+        lease_s=15.0,
+    )
+    async with (
+        Follower(settings, probe=True, probe_interval_s=0.2) as prober,
+        Follower(settings) as reader,
+    ):
+        await prober.catch_up()
+        await reader.catch_up()
+        async with Producer(settings) as producer:
+            await producer.send(settings.topics.workers.name, encode(hb), key=b"w-quiet")
+
+        def both_see_it() -> bool:
+            return all(
+                "w-quiet" in f.fleet.registry and f.current_as_of() is not None
+                for f in (prober, reader)
+            )
+
+        await _poll_until([prober, reader], both_see_it, timeout=60)
+        assert prober.probes_read > 0
+        lost = lost_at(hb, prober.fleet.registry.received_at("w-quiet"))
+
+        leader = await partition_leader(cluster.bootstrap, settings.topics.workers.name)
+        victim = next(n for n in range(1, NODES + 1) if n != leader)
+        assert await asyncio.to_thread(cluster.stop_node, victim, kill=True)
+        try:
+            # Every fetch answers, so a plain reader's time runs on past the lease...
+            def fetched_past_the_lease() -> bool:
+                fetched = prober.fetched_as_of()
+                return fetched is not None and fetched >= lost and _as_of(reader) >= lost
+
+            await _poll_until([prober, reader], fetched_past_the_lease, timeout=120)
+            assert not reader.fleet.registry.is_alive("w-quiet", _as_of(reader))
+            # ...while the prober judges only up to what it read of the log: alive there.
+            assert _as_of(prober) < lost
+            assert prober.fleet.registry.is_alive("w-quiet", _as_of(prober))
+        finally:
+            await asyncio.to_thread(cluster.start_node, victim, timeout=180)
+        # Writes go through again: the silence is real now, and the prober sees it.
+        await _poll_until([prober], lambda: _as_of(prober) >= lost, timeout=120)
+        assert not prober.fleet.registry.is_alive("w-quiet", _as_of(prober))
+        # Probes are neither workers nor garbage, to either reader.
+        for follower in (prober, reader):
+            assert list(follower.fleet.registry.heartbeats()) == [
+                follower.fleet.registry.latest("w-quiet")
+            ]
+            assert follower.undecodable == 0 and follower.fold_errors == 0
+
+
+async def _poll_until(followers: list[Follower], done: Callable[[], bool], timeout: float) -> None:
+    async with asyncio.timeout(timeout):
+        while not done():
+            for follower in followers:
+                await follower.poll(timeout_s=0.05)
+
+
+def _as_of(follower: Follower) -> datetime:
+    as_of = follower.current_as_of()
+    assert as_of is not None
+    return as_of

@@ -6,7 +6,7 @@ import asyncio
 import gc
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 
 import pytest
@@ -254,3 +254,37 @@ async def test_without_log_append_time_replayed_keeps_its_own_clock_live_gets_th
     got = {hb.worker_id: at for hb, at in fleet.received}
     assert got["w-replayed"] is None  # the registry falls back to the heartbeat's sent_at
     assert got["w-live"] is not None and before <= got["w-live"] <= after
+
+
+# --------------------------------------------------------------------------- probes
+#
+# A prober holding back its judgement while Kafka holds writes back needs a cluster:
+# tests/integration/test_cluster.py.
+
+
+async def test_without_probes_nothing_is_written_and_the_time_is_the_fetches(
+    kafka: KafkaSettings,
+) -> None:
+    async with Follower(kafka) as follower:
+        await follower.catch_up()
+        await _poll_until([follower], lambda: follower.current_as_of() is not None)
+        assert follower.probes_sent == 0
+        end = await _workers_end(kafka)
+    assert end == 0
+
+
+async def _poll_until(
+    followers: list[Follower], done: Callable[[], bool], timeout: float = 60.0
+) -> None:
+    async with asyncio.timeout(timeout):
+        while not done():
+            for follower in followers:
+                await follower.poll(timeout_s=0.05)
+
+
+async def _workers_end(settings: KafkaSettings) -> int:
+    from controlplane.bus import Consumer
+
+    async with Consumer(settings) as consumer:
+        ends = await consumer.end_offsets(settings.topics.workers.name)
+    return sum(ends.values())
