@@ -61,6 +61,12 @@ class CoordinatorSettings(BaseSettings):
         "(phase, reason, counts, times), their per-worker details dropped.",
     )
     issuer: str = "coordinator"
+    probe_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="How often the coordinator appends a probe to the workers topic and reads "
+        "it back: it judges liveness only up to the last one read (docs/rollouts.md, Liveness).",
+    )
 
 
 class Coordinator(AsyncService):
@@ -81,7 +87,9 @@ class Coordinator(AsyncService):
             progress_deadline_s=settings.progress_deadline_s,
             max_ended_rollouts=settings.max_ended_rollouts,
         )
-        self.follower = Follower(settings.kafka, self.fleet)
+        self.follower = Follower(
+            settings.kafka, self.fleet, probe=True, probe_interval_s=settings.probe_interval_s
+        )
         self.follower.listeners.append(self._on_batch)
         self._current_as_of = current_as_of or self.follower.current_as_of
         self._producer = Producer(settings.kafka)
