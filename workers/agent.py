@@ -13,14 +13,21 @@ Per command, in this order (acks are keyed by worker id: one partition, kept in 
 2. journal phase 1: what the command applied (weights or config) and its terminal outcome, one
    ``fsync`` off the loop: the outcome is durable before anyone can see its ack (failpoint
    ``after_apply``);
-3. acks released at the grace are awaited (re-sent, all and in order, if the cluster did not
-   take them); then the terminal ack is published, after any acks still held, in one request,
-   retried until published; the heartbeat reporting the result goes out beside it;
+3. acks released at the grace are awaited; then the terminal ack is published, after any acks
+   still held, in one request, and awaited until the cluster confirms it (see
+   :meth:`Agent._publish_acks`); the heartbeat reporting the result goes out beside it;
 4. journal phase 2: "published" and the next offset, one ``fsync`` off the loop (failpoint
    ``after_ack``); then the offset is committed to Kafka.
 
 A quick command thus costs one produce request (three acks and a heartbeat), one fsync before
 its ack and one after, and one offset commit.
+
+While the cluster does not confirm acks (unreachable, or fewer in-sync replicas than the acks
+topic's ``min.insync.replicas``) the agent waits on the same records (the idempotent producer
+retries them: no second copy), says so once, reports it in every heartbeat
+(``acks_unpublished``, ``publish_failing_since``), and says once when they go through. A stop
+meanwhile waits for them until the drain timeout at most, then exits with the terminal acks
+still in the journal: the next start publishes them.
 """
 
 from __future__ import annotations
@@ -31,13 +38,13 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, assert_never
+from typing import Any, TypeVar, assert_never
 
-from controlplane.bus import Consumer, Producer, Record
+from controlplane.bus import Consumer, Delivery, Producer, Record
 from controlplane.errors import (
     BusError,
     CommandRejected,
@@ -74,6 +81,16 @@ log = logging.getLogger("workers.agent")
 AGENT_VERSION = "0.1.0"
 #: After a runner ignores cancellation this long past its deadline, we stop waiting for it.
 _CANCEL_GRACE_S = 30.0
+#: After a stop, a publish that starts once the drain timeout is over still gets this long
+#: (at most the delivery timeout): a healthy cluster confirms in milliseconds.
+_STOP_PUBLISH_MIN_S = 5.0
+
+R = TypeVar("R")
+
+
+class _AcksLeftUnpublished(Exception):
+    """A stop's deadline passed while acks were not confirmed: the agent stops without them
+    (terminal ones stay in the journal, published at the next start; offset not committed)."""
 
 
 @dataclass
@@ -111,7 +128,13 @@ class Agent:
         self._failed: ControlPlaneError | None = None
         #: Since when the command loop cannot fetch (logged once, and once when it can again).
         self._unreachable_since: datetime | None = None
-        self._heartbeats_failing = False
+        #: Since when heartbeats fail (the first failed one was built), None while they go out.
+        self._beats_failing_since: datetime | None = None
+        #: Acks handed to _publish_acks and not confirmed by the cluster yet.
+        self._acks_unconfirmed = 0
+        #: Since when acks go unconfirmed (the publish that first failed began), None while
+        #: they go through: said once when it starts and once when it ends.
+        self._acks_failing_since: datetime | None = None
         self._stopped_at: float | None = None
         self._hb_wakeup = asyncio.Event()
         self._hb_done = asyncio.Event()
@@ -164,7 +187,6 @@ class Agent:
                 self._producer, self._consumer = producer, consumer
                 try:
                     await self._establish_position()
-                    await self._publish_pending_acks()
                 except ControlPlaneError as exc:
                     if exc is not self._failed:
                         raise
@@ -178,10 +200,14 @@ class Agent:
             raise self._failed
 
     async def _serve(self) -> None:
-        """Heartbeats beside the command loop, until stopped (or the journal fails)."""
+        """Heartbeats beside the command loop, until stopped (or the journal fails).
+
+        Acks journaled and not published by the previous run go first (heartbeats already
+        report them, should the cluster not take them yet)."""
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._heartbeat_loop())
             try:
+                await self._publish_pending_acks()
                 await self._load_runner()
                 self.ready.set()
                 if self._degraded is not None:
@@ -201,6 +227,17 @@ class Agent:
                 if exc is not self._failed:
                     raise
                 await self._beat()  # the degraded heartbeat, best effort; then stop
+            except _AcksLeftUnpublished:
+                assert self._state is not None
+                left = sum(1 for o in self._state.outcomes.values() if not o.published)
+                self._log(
+                    logging.WARNING,
+                    "stopping: Kafka has not confirmed acks within the drain timeout"
+                    " (drain_timeout_s %gs); %d ack(s) remain unpublished in the journal and are"
+                    " published at the next start (the command offset is not committed)",
+                    self.settings.drain_timeout_s,
+                    left,
+                )
             finally:
                 self._status = WorkerStatus.STOPPED
                 self._hb_done.set()
@@ -257,11 +294,20 @@ class Agent:
         self._log(logging.INFO, "reading %s from offset %d (%s)", topic, start, source)
 
     async def _publish_pending_acks(self) -> None:
-        """Terminal acks recorded but not known to be published (a crash in between): send them."""
+        """Terminal acks recorded but not known to be published (a crash, or a stop while the
+        cluster did not take them): publish them, together, then mark them published."""
         assert self._state is not None
-        pending = [cid for cid, o in self._state.outcomes.items() if not o.published]
-        for command_id in pending:
-            await self._replay_outcome(command_id)
+        pending = [o.ack for o in self._state.outcomes.values() if not o.published]
+        if not pending:
+            return
+        self._log(
+            logging.INFO,
+            "re-publishing %d ack(s) of applied commands, from the journal",
+            len(pending),
+        )
+        await self._publish_acks([self._replayed(ack) for ack in pending])
+        for ack in pending:
+            self._state.mark_published(ack.command_id)
         await self._sync()
 
     async def _load_runner(self) -> None:
@@ -498,13 +544,7 @@ class Agent:
         if prior is None:
             return False
         if not prior.published:
-            ack = prior.ack.model_copy(
-                update={
-                    "attempt": prior.ack.attempt + 1,
-                    "sent_at": self.clock(),
-                    "result": {**prior.ack.result, "replayed": True},
-                }
-            )
+            ack = self._replayed(prior.ack)
             self._log(
                 logging.INFO,
                 "re-publishing the %s ack of an applied command",
@@ -523,6 +563,16 @@ class Agent:
                 rollout_id=prior.ack.rollout_id,
             )
         return True
+
+    def _replayed(self, ack: Ack) -> Ack:
+        """A journaled terminal ack, to publish again."""
+        return ack.model_copy(
+            update={
+                "attempt": ack.attempt + 1,
+                "sent_at": self.clock(),
+                "result": {**ack.result, "replayed": True},
+            }
+        )
 
     async def _execute(self, command: Command, path: Path | None) -> _Outcome:
         """Run the command in a thread under its timeout and the drain deadline."""
@@ -704,32 +754,138 @@ class Agent:
             await task
 
     async def _publish_acks(self, acks: Sequence[Ack]) -> None:
-        """Publish acks in this order, in one request; retried until the cluster has them all.
+        """Publish acks in this order (one request when they fit) and wait until the cluster
+        has confirmed them all.
 
         Nothing is dropped, non-terminal acks included: a coordinator shows "running" from them
-        while a long reload runs. After a failure all are sent again, in order, so the log still
-        reads accepted, running, terminal; a failure after the cluster took them (a timeout)
-        leaves duplicates, which readers expect (the earliest of each state counts).
+        while a long reload runs. Each ack is handed to the producer once and waited on in
+        delivery-timeout slices: a wait that times out (PUBLISH_OUTCOME_UNKNOWN: the idempotent
+        producer still retries the record) waits again on the same record, so a cluster that
+        takes it late gets it once. Only a record the producer could not queue, or gave up on
+        (then it was not written), is handed over again after a backoff, with every ack after
+        it, in order, so the log still reads accepted, running, terminal (a copy of one that
+        was written meanwhile is a duplicate, which readers expect: the earliest of each state
+        counts). Said once when acks go unconfirmed and once when they go through (see
+        :meth:`_publish_failed`). After a stop this gives up at the stop's deadline
+        (:meth:`_publish_limit`) with :class:`_AcksLeftUnpublished`.
         """
         assert self._producer is not None
-        key = worker_key(self.worker_id)
-        items: list[tuple[bytes | None, bytes | None]] = [(key, encode(a)) for a in acks]
+        topic, key = self.topics.acks.name, worker_key(self.worker_id)
+        pending = [(ack, encode(ack)) for ack in acks]
+        deliveries: list[Delivery] = []  # of pending's first ones, in order
+        began, began_mono = self.clock(), time.monotonic()
         delay = 0.5
-        while True:
-            try:
-                await self._producer.send_many(self.topics.acks.name, items)
-                return
-            except BusError as exc:
-                self._log(
-                    logging.WARNING,
-                    "%s ack publish failed, retrying in %.1fs: %s",
-                    "/".join(a.state.value for a in acks),
-                    delay,
-                    exc,
-                    command_id=acks[0].command_id,
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
+        self._acks_unconfirmed += len(pending)
+        try:
+            while pending:
+                limit = self._publish_limit(began_mono)
+                queued = False
+                try:
+                    while len(deliveries) < len(pending):
+                        value = pending[len(deliveries)][1]
+                        deliveries.append(
+                            await self._producer.submit(topic, value, key=key, timeout_s=limit)
+                        )
+                    queued = True
+                    if await self._unless_stopped(deliveries[0].wait(limit)) is None:
+                        continue  # a stop came: its deadline bounds the waits from now on
+                except BusError as exc:
+                    self._publish_failed(exc, began, timed_out=limit)
+                    if exc.code is ErrorCode.PUBLISH_OUTCOME_UNKNOWN:
+                        continue  # still queued: wait on the same records
+                    if queued:  # the producer gave up on it: hand it over again, and all after
+                        deliveries.clear()
+                    await self._backoff(delay, began_mono)
+                    delay = min(delay * 2, 10.0)
+                    continue
+                pending.pop(0)
+                deliveries.pop(0)
+                self._acks_unconfirmed -= 1
+                self._publish_recovered()
+        except _AcksLeftUnpublished:
+            raise  # the count stays: the last heartbeat reports them
+        except BaseException:
+            self._acks_unconfirmed -= len(pending)
+            raise
+
+    def _publish_failed(self, exc: BusError, began: datetime, *, timed_out: float) -> None:
+        """Said once when acks go unconfirmed (then at DEBUG), with how many and why."""
+        assert self._producer is not None
+        if (
+            exc.code is ErrorCode.PUBLISH_OUTCOME_UNKNOWN
+            and timed_out < self._producer.delivery_timeout_s
+        ):
+            return  # a wait cut short by a stop's deadline, not a failure
+        if self._acks_failing_since is not None:
+            self._log(logging.DEBUG, "acks still unconfirmed: %s", exc)
+            return
+        self._acks_failing_since = began
+        self._log(
+            logging.WARNING,
+            "cannot publish to Kafka since %s: %d ack(s) wait to be published (the outcomes are"
+            " in the journal); retrying until Kafka takes them (%s: %s)",
+            began.isoformat(timespec="seconds"),
+            self._acks_unconfirmed,
+            exc.code,
+            exc.message,
+        )
+
+    def _publish_recovered(self) -> None:
+        since, self._acks_failing_since = self._acks_failing_since, None
+        if since is not None:
+            self._log(
+                logging.WARNING,
+                "acks published again after %.0f s",
+                (self.clock() - since).total_seconds(),
+            )
+
+    def _publish_limit(self, began: float) -> float:
+        """How long the next attempt to publish acks may wait: the delivery timeout, or what is
+        left of a stop's deadline (the drain timeout after the stop; a publish that begins
+        later still gets a few seconds). :class:`_AcksLeftUnpublished` once it has passed."""
+        assert self._producer is not None
+        limit = self._producer.delivery_timeout_s
+        deadline = self._stop_deadline(began)
+        if deadline is None:
+            return limit
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _AcksLeftUnpublished()
+        return min(limit, left)
+
+    def _stop_deadline(self, began: float) -> float | None:
+        if self._stopped_at is None:
+            return None
+        assert self._producer is not None
+        least = min(_STOP_PUBLISH_MIN_S, self._producer.delivery_timeout_s)
+        return max(
+            self._stopped_at + self.settings.drain_timeout_s,
+            max(began, self._stopped_at) + least,
+        )
+
+    async def _backoff(self, seconds: float, began: float) -> None:
+        """Sleep before publishing again; a stop's deadline cuts it short."""
+        deadline = self._stop_deadline(began)
+        if deadline is None:
+            await self._sleep_unless_stopped(seconds)
+        else:
+            await asyncio.sleep(max(0.0, min(seconds, deadline - time.monotonic())))
+
+    async def _unless_stopped(self, call: Coroutine[Any, Any, R]) -> R | None:
+        """``call``'s result, or None when a stop comes first (``call`` is cancelled).
+        After a stop, just ``call``."""
+        if self._stop.is_set():
+            return await call
+        task = asyncio.ensure_future(call)
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not task.done():
+                task.cancel()
+        await asyncio.wait({task})  # when cancelled above: until it has unwound
+        return None if task.cancelled() else task.result()
 
     # ------------------------------------------------------------------ heartbeats
 
@@ -774,21 +930,26 @@ class Agent:
         self._last_beat = time.monotonic()
         # While Kafka is down a send waits for it (the record stays queued and goes out when
         # Kafka is back): the loop, and a stop, do not wait longer than this for it.
-        limit = max(1.0, 3 * self.settings.heartbeat_interval_s)
+        limit = max(
+            1.0, min(3 * self.settings.heartbeat_interval_s, self._producer.delivery_timeout_s)
+        )
         try:
-            async with asyncio.timeout(limit):
-                await self._producer.send(
-                    self.topics.workers.name, encode(hb), key=worker_key(self.worker_id)
-                )
-        except (BusError, TimeoutError) as exc:  # logged when they start failing, not each time
-            reason = str(exc) if isinstance(exc, BusError) else f"not sent within {limit:g}s"
-            level = logging.DEBUG if self._heartbeats_failing else logging.WARNING
-            self._heartbeats_failing = True
-            self._log(level, "heartbeat failed: %s", reason)
+            await self._producer.send(
+                self.topics.workers.name,
+                encode(hb),
+                key=worker_key(self.worker_id),
+                timeout_s=limit,
+            )
+        except BusError as exc:  # logged when they start failing, not each time
+            if self._beats_failing_since is None:
+                self._beats_failing_since = hb.sent_at
+                self._log(logging.WARNING, "heartbeat failed: %s", exc)
+            else:
+                self._log(logging.DEBUG, "heartbeat failed: %s", exc)
         else:
-            if self._heartbeats_failing:
+            if self._beats_failing_since is not None:
                 self._log(logging.INFO, "heartbeats sent again")
-            self._heartbeats_failing = False
+            self._beats_failing_since = None
 
     def _heartbeat(self) -> Heartbeat:
         desc = self._describe
@@ -818,6 +979,12 @@ class Agent:
             started_at=self._started_at,
             incarnation=self._state.incarnation if self._state is not None else 0,
             interval_s=self.settings.heartbeat_interval_s,
+            lease_s=self.settings.effective_lease_s,
+            acks_unpublished=self._acks_unconfirmed,
+            publish_failing_since=min(
+                (t for t in (self._acks_failing_since, self._beats_failing_since) if t),
+                default=None,
+            ),
             agent_version=AGENT_VERSION,
         )
 

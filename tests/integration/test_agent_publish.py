@@ -1,0 +1,257 @@
+"""The agent's acks while the cluster cannot take them: fewer in-sync replicas than the acks
+topic's ``min.insync.replicas`` (the idempotent producer retries such a write for ever).
+
+On the session's 3-node cluster the test's acks topic has two replicas, on nodes 1 and 2, and
+``min.insync.replicas=2``; stopping node 2 makes every ``acks=all`` write to it fail with the
+retriable NOT_ENOUGH_REPLICAS, as on a cluster that lost two brokers of three, and starting it
+again is the brokers coming back. (Kafka 4 caps ``min.insync.replicas`` at the replication
+factor, so one broker cannot refuse writes this way.) The commands and workers topics live on
+node 1 alone: commands flow and heartbeats go on, and say what the agent cannot publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from controlplane.broker import LocalCluster
+from controlplane.bus import Consumer
+from controlplane.protocol import AckState, Heartbeat, ReloadWeightsSpec
+from controlplane.settings import KafkaSettings
+from tests.fleet import heartbeats_tail, latest, make_command, publish, terminal
+from tests.integration.test_agent import RecordingRunner, acks_on_the_topic
+from workers.agent import Agent
+from workers.settings import WorkerSettings
+from workers.state import WorkerState
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+#: The node whose loss puts the acks topic below its min.insync.replicas.
+REPLICA = 2
+
+
+@pytest.fixture
+def cluster(kafka_cluster: LocalCluster) -> Iterator[LocalCluster]:
+    yield kafka_cluster
+    if not kafka_cluster.node(REPLICA).status().running:  # a failed test left it down
+        kafka_cluster.start_node(REPLICA, timeout=180)
+
+
+@pytest.fixture
+async def kafka(cluster: LocalCluster) -> KafkaSettings:
+    """Fresh topics on the cluster: acks on nodes 1 and 2 (min ISR 2), the others on node 1."""
+    settings = KafkaSettings(
+        bootstrap_servers=cluster.bootstrap, topic_prefix=f"p{uuid.uuid4().hex[:10]}"
+    )
+    topics = settings.topics
+    new = [
+        NewTopic(
+            spec.name,
+            num_partitions=-1,
+            replication_factor=-1,
+            replica_assignments={p: replicas for p in range(spec.partitions)},
+            topic_configs={**spec.config, "min.insync.replicas": str(len(replicas))},
+        )
+        for spec, replicas in [
+            (topics.commands, [1]),
+            (topics.acks, [1, REPLICA]),
+            (topics.workers, [1]),
+        ]
+    ]
+    admin = AIOKafkaAdminClient(bootstrap_servers=cluster.bootstrap)
+    await admin.start()
+    try:
+        response = await admin.create_topics(new)
+        errors = [e for e in response.topic_errors if e[1] != 0]
+        assert not errors, errors
+    finally:
+        await admin.close()
+    return settings
+
+
+async def acks_refused(cluster: LocalCluster, kafka: KafkaSettings) -> None:
+    """Stop node 2 and wait until it left the acks topic's in-sync replicas."""
+    await asyncio.to_thread(cluster.stop_node, REPLICA, kill=False)
+    admin = AIOKafkaAdminClient(bootstrap_servers=cluster.node(1).bootstrap)
+    await admin.start()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            [described] = await admin.describe_topics([kafka.topics.acks.name])
+            isrs = [p["isr"] for p in described["partitions"]]
+            if isrs and all(REPLICA not in isr for isr in isrs):
+                return
+            assert time.monotonic() < deadline, isrs
+            await asyncio.sleep(0.2)
+    finally:
+        await admin.close()
+
+
+async def acks_taken(cluster: LocalCluster) -> None:
+    await asyncio.to_thread(cluster.start_node, REPLICA, timeout=180)
+
+
+async def until(predicate: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        await asyncio.sleep(0.05)
+
+
+async def committed(kafka: KafkaSettings, worker_id: str = "w1") -> int | None:
+    async with Consumer(kafka, group_id=kafka.topics.worker_group(worker_id)) as probe:
+        await probe.assign(kafka.topics.commands.name, [0])
+        return await probe.committed(kafka.topics.commands.name, 0)
+
+
+async def committed_becomes(kafka: KafkaSettings, offset: int) -> None:
+    """Wait until w1's committed offset is ``offset``; it is never anything else but None."""
+    deadline = time.monotonic() + 60
+    while (now := await committed(kafka)) != offset:
+        assert now is None, now
+        assert time.monotonic() < deadline, "never committed"
+        await asyncio.sleep(0.1)
+
+
+def lines(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "workers.agent" and text in r.getMessage()
+    ]
+
+
+@pytest.fixture
+def weights(tmp_path: Path) -> Path:
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    (root / "model.safetensors").write_bytes(b"\0" * 64)
+    return root
+
+
+@asynccontextmanager
+async def agent_running(
+    kafka: KafkaSettings, tmp_path: Path, runner: RecordingRunner, **kw: Any
+) -> AsyncIterator[tuple[Agent, asyncio.Task[None]]]:
+    """An agent whose publishes are unconfirmed after 1 s (the delivery timeout)."""
+    settings = WorkerSettings(
+        worker_id="w1",
+        kafka=kafka.model_copy(update={"delivery_timeout_ms": 1000}),
+        allowed_roots=[tmp_path / "ckpts"],
+        state_dir=tmp_path / "state",
+        heartbeat_interval_s=0.5,
+        **kw,
+    )
+    agent = Agent(settings, runner)
+    task = asyncio.create_task(agent.run())
+    try:
+        await asyncio.wait_for(agent.ready.wait(), 60)
+        yield agent, task
+    finally:
+        agent.request_stop()
+        await asyncio.wait_for(task, 60)
+
+
+def reporting(heartbeats: list[Heartbeat]) -> Heartbeat | None:
+    """The latest heartbeat of w1 if it reports acks that cannot be published."""
+    hb = latest(heartbeats, "w1")
+    if hb is None or hb.acks_unpublished == 0 or hb.publish_failing_since is None:
+        return None
+    return hb
+
+
+async def test_acks_the_cluster_refuses_are_waited_on_said_once_and_published_once(
+    cluster: LocalCluster,
+    kafka: KafkaSettings,
+    tmp_path: Path,
+    weights: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="workers.agent")
+    runner = RecordingRunner()
+    cmd = make_command(ReloadWeightsSpec(path=str(weights / "model.safetensors"), version="v2"))
+    async with (
+        agent_running(kafka, tmp_path, runner),
+        heartbeats_tail(kafka) as heartbeats,
+    ):
+        await acks_refused(cluster, kafka)
+        await publish(kafka, cmd)
+        # Heartbeats go on, and say how many acks wait and since when.
+        await heartbeats.until(lambda hbs: reporting(hbs) is not None)
+        first = reporting(heartbeats.items)
+        assert first is not None and first.publish_failing_since is not None
+        assert first.lease_s == 5  # 10 periods of 0.5 s
+        # Several delivery timeouts later: still unpublished, said once, nothing committed.
+        await heartbeats.until(
+            lambda hbs: (
+                (hb := reporting(hbs)) is not None
+                and hb.publish_failing_since == first.publish_failing_since
+                and (hb.sent_at - first.publish_failing_since).total_seconds() > 4
+            )
+        )
+        assert runner.applied == ["v2"]
+        assert await committed(kafka) is None
+        [said] = lines(caplog, "cannot publish to Kafka since")
+        assert " ack(s) " in said and "retrying" in said, said
+        assert not lines(caplog, "ack publish failed")
+        await acks_taken(cluster)
+        await until(lambda: bool(lines(caplog, "published again after")), "acks are published")
+        await committed_becomes(kafka, 1)
+        await heartbeats.until(
+            lambda hbs: (
+                (hb := latest(hbs, "w1")) is not None
+                and hb.acks_unpublished == 0
+                and hb.publish_failing_since is None
+            )
+        )
+    acks = [a for a in await acks_on_the_topic(kafka) if a.command_id == cmd.command_id]
+    assert [a.state for a in acks] == [AckState.ACCEPTED, AckState.RUNNING, AckState.SUCCEEDED]
+    assert len(lines(caplog, "cannot publish to Kafka since")) == 1
+    assert len(lines(caplog, "published again after")) == 1
+
+
+async def test_a_stop_while_acks_cannot_be_published_exits_and_the_next_start_publishes_them(
+    cluster: LocalCluster,
+    kafka: KafkaSettings,
+    tmp_path: Path,
+    weights: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="workers.agent")
+    runner = RecordingRunner()
+    cmd = make_command(ReloadWeightsSpec(path=str(weights / "model.safetensors"), version="v2"))
+    async with (
+        agent_running(kafka, tmp_path, runner, drain_timeout_s=1) as (agent, task),
+        heartbeats_tail(kafka) as heartbeats,
+    ):
+        await acks_refused(cluster, kafka)
+        await publish(kafka, cmd)
+        await heartbeats.until(lambda hbs: reporting(hbs) is not None)
+        agent.request_stop()  # SIGTERM: the acks cannot go out; the agent must not wait for ever
+        await asyncio.wait_for(task, 60)
+    [said] = lines(caplog, "remain unpublished")
+    assert "1 ack(s)" in said and "next start" in said, said
+    assert await committed(kafka) is None
+    state = WorkerState.open(tmp_path / "state" / "w1")
+    try:
+        outcome = state.outcome(cmd.command_id)
+        assert outcome is not None and not outcome.published
+    finally:
+        state.close()
+    await acks_taken(cluster)
+    again = RecordingRunner()
+    async with agent_running(kafka, tmp_path, again, restore_on_start=False):
+        await committed_becomes(kafka, 1)
+    assert again.applied == []  # applied once, by the first incarnation
+    acks = [a for a in await acks_on_the_topic(kafka) if a.command_id == cmd.command_id]
+    (final,) = terminal(acks, cmd.command_id)
+    assert final.state is AckState.SUCCEEDED and final.result.get("replayed") is True
