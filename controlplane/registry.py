@@ -150,6 +150,12 @@ class WorkerView(BaseModel):
     seq: int
     incarnation: int = 0
     interval_s: float
+    #: How long the latest heartbeat vouches for the worker (its lease, else 3 periods).
+    lease_s: float = 0.0
+    #: Acks the worker journaled that Kafka had not confirmed, and since when its publishes
+    #: went unconfirmed (None: they went through), as of its latest heartbeat.
+    acks_unpublished: int = 0
+    publish_failing_since: AwareDatetime | None = None
     agent_version: str
     alive: bool
 
@@ -171,6 +177,9 @@ class WorkerView(BaseModel):
             seq=hb.seq,
             incarnation=hb.incarnation,
             interval_s=hb.interval_s,
+            lease_s=silence_limit(hb).total_seconds(),
+            acks_unpublished=hb.acks_unpublished,
+            publish_failing_since=hb.publish_failing_since,
             agent_version=hb.agent_version,
             alive=is_alive(hb, now, received_at),
         )

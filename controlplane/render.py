@@ -123,9 +123,21 @@ def workers_table(workers: list[WorkerView], levels: list[WorkerLevel]) -> Table
             w.status.value + (f" {w.in_flight.command_id}" if w.in_flight else ""),
             (w.weights_version or "-") + sync,
             desired,
-            "yes" if w.alive else "[red]no[/]",
+            ("yes" if w.alive else "[red]no[/]") + _publishing(w),
         )
     return table
+
+
+def _publishing(w: WorkerView) -> str:
+    """What a worker's latest heartbeat said of its publishes to Kafka (nothing when fine)."""
+    if w.publish_failing_since is None and not w.acks_unpublished:
+        return ""
+    since = (
+        f" since {_short_time(w.publish_failing_since)}"
+        if w.publish_failing_since is not None
+        else ""
+    )
+    return f" [yellow](cannot publish{since}: {w.acks_unpublished} ack(s) waiting)[/]"
 
 
 def _short_time(when: datetime) -> str:

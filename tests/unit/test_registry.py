@@ -215,6 +215,7 @@ def test_views_are_sorted_and_carry_the_heartbeat() -> None:
         started_at=at(-100),
         seq=hb2.seq,
         interval_s=5.0,
+        lease_s=15.0,
         agent_version="",
         alive=True,
     )
