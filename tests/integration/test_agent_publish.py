@@ -18,17 +18,19 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from controlplane.broker import LocalCluster
-from controlplane.bus import Consumer
-from controlplane.protocol import AckState, Heartbeat, ReloadWeightsSpec
+from controlplane.bus import Consumer, Delivery, Producer
+from controlplane.errors import BusError, ErrorCode
+from controlplane.protocol import AckState, Heartbeat, ReloadWeightsSpec, decode_ack
 from controlplane.settings import KafkaSettings
-from tests.fleet import heartbeats_tail, latest, make_command, publish, terminal
+from tests.fleet import acks_tail, heartbeats_tail, latest, make_command, publish, terminal
 from tests.integration.test_agent import RecordingRunner, acks_on_the_topic
+from workers import agent as agent_module
 from workers.agent import Agent
 from workers.settings import WorkerSettings
 from workers.state import WorkerState
@@ -255,3 +257,107 @@ async def test_a_stop_while_acks_cannot_be_published_exits_and_the_next_start_pu
     acks = [a for a in await acks_on_the_topic(kafka) if a.command_id == cmd.command_id]
     (final,) = terminal(acks, cmd.command_id)
     assert final.state is AckState.SUCCEEDED and final.result.get("replayed") is True
+
+
+class _Refused:
+    """A delivery the producer gave up on (nothing was queued): its wait fails."""
+
+    done = True
+
+    def __init__(self, topic: str) -> None:
+        self.topic = topic
+
+    async def wait(self, timeout_s: float) -> Any:
+        raise BusError("publishing: the producer gave up (injected)", code=ErrorCode.KAFKA_ERROR)
+
+
+class _LandedButGivenUp:
+    """A delivery that was written, though the producer reports it gave up on it."""
+
+    def __init__(self, delivery: Delivery) -> None:
+        self.delivery = delivery
+
+    @property
+    def done(self) -> bool:
+        return self.delivery.done
+
+    async def wait(self, timeout_s: float) -> Any:
+        await self.delivery.wait(timeout_s)
+        raise BusError("publishing: the producer gave up (injected)", code=ErrorCode.KAFKA_ERROR)
+
+
+@pytest.mark.parametrize("fault", ["unqueued", "given-up", "given-up-landed"])
+@pytest.mark.parametrize("quick", [True, False], ids=["quick", "slow"])
+async def test_acks_the_producer_did_not_take_are_handed_over_again_in_order(
+    kafka: KafkaSettings,
+    tmp_path: Path,
+    weights: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    quick: bool,
+    fault: str,
+) -> None:
+    """An ack the producer could not queue (``unqueued``: the running ack, after the accepted
+    one was queued) or gave up on (``given-up``: the first ack's delivery fails; ``-landed``:
+    it was written all the same) is handed over again with every ack after it, in order, before
+    anything later; only the last case leaves duplicates (readers count the earliest).
+
+    ``quick``: the command ends within the grace: accepted, running and the terminal ack go
+    together. ``slow``: the grace ran out first (it is 0 here): accepted and running went
+    alone, and the terminal ack waits until they are published.
+    """
+    faults: list[str] = []
+    seen: set[tuple[str, AckState]] = set()
+    over: list[bool] = []  # the first round ends when one of its acks is handed over again
+
+    class FlakyProducer(Producer):
+        async def submit(
+            self,
+            topic: str,
+            value: bytes | None,
+            *,
+            key: bytes | None = None,
+            timeout_s: float | None = None,
+        ) -> Delivery:
+            if topic != kafka.topics.acks.name:
+                return await super().submit(topic, value, key=key, timeout_s=timeout_s)
+            ack = decode_ack(value or b"")
+            if ack.command_id == cmd.command_id and (ack.command_id, ack.state) in seen:
+                over.append(True)
+            seen.add((ack.command_id, ack.state))
+            first_round = ack.command_id == cmd.command_id and not over
+            if fault == "unqueued" and faults:
+                first_round = False
+            if not first_round:
+                return await super().submit(topic, value, key=key, timeout_s=timeout_s)
+            if fault == "unqueued":
+                if ack.state is AckState.RUNNING:
+                    faults.append(fault)
+                    raise BusError("publishing: no metadata (injected)")
+                return await super().submit(topic, value, key=key, timeout_s=timeout_s)
+            faults.append(fault)
+            if fault == "given-up":  # the whole request failed: nothing was written
+                return cast(Delivery, _Refused(topic))
+            landed = await super().submit(topic, value, key=key, timeout_s=timeout_s)
+            return cast(Delivery, _LandedButGivenUp(landed))
+
+    monkeypatch.setattr(agent_module, "Producer", FlakyProducer)
+    sent = [AckState.ACCEPTED, AckState.RUNNING] + ([AckState.SUCCEEDED] if quick else [])
+    then = [] if quick else [AckState.SUCCEEDED]
+    expected = (sent * 2 if fault == "given-up-landed" else sent) + then
+    runner = RecordingRunner(delay_s=0.0 if quick else 1.0)
+    cmd = make_command(ReloadWeightsSpec(path=str(weights / "model.safetensors"), version="v2"))
+    marker = make_command(ReloadWeightsSpec(path=str(weights / "model.safetensors"), version="v3"))
+    grace = 3600.0 if quick else 0.0
+    async with (
+        agent_running(kafka, tmp_path, runner, progress_grace_s=grace),
+        acks_tail(kafka) as acks,
+    ):
+        await publish(kafka, cmd)
+        await publish(kafka, marker)  # acks are in order: all of cmd's come before its own
+        await acks.until(lambda items: bool(terminal(items, marker.command_id)))
+    assert [a.state for a in acks.items if a.command_id == cmd.command_id] == expected
+    assert faults == [fault] * (1 if fault == "unqueued" else len(sent))
+    assert len(lines(caplog, "cannot publish to Kafka since")) == 1
+    assert len(lines(caplog, "acks published again after")) == 1
+    assert runner.applied == ["v2", "v3"]
