@@ -38,8 +38,9 @@ class Exit(IntEnum):
     FAILED = 1
     TIMED_OUT = 2
     INVALID = 3
-    UNREACHABLE = 4
+    UNREACHABLE = 4  # Kafka unreachable; a publish that fails so was certainly not published
     INTERNAL = 5
+    UNKNOWN = 6  # a publish not confirmed in time: it may be in the log (check status)
 
 
 app = typer.Typer(
@@ -72,6 +73,8 @@ def fail(error: ControlPlaneError) -> typer.Exit:
     typer.echo(f"error: {error.code}: {error.message}", err=True)
     if isinstance(error, BusError) and error.code is ErrorCode.BROKER_UNAVAILABLE:
         return typer.Exit(Exit.UNREACHABLE)
+    if error.code is ErrorCode.PUBLISH_OUTCOME_UNKNOWN:
+        return typer.Exit(Exit.UNKNOWN)
     if error.code in (
         ErrorCode.SCHEMA_INVALID,
         ErrorCode.PATH_NOT_ALLOWED,
@@ -98,8 +101,17 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
         raise typer.Exit(Exit.INTERNAL) from None
 
 
-def kafka_settings(bootstrap: str, prefix: str) -> KafkaSettings:
-    return KafkaSettings(bootstrap_servers=bootstrap, topic_prefix=prefix)
+def kafka_settings(
+    bootstrap: str, prefix: str, *, delivery_timeout_s: float | None = None
+) -> KafkaSettings:
+    """The CLI's Kafka settings; ``delivery_timeout_s`` (at least 1 s) bounds each publish."""
+    if delivery_timeout_s is None:
+        return KafkaSettings(bootstrap_servers=bootstrap, topic_prefix=prefix)
+    return KafkaSettings(
+        bootstrap_servers=bootstrap,
+        topic_prefix=prefix,
+        delivery_timeout_ms=round(delivery_timeout_s * 1000),
+    )
 
 
 # --------------------------------------------------------------------------- broker

@@ -3,7 +3,14 @@
 Works without a coordinator: status is computed from the topics with the same pure module the
 coordinator uses (Follower + Fleet). Exit codes: 0 succeeded, 1 failed, 2 timed out, 3 invalid
 input (including no matching worker, a rollout id already in the log, a TTL over 7 days),
-4 Kafka unreachable.
+4 Kafka unreachable (a publish that failed so was not published), 6 publish outcome unknown
+(not confirmed within ``--delivery-timeout``: the command may be in the log; the error line
+names the rollout to check with ``controlplane status``).
+
+A publish whose outcome is unknown under ``--wait`` is not given up at once: the producer keeps
+retrying the same record (never a second copy) while the log is followed, until the record is
+confirmed or read back (then the rollout is followed to its real verdict), or until
+``--wait-timeout`` (without one, the command's expiry) passes: exit 6.
 
 ``--wait`` judges the rollout at the follower's ``current_as_of()``: the time up to which it has
 read everything. During a Kafka outage that time stands still, so no worker is judged lost for
@@ -23,11 +30,12 @@ from typing import Annotated, Any
 import typer
 from pydantic import JsonValue
 
-from controlplane.bus import health
+from controlplane.bus import Producer, health
 from controlplane.cli import BootstrapOpt, Exit, PrefixOpt, app, kafka_settings, run
 from controlplane.errors import BusError, CommandRejected, ErrorCode
 from controlplane.follower import Follower
 from controlplane.protocol import (
+    Command,
     CommandSpec,
     ReloadWeightsSpec,
     Selector,
@@ -35,6 +43,7 @@ from controlplane.protocol import (
     utcnow,
 )
 from controlplane.publisher import (
+    PublishUnconfirmed,
     build_command,
     check_new_rollout,
     check_ttl,
@@ -72,6 +81,16 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output."
 RolloutIdOpt = Annotated[
     str | None,
     typer.Option("--rollout-id", help="Choose the rollout id (one not already in the log)."),
+]
+DeliveryTimeoutOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--delivery-timeout",
+        envvar="FLEET_DELIVERY_TIMEOUT",
+        min=1.0,
+        help="Seconds the cluster has to confirm the publish (default 30); past it the outcome "
+        "is unknown: exit 6, or with --wait, keep waiting for it until --wait-timeout.",
+    ),
 ]
 
 
@@ -116,21 +135,90 @@ async def _publish_and_maybe_wait(
             rollout_id=rollout_id,
             now=now,
         )
-        offset = await publish(settings, command)
-        if not as_json:
-            out.print(
-                f"published rollout {command.rollout_id} (command {command.command_id}, offset {offset}) "
-                f"to {len(pinned.worker_ids or [])} worker(s): {', '.join(pinned.worker_ids or [])}"
-            )
-        if not wait:
-            if as_json:
-                typer.echo(command.model_dump_json())
-            return Exit.OK
-        status = await _follow(follower, command.rollout_id, wait_timeout, as_json)
+        started = time.monotonic()
+        # Open until the wait ends: an unconfirmed record is still being retried meanwhile.
+        # Closing gives a record still unconfirmed 1 s more (not the usual 5): its outcome
+        # is reported unknown either way.
+        async with Producer(settings, stop_timeout_s=1.0) as producer:
+            offset: int | None
+            try:
+                offset = await publish(settings, command, producer)
+                late = ""
+            except PublishUnconfirmed as exc:
+                if not wait:
+                    raise
+                offset = await _await_unconfirmed(
+                    follower, exc, _wait_deadline(started, wait_timeout, command)
+                )
+                late = f" after {time.monotonic() - started:.0f} s"
+            if not as_json:
+                where = f"offset {offset}" if offset is not None else "read back from the log"
+                out.print(
+                    f"published rollout {command.rollout_id} (command {command.command_id}, "
+                    f"{where}){late} to {len(pinned.worker_ids or [])} worker(s): "
+                    f"{', '.join(pinned.worker_ids or [])}"
+                )
+            if not wait:
+                if as_json:
+                    typer.echo(command.model_dump_json())
+                return Exit.OK
+            left = None
+            if wait_timeout is not None:
+                left = max(0.001, wait_timeout - (time.monotonic() - started))
+            status = await _follow(follower, command.rollout_id, left, as_json)
     if status is None:
         typer.echo(f"gave up waiting: rollout {command.rollout_id} not read back yet", err=True)
         return Exit.TIMED_OUT
     return _finish(status, as_json, waited_out=not status.terminal)
+
+
+def _wait_deadline(
+    started: float, wait_timeout: float | None, command: Command
+) -> tuple[float, str]:
+    """When ``--wait`` stops waiting for an unconfirmed publish (a ``time.monotonic()``) and
+    what that limit is called: ``--wait-timeout`` after the publish began, else the command's
+    expiry (a record that lands later is refused by the workers as expired anyway)."""
+    if wait_timeout is not None:
+        return started + wait_timeout, f"--wait-timeout {wait_timeout:g} s"
+    left = max(0.0, (command.expires_at - utcnow()).total_seconds())
+    return time.monotonic() + left, f"the command's expiry ({_clock(command.expires_at)})"
+
+
+async def _await_unconfirmed(
+    follower: Follower, unconfirmed: PublishUnconfirmed, deadline: tuple[float, str]
+) -> int | None:
+    """After PUBLISH_OUTCOME_UNKNOWN under ``--wait``: the producer goes on retrying the same
+    record while the log is read, until the cluster confirms it (its offset), the rollout is
+    read back (its offset if the confirmation follows at once, else None), or the deadline
+    passes (PUBLISH_OUTCOME_UNKNOWN again: exit 6). A record the producer gave up on was not
+    written: that error is raised as it is."""
+    entered = time.monotonic()
+    until, limit = deadline
+    rollout_id, delivery = unconfirmed.rollout_id, unconfirmed.delivery
+    _say(
+        console(stderr=True),
+        None,
+        f"rollout {rollout_id} (command {unconfirmed.command_id}) not confirmed within "
+        f"{unconfirmed.timeout_s:g} s; still trying, and reading the log for it until {limit}",
+    )
+    while True:
+        if delivery.done:
+            return (await delivery.wait(0)).offset
+        if rollout_id in follower.fleet:  # in the log: published, whatever the producer says
+            try:
+                return (await delivery.wait(2.0)).offset
+            except BusError:
+                return None
+        left = until - time.monotonic()
+        if left <= 0:
+            raise PublishUnconfirmed(
+                unconfirmed.command,
+                delivery,
+                f"{unconfirmed.why}, and it was neither confirmed nor read back from the log "
+                f"before {limit}",
+                unconfirmed.timeout_s + time.monotonic() - entered,
+            )
+        await follower.poll(timeout_s=min(0.25, left))
 
 
 async def _catch_up(follower: Follower, settings: KafkaSettings) -> None:
@@ -315,6 +403,7 @@ def reload_weights(
     rollout_id: RolloutIdOpt = None,
     wait: WaitOpt = False,
     wait_timeout: WaitTimeoutOpt = None,
+    delivery_timeout: DeliveryTimeoutOpt = None,
     as_json: JsonOpt = False,
     bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
     prefix: PrefixOpt = "fleet",
@@ -333,7 +422,7 @@ def reload_weights(
         _invalid(exc)
     _run_exit(
         _publish_and_maybe_wait(
-            kafka_settings(bootstrap, prefix),
+            kafka_settings(bootstrap, prefix, delivery_timeout_s=delivery_timeout),
             spec,
             _selector(selector, worker, everyone),
             ttl=ttl,
@@ -359,6 +448,7 @@ def update_config(
     rollout_id: RolloutIdOpt = None,
     wait: WaitOpt = False,
     wait_timeout: WaitTimeoutOpt = None,
+    delivery_timeout: DeliveryTimeoutOpt = None,
     as_json: JsonOpt = False,
     bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
     prefix: PrefixOpt = "fleet",
@@ -380,7 +470,7 @@ def update_config(
         _invalid(exc)
     _run_exit(
         _publish_and_maybe_wait(
-            kafka_settings(bootstrap, prefix),
+            kafka_settings(bootstrap, prefix, delivery_timeout_s=delivery_timeout),
             spec,
             _selector(selector, worker, everyone),
             ttl=ttl,

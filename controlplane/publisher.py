@@ -4,18 +4,23 @@ Resolves a label selector to explicit worker ids from the live registry at publi
 expected set of a rollout is written into the log; an empty match is refused, never a success.
 A rollout id already in the log is refused (workers would skip the new command as a duplicate
 and a waiter would read the old status); every publish gets a command id of its own.
+
+A publish is bounded by the delivery timeout: BROKER_UNAVAILABLE means the command was not
+published; :class:`PublishUnconfirmed` (PUBLISH_OUTCOME_UNKNOWN) means it may have been, and
+says which rollout to look for.
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import uuid
 from collections.abc import Container
 from datetime import datetime, timedelta
 from typing import Final
 
-from controlplane.bus import Producer
-from controlplane.errors import CommandRejected, ErrorCode
+from controlplane.bus import Delivery, Producer, Record
+from controlplane.errors import BusError, CommandRejected, ErrorCode
 from controlplane.protocol import Command, CommandSpec, Selector, encode, utcnow
 from controlplane.registry import Registry
 from controlplane.settings import KafkaSettings
@@ -97,17 +102,74 @@ def resolve_selector(selector: Selector, registry: Registry, now: datetime) -> S
     return selector.model_copy(update={"worker_ids": sorted(matched)})
 
 
+class PublishUnconfirmed(BusError):
+    """PUBLISH_OUTCOME_UNKNOWN for one command: handed to the producer but not confirmed in
+    time, so it may be in the log (or land there later). Carries the command, and the
+    :class:`~controlplane.bus.Delivery` to wait on again while its producer is open.
+
+    (A subclass here rather than in errors.py: it carries a Command, and errors.py has no
+    wire types.)"""
+
+    def __init__(self, command: Command, delivery: Delivery, why: str, timeout_s: float) -> None:
+        self.command = command
+        self.delivery = delivery
+        self.why = why
+        #: How long the publish waited for the confirmation.
+        self.timeout_s = timeout_s
+        super().__init__(
+            f"rollout {command.rollout_id} (command {command.command_id}) may have been "
+            f"published: {why}; check `controlplane status {command.rollout_id}` before "
+            "publishing it again",
+            code=ErrorCode.PUBLISH_OUTCOME_UNKNOWN,
+        )
+
+    @property
+    def rollout_id(self) -> str:
+        return self.command.rollout_id
+
+    @property
+    def command_id(self) -> str:
+        return self.command.command_id
+
+
 async def publish(
-    settings: KafkaSettings, command: Command, producer: Producer | None = None
+    settings: KafkaSettings,
+    command: Command,
+    producer: Producer | None = None,
+    *,
+    timeout_s: float | None = None,
 ) -> int:
-    """Publish ``command``; returns its offset on the commands topic."""
+    """Publish ``command``; returns its offset on the commands topic.
+
+    Bounded by ``timeout_s`` (default: ``settings.delivery_timeout_ms``): BROKER_UNAVAILABLE
+    when it certainly was not published, :class:`PublishUnconfirmed` when it may have been
+    (with a ``producer`` of the caller's, its delivery can be waited on again)."""
+    limit = settings.delivery_timeout_ms / 1000 if timeout_s is None else timeout_s
     if producer is not None:
-        record = await producer.send(
-            settings.topics.commands.name, encode(command), key=command_key(command.rollout_id)
-        )
-        return record.offset
+        return (await _send(settings, command, producer, limit)).offset
     async with Producer(settings) as own:
-        record = await own.send(
-            settings.topics.commands.name, encode(command), key=command_key(command.rollout_id)
-        )
+        record = await _send(settings, command, own, limit)
     return record.offset
+
+
+async def _send(
+    settings: KafkaSettings, command: Command, producer: Producer, limit: float
+) -> Record:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    delivery = await producer.submit(
+        settings.topics.commands.name,
+        encode(command),
+        key=command_key(command.rollout_id),
+        timeout_s=limit,
+    )
+    try:
+        return await delivery.wait(max(0.0, deadline - loop.time()))
+    except BusError as exc:
+        if exc.code is not ErrorCode.PUBLISH_OUTCOME_UNKNOWN:
+            raise
+        why = (
+            f"{delivery.topic} did not confirm it within {limit:g} s (Kafka unreachable, or "
+            "fewer in-sync replicas than min.insync.replicas?)"
+        )
+        raise PublishUnconfirmed(command, delivery, why, limit) from None

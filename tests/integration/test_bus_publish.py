@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.errors import KafkaError
 
 from controlplane.broker import LocalCluster
 from controlplane.bus import Consumer, Producer, Record
@@ -72,14 +73,19 @@ async def create_topic(
 
 
 async def set_topic_config(bootstrap: str, name: str, config: Mapping[str, str]) -> None:
-    """Replace the topic's configs with ``config`` (AlterConfigs is not incremental)."""
-    admin = await _admin(bootstrap)
-    try:
-        resp = await admin.alter_configs(
-            [ConfigResource(ConfigResourceType.TOPIC, name, configs=dict(config))]
-        )
-    finally:
-        await admin.close()
+    """Replace the topic's configs with ``config`` (AlterConfigs is not incremental). Tried
+    again while the admin client picks a node that was killed and is not fenced yet."""
+    resource = ConfigResource(ConfigResourceType.TOPIC, name, configs=dict(config))
+    async with asyncio.timeout(HANG_S):
+        while True:
+            admin = await _admin(bootstrap)
+            try:
+                resp = await admin.alter_configs([resource])
+                break
+            except KafkaError:
+                await asyncio.sleep(0.25)  # a retry's pace, not a synchronization
+            finally:
+                await admin.close()
     [result] = resp[0].resources
     assert result[0] == 0, result
 

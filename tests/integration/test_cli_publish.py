@@ -1,8 +1,14 @@
 """Publishing from the CLI: a rollout id already in the log is refused, command ids are unique
-per publish, and a TTL over the maximum is refused before anything reaches Kafka."""
+per publish, a TTL over the maximum is refused before anything reaches Kafka, and a publish the
+cluster does not confirm in time is exit 6 ("outcome unknown, check status"), never exit 4 ("not
+published") and never a hang; under `--wait` the CLI waits for it to land instead.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import re
 import subprocess
 import sys
 import uuid
@@ -10,11 +16,16 @@ from pathlib import Path
 
 import pytest
 
+from controlplane.broker import LocalCluster
 from controlplane.bus import Producer
 from controlplane.errors import CommandRejected, ErrorCode
 from controlplane.protocol import (
+    Ack,
+    AckState,
+    CommandKind,
     Heartbeat,
     Selector,
+    Timings,
     UpdateConfigSpec,
     WorkerStatus,
     encode,
@@ -25,11 +36,17 @@ from controlplane.settings import KafkaSettings
 from controlplane.topics import worker_key
 from tests.conftest import free_port
 from tests.fleet import make_command, publish
+from tests.integration.test_bus_publish import (
+    fleet_below_min_isr,
+    node_down,
+    restore_commands_topic,
+)
+from tests.integration.test_cli_outage import Cli, until
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "controlplane", *args],
         cwd=REPO,
@@ -37,6 +54,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=120,
         check=False,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -65,7 +83,9 @@ async def live_worker(settings: KafkaSettings) -> str:
     return worker_id
 
 
-def update_config(settings: KafkaSettings, *args: str) -> subprocess.CompletedProcess[str]:
+def update_config(
+    settings: KafkaSettings, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return cli(
         "update-config",
         "--set",
@@ -75,6 +95,7 @@ def update_config(settings: KafkaSettings, *args: str) -> subprocess.CompletedPr
         settings.bootstrap_servers,
         "--topic-prefix",
         settings.topic_prefix,
+        env=env,
     )
 
 
@@ -135,3 +156,117 @@ async def test_wait_timeout_with_kafka_up_is_exit_2_not_4(kafka: KafkaSettings) 
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "gave up waiting: the rollout is still" in proc.stdout
     assert "Traceback" not in proc.stderr and "Kafka unreachable" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- unknown outcome
+
+
+def unknown_line(proc: subprocess.CompletedProcess[str], rollout_id: str) -> str:
+    line = one_error_line(proc)
+    assert line.startswith(
+        f"error: PUBLISH_OUTCOME_UNKNOWN: rollout {rollout_id} (command {rollout_id}.c-"
+    ), line
+    assert "may have been published" in line
+    assert f"check `controlplane status {rollout_id}`" in line
+    return line
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+async def test_a_publish_below_min_isr_is_exit_6_outcome_unknown(
+    kafka_cluster: LocalCluster,
+) -> None:
+    """Not exit 4: the record was handed to the producer and may be in the log."""
+    settings = await fleet_below_min_isr(kafka_cluster)
+    worker = await live_worker(settings)
+    async with node_down(kafka_cluster):
+        plain = await asyncio.to_thread(
+            update_config,
+            settings,
+            "--worker",
+            worker,
+            "--rollout-id",
+            "r-unknown-1",
+            env={"FLEET_DELIVERY_TIMEOUT": "3"},
+        )
+        waited = await asyncio.to_thread(
+            update_config,
+            settings,
+            "--worker",
+            worker,
+            "--rollout-id",
+            "r-unknown-2",
+            "--wait",
+            "--wait-timeout",
+            "4",
+            "--delivery-timeout",
+            "2",
+        )
+    assert plain.returncode == 6, plain.stdout + plain.stderr
+    assert "did not confirm it within 3 s" in unknown_line(plain, "r-unknown-1")
+    assert "published rollout" not in plain.stdout
+    # --wait kept following the log for it, until --wait-timeout; then the same verdict.
+    assert waited.returncode == 6, waited.stdout + waited.stderr
+    assert "--wait-timeout" in unknown_line(waited, "r-unknown-2")
+    assert "still trying" in waited.stderr
+    assert "published rollout" not in waited.stdout
+
+
+async def ack_succeeded(
+    settings: KafkaSettings, worker_id: str, rollout_id: str, command_id: str
+) -> None:
+    now = utcnow()
+    async with Producer(settings) as producer:
+        for state in (AckState.ACCEPTED, AckState.RUNNING, AckState.SUCCEEDED):
+            ack = Ack(
+                command_id=command_id,
+                rollout_id=rollout_id,
+                worker_id=worker_id,
+                kind=CommandKind.UPDATE_CONFIG,
+                state=state,
+                timings=Timings(received_at=now, started_at=now, finished_at=now),
+                sent_at=utcnow(),
+            )
+            await producer.send(settings.topics.acks.name, encode(ack), key=worker_key(worker_id))
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+async def test_wait_after_an_unknown_outcome_follows_the_publish_to_its_real_verdict(
+    kafka_cluster: LocalCluster,
+) -> None:
+    settings = await fleet_below_min_isr(kafka_cluster)
+    worker = await live_worker(settings)
+    async with node_down(kafka_cluster):
+        cli = await Cli.start(
+            "update-config",
+            "--set",
+            "a=1",
+            "--worker",
+            worker,
+            "--rollout-id",
+            "r-late",
+            "--wait",
+            "--wait-timeout",
+            "240",
+            "--delivery-timeout",
+            "2",
+            "--bootstrap",
+            settings.bootstrap_servers,
+            "--topic-prefix",
+            settings.topic_prefix,
+        )
+        try:
+            await until(lambda: "still trying" in cli.text, "the unknown-outcome notice", 90)
+            assert cli.proc.returncode is None, cli.text  # still waiting, not exit 6
+            await restore_commands_topic(settings)  # the retried record gets through
+            pattern = re.compile(r"published rollout r-late \(command (\S+), ")
+            await until(lambda: bool(pattern.search(cli.text)), "the late publish", 120)
+            match = pattern.search(cli.text)
+            assert match is not None
+            await ack_succeeded(settings, worker, "r-late", match.group(1))
+            code = await cli.wait(120)
+        finally:
+            cli.kill()
+    assert code == 0, cli.text
+    assert "Traceback" not in cli.text and "error: " not in cli.text
