@@ -37,9 +37,11 @@ from controlplane.api_models import (
     parse_rollout_request,
     validation_details,
 )
+from controlplane.bus import Delivery
 from controlplane.coordinator import RESYNC, Coordinator
-from controlplane.errors import ControlPlaneError
+from controlplane.errors import BusError, ControlPlaneError, ErrorCode
 from controlplane.metrics import CONTENT_TYPE, CoordinatorMetrics
+from controlplane.publisher import PublishUnconfirmed
 from controlplane.rollout_models import RolloutPhase, RolloutStatus
 
 log = logging.getLogger(__name__)
@@ -148,6 +150,9 @@ def create_app(
             )
 
     ready = [Depends(require_ready)]
+    #: Publishes answered 504 whose record this coordinator's producer still retries, by rollout
+    #: id: posting the same rollout_id again meanwhile is refused (it could land twice).
+    unconfirmed: dict[str, PublishUnconfirmed] = {}
     not_found: dict[int | str, dict[str, Any]] = {
         404: {"model": ErrorBody},
         503: {"model": ErrorBody},
@@ -252,7 +257,16 @@ def create_app(
             403: {"model": ErrorBody},
             409: {"model": ErrorBody, "description": "NO_MATCHING_WORKERS or ROLLOUT_EXISTS"},
             422: {"model": ErrorBody},
-            503: {"model": ErrorBody},
+            503: {
+                "model": ErrorBody,
+                "description": "NOT_READY, or BROKER_UNAVAILABLE: the command was not published",
+            },
+            504: {
+                "model": ErrorBody,
+                "description": "PUBLISH_OUTCOME_UNKNOWN: not confirmed within the delivery "
+                "timeout, the command may be in the log (details: rollout_id, command_id); "
+                "GET the rollout before posting it again, with the same rollout_id",
+            },
         },
         dependencies=[Depends(require_token), *ready],
         openapi_extra={
@@ -266,13 +280,26 @@ def create_app(
     )
     async def create_rollout(request: Request) -> JSONResponse:
         spec, options = parse_rollout_request(await request.body())
-        command = await coordinator.create_rollout(
-            spec,
-            options.selector,
-            ttl_s=options.ttl_s,
-            timeout_s=options.timeout_s,
-            rollout_id=options.rollout_id,
-        )
+        if options.rollout_id is not None:
+            await _refuse_unconfirmed(coordinator, unconfirmed, options.rollout_id)
+        try:
+            command = await coordinator.create_rollout(
+                spec,
+                options.selector,
+                ttl_s=options.ttl_s,
+                timeout_s=options.timeout_s,
+                rollout_id=options.rollout_id,
+            )
+        except PublishUnconfirmed as exc:
+            unconfirmed[exc.rollout_id] = exc
+            log.warning(
+                "rollout %s (command %s) not confirmed within %g s; the producer keeps trying it",
+                exc.rollout_id,
+                exc.command_id,
+                exc.timeout_s,
+                extra={"rollout_id": exc.rollout_id, "command_id": exc.command_id},
+            )
+            raise
         log.info(
             "rollout %s published over HTTP as command %s for %d worker(s)",
             command.rollout_id,
@@ -337,6 +364,34 @@ def create_app(
 
     _document_request_body(app)
     return app
+
+
+async def _refuse_unconfirmed(
+    coordinator: Coordinator, unconfirmed: dict[str, PublishUnconfirmed], rollout_id: str
+) -> None:
+    """ROLLOUT_EXISTS (409) while an earlier, unconfirmed publish of ``rollout_id`` may still
+    land; entries end once their rollout is in the log or the producer gave up on the record."""
+    for rid, earlier in list(unconfirmed.items()):
+        if rid in coordinator.fleet or (earlier.delivery.done and await _failed(earlier.delivery)):
+            del unconfirmed[rid]
+    pending = unconfirmed.get(rollout_id)
+    if pending is not None:
+        raise ApiError(
+            409,
+            ErrorCode.ROLLOUT_EXISTS.value,
+            f"rollout {rollout_id!r} was posted before (command {pending.command_id}) and its "
+            "publish is not confirmed yet; this coordinator is still trying it: GET "
+            f"/api/v1/rollouts/{rollout_id} until it shows",
+        )
+
+
+async def _failed(delivery: Delivery) -> bool:
+    """Whether a finished delivery failed (the record was not written)."""
+    try:
+        await delivery.wait(0)
+    except BusError:
+        return True
+    return False
 
 
 def _workers(coordinator: Coordinator) -> Iterator[WorkerOut]:

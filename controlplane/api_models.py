@@ -33,7 +33,7 @@ from controlplane.protocol import (
     Selector,
     UpdateConfigSpec,
 )
-from controlplane.publisher import MAX_TTL_S
+from controlplane.publisher import MAX_TTL_S, PublishUnconfirmed
 from controlplane.registry import WorkerView
 from controlplane.rollout_models import WorkerLevel
 
@@ -96,9 +96,24 @@ def error_response(exc: ApiError) -> JSONResponse:
 
 
 def from_domain(exc: ControlPlaneError) -> ApiError:
-    """Our error tree, translated to HTTP in this one place."""
+    """Our error tree, translated to HTTP in this one place.
+
+    A publish the cluster did not confirm in time is 504 PUBLISH_OUTCOME_UNKNOWN with the
+    rollout and command ids in ``details``: the command may be in the log (never a 503, which
+    says "not done, try again"). Kafka unreachable (the command was not published) is 503."""
+    if isinstance(exc, PublishUnconfirmed):
+        return ApiError(
+            504,
+            exc.code.value,
+            f"rollout {exc.rollout_id} (command {exc.command_id}) may have been published: "
+            f"{exc.why}; check GET /api/v1/rollouts/{exc.rollout_id} (or `controlplane status "
+            f"{exc.rollout_id}`) before posting it again, with the same rollout_id",
+            details=[{"rollout_id": exc.rollout_id, "command_id": exc.command_id}],
+        )
     if exc.code in (ErrorCode.NO_MATCHING_WORKERS, ErrorCode.ROLLOUT_EXISTS):
         status = 409
+    elif exc.code is ErrorCode.PUBLISH_OUTCOME_UNKNOWN:
+        status = 504
     elif isinstance(exc, BusError):
         status = 503
     else:

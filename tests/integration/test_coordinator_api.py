@@ -1,7 +1,9 @@
 """The coordinator's HTTP API end to end: real broker, real agents, real uvicorn on a free port.
 
 POST a rollout with the token, follow it over SSE until the agents have acked it, then restart
-the coordinator on the same topics and get the same final statuses back from the log.
+the coordinator on the same topics and get the same final statuses back from the log. A POST
+whose publish the cluster does not confirm in time is 504 PUBLISH_OUTCOME_UNKNOWN (it may be in
+the log), and the coordinator keeps serving and keeps trying it.
 """
 
 from __future__ import annotations
@@ -19,11 +21,21 @@ import pytest
 from pydantic import SecretStr
 
 from controlplane.api import create_app
+from controlplane.api_models import from_domain
 from controlplane.api_server import ApiServer
+from controlplane.broker import LocalCluster
 from controlplane.coordinator import Coordinator, CoordinatorSettings
+from controlplane.errors import BusError, ErrorCode
 from controlplane.protocol import ReloadWeightsSpec, encode
 from controlplane.settings import KafkaSettings
 from tests.fleet import make_command, publish
+from tests.integration.test_bus_publish import (
+    fleet_below_min_isr,
+    node_down,
+    read_topic,
+    restore_commands_topic,
+)
+from tests.integration.test_cli_publish import live_worker
 from workers.agent import Agent
 from workers.fake_runner import FakeRunner
 from workers.settings import WorkerSettings
@@ -218,3 +230,49 @@ async def test_post_follow_and_restart(kafka: KafkaSettings, tmp_path: Path) -> 
             'controlplane_command_ack_latency_seconds_count{kind="reload_weights",state="succeeded"} 2.0'
             in metrics
         )
+
+
+def test_kafka_unreachable_is_503_and_an_unknown_outcome_504() -> None:
+    down = from_domain(BusError("no broker", code=ErrorCode.BROKER_UNAVAILABLE))
+    assert (down.status, down.info.code, down.info.retryable) == (503, "BROKER_UNAVAILABLE", True)
+    unknown = from_domain(BusError("?", code=ErrorCode.PUBLISH_OUTCOME_UNKNOWN))
+    assert (unknown.status, unknown.info.retryable) == (504, False)
+
+
+@pytest.mark.slow
+async def test_a_post_below_min_isr_is_504_unknown_and_the_coordinator_keeps_trying(
+    kafka_cluster: LocalCluster,
+) -> None:
+    settings = await fleet_below_min_isr(kafka_cluster)
+    worker = await live_worker(settings)
+    body = {"kind": "update_config", "overrides": {"a": 1}, "rollout_id": "r-unknown"}
+    bounded = settings.model_copy(update={"delivery_timeout_ms": 3000})
+    async with node_down(kafka_cluster), running_coordinator(bounded) as api:
+        await until(api, "/api/v1/workers", lambda ws: [w["worker_id"] for w in ws] == [worker])
+        posted = await api.post("/api/v1/rollouts", json=body, headers=AUTH)
+        assert posted.status_code == 504, posted.text
+        error = posted.json()["error"]
+        assert error["code"] == "PUBLISH_OUTCOME_UNKNOWN" and error["retryable"] is False
+        assert error["details"][0]["rollout_id"] == "r-unknown"
+        command_id = error["details"][0]["command_id"]
+        assert error["message"].startswith(
+            f"rollout r-unknown (command {command_id}) may have been published: "
+        )
+        assert "GET /api/v1/rollouts/r-unknown" in error["message"]
+        # Still serving; the same rollout id is refused while the first may still land.
+        assert (await api.get("/healthz")).status_code == 200
+        assert (await api.get("/api/v1/rollouts/r-unknown")).status_code == 404
+        again = await api.post("/api/v1/rollouts", json=body, headers=AUTH)
+        assert again.status_code == 409, again.text
+        assert again.json()["error"]["code"] == "ROLLOUT_EXISTS"
+        assert command_id in again.json()["error"]["message"]
+        # The topic takes writes again: the record the coordinator kept retrying lands, once.
+        await restore_commands_topic(settings)
+        landed = await until(
+            api, "/api/v1/rollouts/r-unknown", lambda r: r.get("rollout_id") == "r-unknown", 120
+        )
+        assert landed["workers"][0]["worker_id"] == worker
+        again = await api.post("/api/v1/rollouts", json=body, headers=AUTH)
+        assert again.status_code == 409 and again.json()["error"]["code"] == "ROLLOUT_EXISTS"
+    [record] = await read_topic(settings, settings.topics.commands.name)
+    assert record.value is not None and command_id.encode() in record.value
