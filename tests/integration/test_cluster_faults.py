@@ -215,18 +215,28 @@ async def test_two_of_three_brokers_down_fails_coded_never_hangs_and_recovers(
     tally = Tally("two-brokers-down")
     rollout_id = f"r-minisr-{uuid.uuid4().hex[:6]}"
     waiter = fleet.reload("reload-wait", "v-before-outage", rollout_id)
+    # A second rollout, queued behind the first on every worker, whose --wait runs out during
+    # the outage: it must return on its own without a verdict (the rollout has none yet).
+    short_id = f"r-minisr-short-{uuid.uuid4().hex[:6]}"
+    short_wait = None
     command_id = ""
 
     async def published() -> bool:
-        nonlocal command_id
-        if waiter.poll() is not None:
-            raise AssertionError(f"the CLI exited before the fault: {waiter}")
+        nonlocal command_id, short_wait
+        for run in (waiter, short_wait):
+            if run is not None and run.poll() is not None:
+                raise AssertionError(f"the CLI exited before the fault: {run}")
         commands = await read_topic(fleet.bootstrap, fleet.topic("commands"), decode_command)
         ours = [c for c in commands if c.rollout_id == rollout_id]
         command_id = ours[0].command_id if ours else ""
-        return bool(ours)
+        if ours and short_wait is None:
+            short_wait = fleet.reload(
+                "reload-short-wait", "v-queued", short_id, "--wait", "--wait-timeout", "45"
+            )
+        return bool(ours) and short_id in {c.rollout_id for c in commands}
 
-    await until(published, timeout=120, what=f"rollout {rollout_id} is published")
+    await until(published, timeout=120, what=f"rollouts {rollout_id}, {short_id} are published")
+    assert short_wait is not None
     await fleet.wait_running(command_id)
     # Keep the node leading the commands partition (reads of it may go on); crash the others.
     keep = await partition_leader(fleet.bootstrap, fleet.topic("commands"), 0) or 1
@@ -245,6 +255,12 @@ async def test_two_of_three_brokers_down_fails_coded_never_hangs_and_recovers(
         )
         rc_publish = await publish_only.wait_async(HANG_S)
         rc_wait = await wait_bounded.wait_async(HANG_S)
+        rc_short = await short_wait.wait_async(HANG_S)
+        short_phase = _printed_phase(short_wait)
+        tally.notes.append(
+            f"--wait --wait-timeout 45 of a rollout queued before the outage: exit {rc_short}, "
+            f"printed phase {short_phase}"
+        )
         tally.notes.append(
             f"publish during the outage: exit {rc_publish}, {len(publish_only.stderr.splitlines())}"
             f" stderr lines; with --wait --wait-timeout 60: exit {rc_wait}, "
@@ -292,6 +308,7 @@ async def test_two_of_three_brokers_down_fails_coded_never_hangs_and_recovers(
     for rid in in_log - {rollout_id}:
         status = await _status(fleet, rid)
         assert status.rc == 0, str(status)
+    short_status = await _status(fleet, short_id)
     status = await _status(fleet, rollout_id)
     await count_log(fleet, tally)
     _record(request, tally, tmp_path)
@@ -302,6 +319,12 @@ async def test_two_of_three_brokers_down_fails_coded_never_hangs_and_recovers(
     for run in (publish_only, wait_bounded):
         assert "Traceback" not in run.stderr, str(run)
     assert _coded_failure(publish_only), str(publish_only)
+    # The wait that ran out: no verdict claimed (2: gave up waiting, 4: Kafka unreachable).
+    assert rc_short is not None, f"--wait --wait-timeout 45 hung: {short_wait}"
+    assert "Traceback" not in short_wait.stderr, str(short_wait)
+    assert rc_short in (2, 4), str(short_wait)
+    assert short_phase in (None, "pending", "progressing"), str(short_wait)
+    assert short_status.rc == 0 and short_status.json()["phase"] == "succeeded", str(short_status)
     # With --wait: a coded failure, or (published after all) gave up waiting: exit 2.
     assert _coded_failure(wait_bounded) or wait_bounded.rc == 2, str(wait_bounded)
     # Exit 4 claims nothing was published: then it is not in the log.
@@ -317,6 +340,14 @@ async def test_two_of_three_brokers_down_fails_coded_never_hangs_and_recovers(
     assert "Traceback" not in waiter.stderr, str(waiter)
     assert status.rc == 0 and status.json()["phase"] == "succeeded", str(status)
     _assert_nothing_lost_nothing_twice(tally, expected_pairs=3 * len(commands))
+
+
+def _printed_phase(run: CliRun) -> str | None:
+    """The phase in the status a --json CLI printed, or None when it printed none."""
+    try:
+        return str(run.json().get("phase"))
+    except AssertionError:
+        return None
 
 
 def _cannot_publish(log: str) -> bool:
