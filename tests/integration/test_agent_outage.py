@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from controlplane.broker import BrokerConfig, LocalBroker
-from controlplane.bus import Admin
+from controlplane.bus import Admin, Consumer
 from controlplane.protocol import AckState, ReloadWeightsSpec
 from controlplane.settings import KafkaSettings
 from tests.conftest import free_port
@@ -127,3 +128,72 @@ async def test_a_stop_during_an_outage_does_not_wait_for_kafka(
         agent.request_stop()
         await asyncio.wait_for(task, 60)
     assert runner.closed
+
+
+async def test_an_ack_kafka_cannot_take_is_said_once_and_published_once_when_it_is_back(
+    broker: LocalBroker, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The broker stops while a command runs: its terminal ack (journaled) waits, said once,
+    on the same record; once the broker is back it is published once and the offset
+    committed. (Before, each failed send was logged and sent again.)"""
+    caplog.set_level(logging.INFO, logger="workers.agent")
+    kafka = KafkaSettings(
+        bootstrap_servers=broker.bootstrap,
+        topic_prefix="outage",
+        request_timeout_ms=5000,
+        delivery_timeout_ms=1000,
+    )
+    async with Admin(kafka) as admin:
+        await admin.ensure_topics(kafka.topics)
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    (ckpts / "model.safetensors").write_bytes(b"\0" * 64)
+    settings = WorkerSettings(
+        worker_id="w1",
+        kafka=kafka,
+        allowed_roots=[ckpts],
+        state_dir=tmp_path / "state",
+        heartbeat_interval_s=0.5,
+        progress_grace_s=0,
+    )
+    gate = threading.Event()
+    runner = RecordingRunner(gate=gate)
+    agent = Agent(settings, runner)
+    cmd = make_command(ReloadWeightsSpec(path=str(ckpts / "model.safetensors"), version="v2"))
+    task = asyncio.create_task(agent.run())
+    try:
+        await asyncio.wait_for(agent.ready.wait(), 60)
+        async with acks_tail(kafka) as acks:
+            await publish(kafka, cmd)
+            await acks.until(lambda items: AckState.RUNNING in [a.state for a in items])
+        await asyncio.to_thread(broker.stop)
+        gate.set()
+        await _until(lambda: bool(_records(caplog, "cannot publish to Kafka")), "said")
+        await _until(lambda: bool(_records(caplog, "heartbeat failed")), "heartbeats fail")
+        await asyncio.to_thread(broker.start, timeout=120)
+        await _until(lambda: bool(_records(caplog, "acks published again")), "published")
+        await _committed(kafka, 1)
+        assert not task.done()
+    finally:
+        gate.set()
+        agent.request_stop()
+        await asyncio.wait_for(task, 120)
+    async with acks_tail(kafka) as acks:
+        await acks.until(has_terminal(cmd.command_id))
+        await acks.drain(1.0)
+    states = [a.state for a in acks.items if a.command_id == cmd.command_id]
+    assert states == [AckState.ACCEPTED, AckState.RUNNING, AckState.SUCCEEDED]
+    assert runner.applied == ["v2"]
+    assert len(_records(caplog, "cannot publish to Kafka")) == 1
+    assert len(_records(caplog, "acks published again")) == 1
+
+
+async def _committed(kafka: KafkaSettings, offset: int) -> None:
+    """Wait until w1's committed position on the commands topic is ``offset``."""
+    deadline = time.monotonic() + 120
+    async with Consumer(kafka, group_id=kafka.topics.worker_group("w1")) as probe:
+        await probe.assign(kafka.topics.commands.name, [0])
+        while (now := await probe.committed(kafka.topics.commands.name, 0)) != offset:
+            assert now is None, now
+            assert time.monotonic() < deadline, "never committed"
+            await asyncio.sleep(0.1)
