@@ -119,7 +119,7 @@ async def _publish_and_maybe_wait(
     as_json: bool,
 ) -> int:
     out = console()
-    async with Follower(settings) as follower:
+    async with Follower(settings, probe=wait) as follower:
         await _catch_up(follower, settings)
         if rollout_id is not None:  # the log is read: an id in it is not new
             check_new_rollout(rollout_id, follower.fleet)
@@ -223,7 +223,8 @@ async def _await_unconfirmed(
 
 async def _catch_up(follower: Follower, settings: KafkaSettings) -> None:
     """Read the whole log; BROKER_UNAVAILABLE (exit 4) when Kafka stays unreachable for a
-    request timeout meanwhile, instead of waiting forever."""
+    request timeout meanwhile, instead of waiting forever. A probing follower then waits (a
+    little) for its first probe to come back: see :func:`_settle`."""
     patience = settings.request_timeout_ms / 1000
     while not follower.caught_up.is_set():
         await follower.poll(timeout_s=0.5)
@@ -234,6 +235,32 @@ async def _catch_up(follower: Follower, settings: KafkaSettings) -> None:
                 f"({follower.settings.bootstrap_servers})",
                 code=ErrorCode.BROKER_UNAVAILABLE,
             )
+    if follower.probe:
+        await _settle(follower, min(_PROBE_PATIENCE_S, settings.delivery_timeout_ms / 1000))
+
+
+#: How long a probing reader waits for its first probe to be read back before it judges.
+_PROBE_PATIENCE_S = 5.0
+
+
+async def _settle(follower: Follower, patience_s: float) -> None:
+    """Until this reader has read back a probe of its own (at most ``patience_s``): before,
+    ``current_as_of()`` is only the last append it read on the workers topic, which may be
+    long ago. If none comes back, Kafka is holding writes back (a broker failover, fewer
+    in-sync replicas than min.insync.replicas) or unreachable: say so once, and judge as of
+    what was read (heartbeats held back are not silence)."""
+    deadline = time.monotonic() + patience_s
+    while follower.probes_read == 0 and time.monotonic() < deadline:
+        await follower.poll(timeout_s=0.1)
+    if follower.probes_read == 0 and follower.unreachable_since() is None:
+        as_of = follower.current_as_of()
+        when = _clock(as_of) if as_of is not None else "the last record read"
+        _say(
+            console(stderr=True),
+            None,
+            f"Kafka is not confirming writes (no probe read back within {patience_s:g} s): "
+            f"liveness judged as of {when}",
+        )
 
 
 def _as_of(follower: Follower) -> datetime:
@@ -511,7 +538,7 @@ def status(
 
     async def go() -> int:
         settings = kafka_settings(bootstrap, prefix)
-        async with Follower(settings) as follower:
+        async with Follower(settings, probe=True) as follower:
             await _catch_up(follower, settings)
             now = _as_of(follower)
             if rollout is None:
@@ -548,7 +575,7 @@ def workers(
 
     async def go() -> int:
         settings = kafka_settings(bootstrap, prefix)
-        async with Follower(settings) as follower:
+        async with Follower(settings, probe=True) as follower:
             await _catch_up(follower, settings)
             now = _as_of(follower)
         views = follower.fleet.registry.workers(now)

@@ -108,9 +108,10 @@ async def node_down(cluster: LocalCluster, node_id: int = VICTIM) -> AsyncIterat
         await all_nodes_up(cluster)
 
 
-async def fleet_below_min_isr(cluster: LocalCluster) -> KafkaSettings:
-    """A fresh prefix on the cluster: the commands topic on LEADER and VICTIM with min ISR 2
-    (no write gets through while VICTIM is down), acks and workers on LEADER alone."""
+async def fleet_below_min_isr(cluster: LocalCluster, held: str = "commands") -> KafkaSettings:
+    """A fresh prefix on the cluster: the ``held`` topic (commands, acks or workers) on LEADER
+    and VICTIM with min ISR 2 (no write gets through while VICTIM is down), the others on
+    LEADER alone."""
     await all_nodes_up(cluster)
     settings = KafkaSettings(
         bootstrap_servers=cluster.bootstrap, topic_prefix=f"u{uuid.uuid4().hex[:10]}"
@@ -119,7 +120,7 @@ async def fleet_below_min_isr(cluster: LocalCluster) -> KafkaSettings:
     for spec in topics.all():
         config = dict(spec.config)
         replicas = [LEADER]
-        if spec.name == topics.commands.name:
+        if spec.name == f"{settings.topic_prefix}.{held}":
             config["min.insync.replicas"] = "2"
             replicas = [LEADER, VICTIM]
         await create_topic(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import re
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.broker import BrokerConfig, LocalBroker
+from controlplane.broker import BrokerConfig, LocalBroker, LocalCluster
 from controlplane.bus import Admin, Consumer, Producer, health, log_filter
 from controlplane.errors import BusError
 from controlplane.protocol import (
@@ -30,7 +31,9 @@ from controlplane.protocol import (
     AckState,
     CommandKind,
     Heartbeat,
+    Selector,
     Timings,
+    UpdateConfigSpec,
     WorkerStatus,
     encode,
     utcnow,
@@ -38,6 +41,7 @@ from controlplane.protocol import (
 from controlplane.settings import KafkaSettings
 from controlplane.topics import worker_key
 from tests.conftest import free_port
+from tests.fleet import make_command, publish
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -367,3 +371,45 @@ async def test_a_producer_with_a_record_pending_stops_while_kafka_is_down(
         await sending
     async with asyncio.timeout(60):
         await producer.stop()
+
+
+# --------------------------------------------------------------------------- writes held back
+
+
+async def test_status_judges_no_worker_lost_while_kafka_holds_heartbeats_back(
+    kafka_cluster: LocalCluster,
+) -> None:
+    """Fetches answer but the workers topic takes no write (below min ISR: a broker failover
+    looks the same until it is fenced). The worker's heartbeats are held back, not missing:
+    `status` and `workers` judge as of what they could read back (their probe), so nobody is
+    lost."""
+    from tests.integration.test_bus_publish import fleet_below_min_isr, node_down
+
+    settings = await fleet_below_min_isr(kafka_cluster, held="workers")
+    worker_id = f"w-{uuid.uuid4().hex[:6]}"
+    command = make_command(
+        UpdateConfigSpec(overrides={"a": 1}),
+        selector=Selector(worker_ids=[worker_id]),
+        rollout_id="r-held",
+    )
+    args = ("--bootstrap", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix)
+    async with FakeWorker(settings, worker_id) as worker:
+        await publish(settings, command)
+        async with node_down(kafka_cluster):
+            silent_from = worker.last_sent
+            await until(
+                lambda: (utcnow() - silent_from).total_seconds() > 8 * INTERVAL_S,
+                "the worker's heartbeats held back for several lease periods",
+                60,
+            )
+            status = await Cli.start("status", "r-held", "--json", *args)
+            assert await status.wait() == 0, status.text
+            workers = await Cli.start("workers", "--json", *args)
+            assert await workers.wait() == 0, workers.text
+    judged = json.loads(status.out[-1])
+    assert judged["counts"]["lost"] == 0, judged
+    assert [w["state"] for w in judged["workers"]] == ["pending"], judged
+    [view] = json.loads(workers.out[-1])
+    assert view["worker_id"] == worker_id and view["alive"] is True, view
+    assert "not confirming writes" in status.text, status.text
+    assert "Traceback" not in status.text + workers.text
