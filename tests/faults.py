@@ -286,9 +286,16 @@ class Fleet:
         return run
 
     def reload(
-        self, name: str, version: str, rollout_id: str, *extra: str, wait: bool = True
+        self,
+        name: str,
+        version: str,
+        rollout_id: str,
+        *extra: str,
+        wait: bool = True,
+        as_json: bool = True,
     ) -> CliRun:
-        """`controlplane reload-weights` to every worker of the fleet (by its label)."""
+        """`controlplane reload-weights` to every worker of the fleet (by its label); without
+        ``as_json`` it prints what a person sees (progress lines on stderr, the table)."""
         args = [
             "reload-weights",
             str(self.ckpt),
@@ -299,7 +306,7 @@ class Fleet:
             *[a for k, v in self.labels.items() for a in ("-s", f"{k}={v}")],
             "--ttl",
             "1800",
-            "--json",
+            *(["--json"] if as_json else []),
             *extra,
         ]
         if wait and "--wait" not in extra:
