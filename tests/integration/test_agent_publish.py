@@ -192,12 +192,13 @@ async def test_acks_the_cluster_refuses_are_waited_on_said_once_and_published_on
         first = reporting(heartbeats.items)
         assert first is not None and first.publish_failing_since is not None
         assert first.lease_s == 5  # 10 periods of 0.5 s
+        since = first.publish_failing_since
         # Several delivery timeouts later: still unpublished, said once, nothing committed.
         await heartbeats.until(
             lambda hbs: (
                 (hb := reporting(hbs)) is not None
-                and hb.publish_failing_since == first.publish_failing_since
-                and (hb.sent_at - first.publish_failing_since).total_seconds() > 4
+                and hb.publish_failing_since == since
+                and (hb.sent_at - since).total_seconds() > 4
             )
         )
         assert runner.applied == ["v2"]
