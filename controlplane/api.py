@@ -280,8 +280,7 @@ def create_app(
     )
     async def create_rollout(request: Request) -> JSONResponse:
         spec, options = parse_rollout_request(await request.body())
-        if options.rollout_id is not None:
-            await _refuse_unconfirmed(coordinator, unconfirmed, options.rollout_id)
+        await _refuse_unconfirmed(coordinator, unconfirmed, options.rollout_id)
         try:
             command = await coordinator.create_rollout(
                 spec,
@@ -367,14 +366,14 @@ def create_app(
 
 
 async def _refuse_unconfirmed(
-    coordinator: Coordinator, unconfirmed: dict[str, PublishUnconfirmed], rollout_id: str
+    coordinator: Coordinator, unconfirmed: dict[str, PublishUnconfirmed], rollout_id: str | None
 ) -> None:
     """ROLLOUT_EXISTS (409) while an earlier, unconfirmed publish of ``rollout_id`` may still
     land; entries end once their rollout is in the log or the producer gave up on the record."""
     for rid, earlier in list(unconfirmed.items()):
         if rid in coordinator.fleet or (earlier.delivery.done and await _failed(earlier.delivery)):
             del unconfirmed[rid]
-    pending = unconfirmed.get(rollout_id)
+    pending = unconfirmed.get(rollout_id) if rollout_id is not None else None
     if pending is not None:
         raise ApiError(
             409,
