@@ -42,6 +42,7 @@ from controlplane.settings import KafkaSettings
 from controlplane.topics import worker_key
 from tests.conftest import free_port
 from tests.fleet import make_command, publish
+from tests.integration.test_bus_publish import fleet_below_min_isr, node_down
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -383,8 +384,6 @@ async def test_status_judges_no_worker_lost_while_kafka_holds_heartbeats_back(
     looks the same until it is fenced). The worker's heartbeats are held back, not missing:
     `status` and `workers` judge as of what they could read back (their probe), so nobody is
     lost."""
-    from tests.integration.test_bus_publish import fleet_below_min_isr, node_down
-
     settings = await fleet_below_min_isr(kafka_cluster, held="workers")
     worker_id = f"w-{uuid.uuid4().hex[:6]}"
     command = make_command(
