@@ -130,7 +130,8 @@ class Agent:
         self._unreachable_since: datetime | None = None
         #: Since when heartbeats fail (the first failed one was built), None while they go out.
         self._beats_failing_since: datetime | None = None
-        #: Acks handed to _publish_acks and not confirmed by the cluster yet.
+        #: Acks handed to _publish_acks and not confirmed by the cluster yet (heartbeats report
+        #: them while publishing fails).
         self._acks_unconfirmed = 0
         #: Since when acks go unconfirmed (the publish that first failed began), None while
         #: they go through: said once when it starts and once when it ends.
@@ -803,7 +804,9 @@ class Agent:
                 self._acks_unconfirmed -= 1
                 self._publish_recovered()
         except _AcksLeftUnpublished:
-            raise  # the count stays: the last heartbeat reports them
+            if self._acks_failing_since is None:  # the last heartbeat reports them
+                self._acks_failing_since = began
+            raise
         except BaseException:
             self._acks_unconfirmed -= len(pending)
             raise
@@ -980,7 +983,8 @@ class Agent:
             incarnation=self._state.incarnation if self._state is not None else 0,
             interval_s=self.settings.heartbeat_interval_s,
             lease_s=self.settings.effective_lease_s,
-            acks_unpublished=self._acks_unconfirmed,
+            # Acks on their way for milliseconds are not news: counted while publishes fail.
+            acks_unpublished=self._acks_unconfirmed if self._acks_failing_since else 0,
             publish_failing_since=min(
                 (t for t in (self._acks_failing_since, self._beats_failing_since) if t),
                 default=None,
