@@ -23,10 +23,12 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 
 from controlplane.broker import LocalCluster
+from controlplane.follower import PROBE_KEY
 from controlplane.protocol import (
     Ack,
     AckState,
@@ -37,6 +39,7 @@ from controlplane.protocol import (
     decode_command,
     decode_heartbeat,
 )
+from controlplane.settings import KafkaSettings
 from controlplane.topics import worker_key
 
 JSON = dict[str, Any]
@@ -398,7 +401,8 @@ class Fleet:
 async def read_topic(
     bootstrap: str, topic: str, decode: Callable[[bytes], Any], timeout: float = 60.0
 ) -> list[Any]:
-    """Every record of ``topic`` from the beginning to its end now, decoded."""
+    """Every record of ``topic`` from the beginning to its end now, decoded (but the probe
+    records readers append to the workers topic)."""
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest"
     )
@@ -422,7 +426,11 @@ async def read_topic(
             while await behind():
                 batch = await consumer.getmany(*tps, timeout_ms=500)
                 for records in batch.values():
-                    items += [decode(r.value) for r in records if r.value is not None]
+                    items += [
+                        decode(r.value)
+                        for r in records
+                        if r.value is not None and r.key != PROBE_KEY  # readers' probes
+                    ]
             return items
     finally:
         await consumer.stop()
@@ -455,6 +463,11 @@ def ack_partition(worker_id: str, partitions: int) -> int:
 
 async def fully_replicated(bootstrap: str, topics: Iterable[str]) -> bool:
     """Every partition of ``topics`` has a leader and all three replicas in sync."""
+    return await in_sync_everywhere(bootstrap, topics, NODES)
+
+
+async def in_sync_everywhere(bootstrap: str, topics: Iterable[str], replicas: int) -> bool:
+    """Every partition of ``topics`` has a leader and exactly ``replicas`` replicas in sync."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     try:
         await admin.start()
@@ -467,9 +480,47 @@ async def fully_replicated(bootstrap: str, topics: Iterable[str]) -> bool:
         if topic["error_code"] != 0 or not topic["partitions"]:
             return False
         for p in topic["partitions"]:
-            if p["error_code"] != 0 or p["leader"] < 0 or len(p["isr"]) != NODES:
+            if p["error_code"] != 0 or p["leader"] < 0 or len(p["isr"]) != replicas:
                 return False
     return True
+
+
+async def set_min_insync(fleet: Fleet, value: int, timeout: float = 120.0) -> None:
+    """Set ``min.insync.replicas`` of the fleet's three topics, keeping their other configs
+    (AlterConfigs replaces a topic's whole config: the product's own is sent with it), and
+    wait until the cluster describes the new value."""
+    settings = KafkaSettings(
+        bootstrap_servers=fleet.bootstrap,
+        topic_prefix=fleet.prefix,
+        replication_factor=NODES,
+        min_insync_replicas=2,
+    )
+    specs = settings.topics.all()
+    wanted = {spec.name: {**spec.config, "min.insync.replicas": str(value)} for spec in specs}
+    admin = AIOKafkaAdminClient(bootstrap_servers=fleet.bootstrap)
+    await admin.start()
+    try:
+        responses = await admin.alter_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, n, c) for n, c in wanted.items()]
+        )
+        for response in responses:
+            for resource in response.resources:
+                assert resource[0] == 0, f"alter configs: {resource}"
+
+        async def described() -> bool:
+            responses = await admin.describe_configs(
+                [ConfigResource(ConfigResourceType.TOPIC, n, None) for n in wanted]
+            )
+            got = {
+                resource[3]: {entry[0]: entry[1] for entry in resource[4]}
+                for response in responses
+                for resource in response.resources
+            }
+            return all(got.get(n, {}).items() >= c.items() for n, c in wanted.items())
+
+        await until(described, timeout=timeout, what=f"min.insync.replicas {value} described")
+    finally:
+        await admin.close()
 
 
 async def whole(cluster: LocalCluster, topics: Iterable[str], timeout: float = 240.0) -> None:

@@ -40,9 +40,11 @@ from tests.faults import (
     Tally,
     ack_partition,
     count_log,
+    in_sync_everywhere,
     partition_leaders,
     read_topic,
     report,
+    set_min_insync,
     until,
     whole,
 )
@@ -220,10 +222,25 @@ def _coded_failure(run: CliRun) -> bool:
 
 
 @pytest.mark.timeout(1500)
+@pytest.mark.parametrize("how", ["two-nodes-sigkilled", "below-min-isr"])
 async def test_two_of_three_brokers_down_fails_coded_never_hangs_and_recovers(
-    cluster: LocalCluster, fleet: Fleet, tmp_path: Path, request: pytest.FixtureRequest
+    cluster: LocalCluster,
+    fleet: Fleet,
+    how: str,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
 ) -> None:
-    tally = Tally("two-brokers-down")
+    """Writes impossible mid-rollout, two ways.
+
+    ``two-nodes-sigkilled``: two of the three nodes crash. No quorum is left to elect leaders,
+    so the partitions they led have none: reads of them fail as well as every write.
+    ``below-min-isr``: one node crashes and is fenced (two in-sync replicas left), then the
+    product topics' ``min.insync.replicas`` is raised to 3: the cluster answers every read and
+    refuses every acks=all write with the retriable NOT_ENOUGH_REPLICAS (what one broker left
+    of three does to a min-ISR-2 topic, with the quorum still up): an idempotent producer
+    retries that for ever, so only the product's own bounds end a publish.
+    """
+    tally = Tally(f"two-brokers-down[{how}]")
     rollout_id = f"r-minisr-{uuid.uuid4().hex[:6]}"
     waiter = fleet.reload("reload-wait", "v-before-outage", rollout_id)
     # A second rollout, queued behind the first on every worker, whose --wait runs out during
@@ -249,12 +266,28 @@ async def test_two_of_three_brokers_down_fails_coded_never_hangs_and_recovers(
     await until(published, timeout=120, what=f"rollouts {rollout_id}, {short_id} are published")
     assert short_wait is not None
     await fleet.wait_running(command_id)
-    # Keep the node leading the commands partition (reads of it may go on); crash the others.
-    keep = await partition_leader(fleet.bootstrap, fleet.topic("commands"), 0) or 1
-    down = [n for n in range(1, NODES + 1) if n != keep]
-    for node in down:
-        assert await asyncio.to_thread(cluster.stop_node, node, kill=True)
-    tally.notes.append(f"SIGKILLed nodes {down} (node {keep} left) while 3 workers ran the reload")
+    topics = [fleet.topic(t) for t in ("commands", "acks", "workers")]
+    # The commands partition's leader is crashed either way (a failover besides).
+    leader = await partition_leader(fleet.bootstrap, fleet.topic("commands"), 0) or 1
+    if how == "two-nodes-sigkilled":
+        down = [leader, leader % NODES + 1]
+        for node in down:
+            assert await asyncio.to_thread(cluster.stop_node, node, kill=True)
+        tally.notes.append(f"SIGKILLed nodes {down} while 3 workers ran the reload")
+    else:
+        down = [leader]
+        assert await asyncio.to_thread(cluster.stop_node, leader, kill=True)
+        await asyncio.to_thread(cluster.wait_for_brokers, NODES - 1, timeout=180)
+        await until(
+            lambda: in_sync_everywhere(fleet.bootstrap, topics, NODES - 1),
+            timeout=120,
+            what=f"node {leader} is out of every ISR",
+        )
+        await set_min_insync(fleet, 3)
+        tally.notes.append(
+            f"SIGKILLed node {leader}, then min.insync.replicas 3 with 2 in sync, while 3 "
+            "workers ran the reload"
+        )
     publish_only = wait_bounded = None
     try:
         # A publish now: a coded error within its own timeout, and nothing claimed falsely.
@@ -291,6 +324,8 @@ async def test_two_of_three_brokers_down_fails_coded_never_hangs_and_recovers(
             said = False
         tally.notes.append(f"every agent logged it cannot publish: {said}")
     finally:
+        if how == "below-min-isr":
+            await set_min_insync(fleet, 2)
         for node in down:
             await asyncio.to_thread(cluster.start_node, node, timeout=240)
     await whole(cluster, [fleet.topic(t) for t in ("commands", "acks", "workers")])
@@ -303,7 +338,8 @@ async def test_two_of_three_brokers_down_fails_coded_never_hangs_and_recovers(
     reported = {
         hb.worker_id
         for hb in beats
-        if hb.publish_failing_since is not None or hb.acks_unpublished > 0
+        if getattr(hb, "publish_failing_since", None) is not None
+        or getattr(hb, "acks_unpublished", 0) > 0
     }
     tally.notes.append(f"workers whose heartbeats reported the outage: {sorted(reported)}")
 
