@@ -154,6 +154,9 @@ class Agent:
         self._progress: asyncio.Task[None] | None = None
         #: Heartbeats sent beside the command path (see _beat_soon), until sent.
         self._beats: set[asyncio.Task[None]] = set()
+        #: Producers replaced after they gave up on a record (see _renew_producer), stopping.
+        self._retired: set[asyncio.Task[None]] = set()
+        self._renewing = asyncio.Lock()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -187,14 +190,19 @@ class Agent:
             ):
                 self._producer, self._consumer = producer, consumer
                 try:
-                    await self._establish_position()
-                except ControlPlaneError as exc:
-                    if exc is not self._failed:
-                        raise
-                    await self._beat()  # best effort: say why, then stop
-                else:
-                    await self._serve()
-                await asyncio.gather(*self._beats, return_exceptions=True)
+                    try:
+                        await self._establish_position()
+                    except ControlPlaneError as exc:
+                        if exc is not self._failed:
+                            raise
+                        await self._beat()  # best effort: say why, then stop
+                    else:
+                        await self._serve()
+                    await asyncio.gather(*self._beats, return_exceptions=True)
+                finally:
+                    if self._producer is not producer:  # renewed (see _renew_producer)
+                        await self._producer.stop()
+                    await asyncio.gather(*self._retired, return_exceptions=True)
         finally:
             await self._close()
         if self._failed is not None:
@@ -773,19 +781,22 @@ class Agent:
         assert self._producer is not None
         topic, key = self.topics.acks.name, worker_key(self.worker_id)
         pending = [(ack, encode(ack)) for ack in acks]
-        deliveries: list[Delivery] = []  # of pending's first ones, in order
+        deliveries: list[Delivery] = []  # of pending's first ones, in order, by `producer`
+        producer = self._producer
         began, began_mono = self.clock(), time.monotonic()
         delay = 0.5
         self._acks_unconfirmed += len(pending)
         try:
             while pending:
                 limit = self._publish_limit(began_mono)
+                if producer is not self._producer:  # renewed: the old one publishes no more
+                    producer, deliveries = self._producer, []
                 queued = False
                 try:
                     while len(deliveries) < len(pending):
                         value = pending[len(deliveries)][1]
                         deliveries.append(
-                            await self._producer.submit(topic, value, key=key, timeout_s=limit)
+                            await producer.submit(topic, value, key=key, timeout_s=limit)
                         )
                     queued = True
                     if await self._unless_stopped(deliveries[0].wait(limit)) is None:
@@ -796,6 +807,7 @@ class Agent:
                         continue  # still queued: wait on the same records
                     if queued:  # the producer gave up on it: hand it over again, and all after
                         deliveries.clear()
+                        await self._renew_producer(producer, exc)
                     await self._backoff(delay, began_mono)
                     delay = min(delay * 2, 10.0)
                     continue
@@ -810,6 +822,40 @@ class Agent:
         except BaseException:
             self._acks_unconfirmed -= len(pending)
             raise
+
+    async def _renew_producer(self, producer: Producer, exc: BusError) -> None:
+        """Replace ``producer`` after it gave up on a record (then it was not written).
+
+        The idempotent producer numbers the records of each partition; one it gave up on (a
+        batch that waited for a leader longer than the request timeout, or that the broker
+        refused for good) leaves a gap, and the broker refuses every later record of that
+        partition (OutOfOrderSequenceNumber) for as long as the producer lives: acks or
+        heartbeats would never go out again. A new producer (a new producer id) starts a new
+        sequence. If it cannot start (Kafka unreachable), the old one stays until the next
+        give-up. The old one is stopped in the background (its records are abandoned).
+        """
+        async with self._renewing:
+            if producer is not self._producer:
+                return  # already replaced
+            fresh = Producer(self.settings.kafka)
+            try:
+                async with asyncio.timeout(fresh.delivery_timeout_s):
+                    await fresh.start()
+            except (BusError, TimeoutError) as start_exc:
+                await fresh.stop()
+                self._log(logging.DEBUG, "no new producer yet: %s", start_exc)
+                return
+            self._producer = fresh
+        failing = self._acks_failing_since or self._beats_failing_since
+        self._log(
+            logging.DEBUG if failing else logging.INFO,
+            "the producer gave up on a record (%s: %s); publishing with a new one",
+            exc.code,
+            exc.message,
+        )
+        task = asyncio.create_task(producer.stop())
+        self._retired.add(task)
+        task.add_done_callback(self._retired.discard)
 
     def _publish_failed(self, exc: BusError, began: datetime, *, timed_out: float) -> None:
         """Said once when acks go unconfirmed (then at DEBUG), with how many and why."""
@@ -936,13 +982,21 @@ class Agent:
         limit = max(
             1.0, min(3 * self.settings.heartbeat_interval_s, self._producer.delivery_timeout_s)
         )
+        producer = self._producer
+        deadline = time.monotonic() + limit
         try:
-            await self._producer.send(
+            delivery = await producer.submit(
                 self.topics.workers.name,
                 encode(hb),
                 key=worker_key(self.worker_id),
                 timeout_s=limit,
             )
+            try:
+                await delivery.wait(max(0.0, deadline - time.monotonic()))
+            except BusError as exc:
+                if exc.code is not ErrorCode.PUBLISH_OUTCOME_UNKNOWN:  # gave up on it
+                    await self._renew_producer(producer, exc)
+                raise
         except BusError as exc:  # logged when they start failing, not each time
             if self._beats_failing_since is None:
                 self._beats_failing_since = hb.sent_at

@@ -22,6 +22,7 @@ from typing import Any, cast
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from controlplane.broker import LocalCluster
 from controlplane.bus import Consumer, Delivery, Producer
@@ -116,10 +117,11 @@ async def committed(kafka: KafkaSettings, worker_id: str = "w1") -> int | None:
 
 
 async def committed_becomes(kafka: KafkaSettings, offset: int) -> None:
-    """Wait until w1's committed offset is ``offset``; it is never anything else but None."""
+    """Wait until w1's committed offset is ``offset``; it is never anything else but the one
+    before (or None)."""
     deadline = time.monotonic() + 60
     while (now := await committed(kafka)) != offset:
-        assert now is None, now
+        assert now is None or now == offset - 1, now
         assert time.monotonic() < deadline, "never committed"
         await asyncio.sleep(0.1)
 
@@ -376,3 +378,60 @@ async def test_acks_the_producer_did_not_take_are_handed_over_again_in_order(
     assert len(lines(caplog, "cannot publish to Kafka since")) == 1
     assert len(lines(caplog, "acks published again after")) == 1
     assert runner.applied == ["v2", "v3"]
+
+
+async def _acks_topic_config(kafka: KafkaSettings, **extra: str) -> None:
+    """Set the test's acks topic's configs (those it was created with, plus ``extra``; the
+    others go back to their defaults) and wait until the cluster reports them."""
+    spec = kafka.topics.acks
+    config = {**spec.config, "min.insync.replicas": "2", **extra}
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    await admin.start()
+    try:
+        resource = ConfigResource(ConfigResourceType.TOPIC, spec.name, config)
+        [response] = await admin.alter_configs([resource])
+        assert not [r for r in response.resources if r[0] != 0], response.resources
+        deadline = time.monotonic() + 30
+        while True:
+            [described] = await admin.describe_configs(
+                [ConfigResource(ConfigResourceType.TOPIC, spec.name)]
+            )
+            entries = {e[0]: e[1] for e in described.resources[0][4]}
+            if all(entries.get(k) == v for k, v in config.items()):
+                return
+            assert time.monotonic() < deadline, entries
+            await asyncio.sleep(0.1)
+    finally:
+        await admin.close()
+
+
+async def test_acks_go_out_again_after_the_producer_gave_up_on_one(
+    kafka: KafkaSettings, tmp_path: Path, weights: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A record the idempotent producer gave up on leaves a gap in its sequence numbers, and
+    the broker then refuses every later record of that partition from it
+    (OutOfOrderSequenceNumber) for as long as it lives. Here the broker refuses the acks for
+    good (larger than the topic's max.message.bytes) until the limit is lifted: then they go
+    out, once, from a new producer (before, they were refused for ever, and the offset never
+    committed). A batch that waited for a leader past the request timeout does the same."""
+    caplog.set_level(logging.INFO, logger="workers.agent")
+    runner = RecordingRunner()
+    # The first command's acks go out: the broker knows the producer's sequence from them (a
+    # producer new to a partition may start anywhere).
+    first = make_command(ReloadWeightsSpec(path=str(weights / "model.safetensors"), version="v1"))
+    cmd = make_command(ReloadWeightsSpec(path=str(weights / "model.safetensors"), version="v2"))
+    async with agent_running(kafka, tmp_path, runner):
+        await publish(kafka, first)
+        await committed_becomes(kafka, 1)
+        await _acks_topic_config(kafka, **{"max.message.bytes": "200"})
+        await publish(kafka, cmd)
+        await until(lambda: bool(lines(caplog, "cannot publish to Kafka since")), "refused")
+        assert await committed(kafka) == 1
+        await _acks_topic_config(kafka)
+        await until(lambda: bool(lines(caplog, "published again after")), "acks are published")
+        await committed_becomes(kafka, 2)
+    acks = [a for a in await acks_on_the_topic(kafka) if a.command_id == cmd.command_id]
+    assert [a.state for a in acks] == [AckState.ACCEPTED, AckState.RUNNING, AckState.SUCCEEDED]
+    [said] = lines(caplog, "cannot publish to Kafka since")
+    assert "KAFKA_ERROR" in said, said
+    assert runner.applied == ["v1", "v2"]
