@@ -142,8 +142,14 @@ async def _leader_of(fleet: Fleet, target: str) -> tuple[int, str]:
         assert leader is not None
         return leader, f"{fleet.topic(target)}-0"
     # acks: the partitions the three workers write to; the node leading most of them.
-    leaders = await partition_leaders(bootstrap, fleet.topic("acks"))
-    assert len(leaders) == 6, leaders
+    leaders: dict[int, int] = {}
+
+    async def all_led() -> bool:
+        nonlocal leaders
+        leaders = await partition_leaders(bootstrap, fleet.topic("acks"))
+        return len(leaders) == 6
+
+    await until(all_led, timeout=60, what="every acks partition has a leader")
     mine = {wid: ack_partition(wid, len(leaders)) for wid in fleet.workers}
     by_node: dict[int, list[str]] = {}
     for wid, p in sorted(mine.items()):
