@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -17,7 +17,7 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.protocol.admin import DeleteGroupsRequest
 
-from controlplane.bus import Consumer, Producer
+from controlplane.bus import Consumer
 from controlplane.errors import BusError, ControlPlaneError, ErrorCode, RunnerError
 from controlplane.protocol import (
     Ack,
@@ -421,59 +421,6 @@ async def test_commits_position_only_after_terminal_ack(
                 assert time.monotonic() < deadline, f"never committed: {committed[-5:]}"
                 await asyncio.sleep(0.05)
             assert set(committed) <= {None, 1}
-
-
-@pytest.mark.parametrize("landed", [False, True], ids=["lost", "ambiguous"])
-@pytest.mark.parametrize("quick", [True, False], ids=["quick", "slow"])
-async def test_acks_that_fail_are_sent_again_in_order(
-    kafka: KafkaSettings,
-    tmp_path: Path,
-    weights: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-    quick: bool,
-    landed: bool,
-) -> None:
-    """The first ack publish fails: the cluster did not take the acks ("lost"), or took them
-    and the answer failed ("ambiguous"). All are sent again, in order, before anything later.
-
-    ``quick``: the command ends within the grace: accepted, running and the terminal ack go in
-    one request. ``slow``: the grace ran out first (it is 0 here): accepted and running went
-    alone, not awaited, and the terminal ack waits until they are published.
-    """
-    failures: list[str] = []
-
-    class FlakyProducer(Producer):
-        async def send_many(
-            self, topic: str, items: Sequence[tuple[bytes | None, bytes | None]]
-        ) -> None:
-            if not failures:
-                failures.append(topic)
-                if landed:
-                    await super().send_many(topic, items)
-                raise BusError("publishing: Kafka unreachable (injected)")
-            await super().send_many(topic, items)
-
-    monkeypatch.setattr(agent_module, "Producer", FlakyProducer)
-    sent = [AckState.ACCEPTED, AckState.RUNNING] + ([AckState.SUCCEEDED] if quick else [])
-    then = [] if quick else [AckState.SUCCEEDED]
-    expected = (sent * 2 if landed else sent) + then
-    runner = RecordingRunner(delay_s=0.0 if quick else 1.0)
-    cmd = reload(weights, "v2")
-    grace = 3600.0 if quick else 0.0
-    async with (
-        running_agent(kafka, tmp_path, runner, progress_grace_s=grace),
-        acks_tail(kafka) as acks,
-    ):
-        await publish(kafka, cmd)
-        marker = reload(weights, "v3")  # acks are in order: all of cmd's come before its own
-        await publish(kafka, marker)
-        await acks.until(has_terminal(marker.command_id))
-    assert [a.state for a in acks.items if a.command_id == cmd.command_id] == expected
-    assert failures == [kafka.topics.acks.name]
-    failed = "accepted/running/succeeded" if quick else "accepted/running"
-    assert f"{failed} ack publish failed, retrying" in caplog.text
-    assert runner.applied == ["v2", "v3"]
 
 
 async def test_a_quick_command_needs_no_busy_heartbeat_and_its_end_sends_one(
