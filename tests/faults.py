@@ -436,6 +436,17 @@ async def read_topic(
         await consumer.stop()
 
 
+async def readable(bootstrap: str, topics: Iterable[str], timeout: float = 15.0) -> bool:
+    """Whether every partition of ``topics`` answers a read to its end now (after a failover a
+    new leader answers for its end offset only once its high watermark is established)."""
+    try:
+        for topic in topics:
+            await read_topic(bootstrap, topic, lambda value: value, timeout=timeout)
+    except (KafkaError, TimeoutError):
+        return False
+    return True
+
+
 async def partition_leaders(bootstrap: str, topic: str) -> dict[int, int]:
     """partition -> leader node id, for partitions that have a leader now ({} on an error)."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)

@@ -43,6 +43,7 @@ from tests.faults import (
     in_sync_everywhere,
     partition_leaders,
     read_topic,
+    readable,
     report,
     set_min_insync,
     until,
@@ -288,6 +289,13 @@ async def test_two_of_three_brokers_down_fails_coded_never_hangs_and_recovers(
             lambda: in_sync_everywhere(fleet.bootstrap, topics, NODES - 1),
             timeout=120,
             what=f"node {leader} is out of every ISR",
+        )
+        # The new leaders' high watermarks are established (with min ISR 3 and two in sync
+        # they could no longer advance, and reads of the end would fail too).
+        await until(
+            lambda: readable(fleet.bootstrap, topics),
+            timeout=120,
+            what="every partition answers reads after the failover",
         )
         await set_min_insync(fleet, 3)
         tally.notes.append(
