@@ -6,8 +6,8 @@ rarely, failed; reload and config rollouts alternate) as pre-encoded bytes of re
 Then times, each reading every record of the three topics from the beginning:
 
 * **bare**: an ``AIOKafkaConsumer`` with the Follower's fetch settings that does nothing;
-* **bus**: ``controlplane.bus.Consumer.fetch`` (our Record wrapping, nothing else);
-* **follower**: ``controlplane.follower.Follower.catch_up`` (decode with the compiled
+* **bus**: ``controlplane.kafka.bus.Consumer.fetch`` (our Record wrapping, nothing else);
+* **follower**: ``controlplane.coordinator.follower.Follower.catch_up`` (decode with the compiled
   ``ack_codec.decode_ack_fast`` + ``Fleet`` fold), followed by the status of every rollout
   (``Fleet.rollouts(now)``) and every worker's level;
 
@@ -82,7 +82,7 @@ class Template:
 
 def _ack_templates() -> dict[tuple[str, str], Template]:
     """(kind, state) -> template of a real agent ack, with ids and timestamps as holes."""
-    from controlplane.protocol import Ack, AckError, AckState, CommandKind, Timings, encode
+    from controlplane.wire.protocol import Ack, AckError, AckState, CommandKind, Timings, encode
 
     holes = {
         "rollout": _ROLLOUT,
@@ -159,13 +159,13 @@ class DataSet:
         return "reload_weights" if r % 2 == 0 else "update_config"
 
     def commands(self) -> list[bytes]:
-        from controlplane.protocol import (
+        from controlplane.coordinator.publisher import build_command
+        from controlplane.wire.protocol import (
             ReloadWeightsSpec,
             Selector,
             UpdateConfigSpec,
             encode,
         )
-        from controlplane.publisher import build_command
 
         out = []
         for r, rid in enumerate(self.rollout_ids):
@@ -185,7 +185,7 @@ class DataSet:
         return out
 
     def heartbeats(self) -> list[tuple[bytes, bytes]]:
-        from controlplane.protocol import Heartbeat, WorkerStatus, encode, utcnow
+        from controlplane.wire.protocol import Heartbeat, WorkerStatus, encode, utcnow
 
         now = utcnow()
         return [
@@ -251,7 +251,7 @@ class DataSet:
 
 
 async def produce(settings: Any, data: DataSet) -> dict[str, Any]:
-    from controlplane.bus import Producer
+    from controlplane.kafka.bus import Producer
 
     topics = settings.topics
     started = time.perf_counter()
@@ -296,7 +296,7 @@ async def read_bare(settings: Any, total: int) -> dict[str, Any]:
     """aiokafka alone, with the Follower's consumer settings; counts records, nothing else."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from controlplane.bus import client_options
+    from controlplane.kafka.bus import client_options
 
     consumer = AIOKafkaConsumer(
         **client_options(settings),
@@ -326,8 +326,8 @@ async def read_bare(settings: Any, total: int) -> dict[str, Any]:
 
 
 async def read_bus(settings: Any, total: int) -> dict[str, Any]:
-    """controlplane.bus.Consumer.fetch: our Record wrapping, nothing else."""
-    from controlplane.bus import Consumer
+    """controlplane.kafka.bus.Consumer.fetch: our Record wrapping, nothing else."""
+    from controlplane.kafka.bus import Consumer
 
     async with Consumer(settings, max_partition_fetch_bytes=4 * 1024 * 1024) as consumer:
         await consumer.assign_many([t.name for t in settings.topics.all()])
@@ -344,8 +344,8 @@ async def read_follower(
     settings: Any, profile: cProfile.Profile | None = None
 ) -> tuple[dict[str, Any], Any]:
     """Follower.catch_up (decode + fold), then every rollout's status and every worker's level."""
-    from controlplane.follower import Follower
-    from controlplane.protocol import utcnow
+    from controlplane.coordinator.follower import Follower
+    from controlplane.wire.protocol import utcnow
 
     gc.collect()
     rss0 = sum(rss())
@@ -394,9 +394,9 @@ def in_memory(sample: list[bytes], settings: Any, passes: int = 2) -> dict[str, 
     ``protocol.decode_ack``, "fast" the compiled ``ack_codec.decode_ack_fast`` the Follower uses.
     The best of ``passes`` passes each; fold is into a fresh ``Fleet`` per pass.
     """
-    from controlplane.ack_codec import decode_ack_fast
-    from controlplane.protocol import decode_ack
-    from controlplane.rollout import Fleet
+    from controlplane.rollout.fleet import Fleet
+    from controlplane.wire.ack_codec import decode_ack_fast
+    from controlplane.wire.protocol import decode_ack
 
     decoders: dict[str, Callable[[bytes], Any]] = {
         "pydantic": decode_ack,

@@ -201,7 +201,7 @@ class Broker:
     """A private Apache Kafka broker on free ports in a temporary data dir (stopped on exit)."""
 
     def __init__(self, heap_mb: int = 1024) -> None:
-        from controlplane.broker import BrokerConfig, LocalBroker
+        from controlplane.kafka.broker import BrokerConfig, LocalBroker
 
         self._tmp = tempfile.TemporaryDirectory(prefix="bench-kafka-")
         self.broker = LocalBroker(
@@ -235,8 +235,8 @@ class Broker:
 
 async def ensure_topics(bootstrap: str, prefix: str) -> Any:
     """KafkaSettings for a fresh set of the three topics under ``prefix``."""
-    from controlplane.bus import Admin
-    from controlplane.settings import KafkaSettings
+    from controlplane.kafka.bus import Admin
+    from controlplane.kafka.settings import KafkaSettings
 
     settings = KafkaSettings(bootstrap_servers=bootstrap, topic_prefix=prefix, client_id="bench")
     async with Admin(settings) as admin:

@@ -5,12 +5,12 @@ For each N, on a fresh set of topics and in this order:
 1. **floor**: the bare Kafka command/ack round trip on the same broker: one task publishes a
    pre-encoded command, a second task (its own consumer and producer, as a worker would) consumes
    it and publishes a pre-encoded ack, the first consumes the ack. Same client settings as the
-   product (``controlplane.bus``: acks=all, idempotent, read_committed); no decoding, no journal.
+   product (``controlplane.kafka.bus``: acks=all, idempotent, read_committed); no decoding, no journal.
 2. **http**: what teams script today: N tiny HTTP endpoints, one uvicorn/starlette server process
    listening on N ports (one port per "worker", so a client opens N connections as it would to N
    hosts), each POST calling ``FakeRunner.update_config`` (the same no-op the agents run). Called
    with httpx, sequentially and concurrently (``asyncio.gather``), a fresh client per fan-out.
-3. **agents**: N ``workers.agent.Agent`` with ``FakeRunner``, ``ceil(N / per_process)`` OS
+3. **agents**: N ``workers.agent.loop.Agent`` with ``FakeRunner``, ``ceil(N / per_process)`` OS
    processes, each agent with its own producer, consumer and journal (nothing shared but the
    event loop). Rollouts of ``update_config`` are published pinned to the N workers; the time
    from publish to ``succeeded`` is what ``Follower`` + ``Fleet.status`` (the CLI's ``--wait``)
@@ -77,17 +77,17 @@ JUDGE_INTERVAL_S: float = 0.1
 
 async def _agent_host(cfg: dict[str, Any]) -> None:
     """Run ``cfg['workers']`` agents in this process until told to stop on stdin."""
-    from controlplane.settings import KafkaSettings
-    from workers.agent import Agent
-    from workers.fake_runner import FakeRunner
-    from workers.settings import WorkerSettings
+    from controlplane.kafka.settings import KafkaSettings
+    from workers.agent.loop import Agent
+    from workers.agent.settings import WorkerSettings
+    from workers.runners.fake_runner import FakeRunner
 
     if cfg.get("fetch_wait_ms") is not None:
         # A what-if for a product change: the agent's command consumer long-polls longer.
-        import workers.agent
+        import workers.agent.loop
 
-        workers.agent.Consumer = functools.partial(  # type: ignore[misc]
-            workers.agent.Consumer, fetch_max_wait_ms=cfg["fetch_wait_ms"]
+        workers.agent.loop.Consumer = functools.partial(  # type: ignore[misc]
+            workers.agent.loop.Consumer, fetch_max_wait_ms=cfg["fetch_wait_ms"]
         )
     kafka = KafkaSettings(
         bootstrap_servers=cfg["bootstrap"], topic_prefix=cfg["prefix"], client_id="bench-agent"
@@ -162,7 +162,7 @@ async def _http_host(cfg: dict[str, Any]) -> None:
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from workers.fake_runner import FakeRunner
+    from workers.runners.fake_runner import FakeRunner
 
     sockets: list[socket.socket] = []
     runners: dict[int, FakeRunner] = {}
@@ -257,10 +257,10 @@ class Child:
 
 async def measure_floor(bootstrap: str, repeats: int, n_workers: int) -> dict[str, Any]:
     """Bare command/ack round trips (pre-encoded bytes both ways) through the same broker."""
-    from controlplane.bus import Consumer, Producer
-    from controlplane.protocol import Selector, UpdateConfigSpec, encode
-    from controlplane.publisher import build_command
-    from controlplane.topics import command_key
+    from controlplane.coordinator.publisher import build_command
+    from controlplane.kafka.bus import Consumer, Producer
+    from controlplane.wire.protocol import Selector, UpdateConfigSpec, encode
+    from controlplane.wire.topics import command_key
 
     settings = await ensure_topics(bootstrap, f"floor-{uuid.uuid4().hex[:8]}")
     topics = settings.topics
@@ -309,7 +309,7 @@ async def measure_floor(bootstrap: str, repeats: int, n_workers: int) -> dict[st
 
 
 def _ack_bytes() -> bytes:
-    from controlplane.protocol import Ack, AckState, CommandKind, Timings, encode, utcnow
+    from controlplane.wire.protocol import Ack, AckState, CommandKind, Timings, encode, utcnow
 
     now = utcnow()
     return encode(
@@ -404,7 +404,7 @@ class Fanout:
         self.acks: list[Any] = []
 
     async def start(self) -> dict[str, Any]:
-        from controlplane.follower import Follower
+        from controlplane.coordinator.follower import Follower
 
         tag = uuid.uuid4().hex[:6]
         self.settings = await ensure_topics(self.bootstrap, f"fan{self.n}-{tag}")
@@ -443,8 +443,8 @@ class Fanout:
         }
 
     async def _wait_registered(self, timeout: float) -> None:
-        from controlplane.protocol import utcnow
-        from controlplane.registry import is_alive
+        from controlplane.rollout.registry import is_alive
+        from controlplane.wire.protocol import utcnow
 
         deadline = time.monotonic() + timeout
         registry = self.follower.fleet.registry
@@ -463,8 +463,8 @@ class Fanout:
 
     async def rollout(self, i: int, producer: Any) -> dict[str, Any]:
         """Publish one update_config rollout; follow it as the CLI does until it is terminal."""
-        from controlplane.protocol import Selector, UpdateConfigSpec, utcnow
-        from controlplane.publisher import build_command, publish
+        from controlplane.coordinator.publisher import build_command, publish
+        from controlplane.wire.protocol import Selector, UpdateConfigSpec, utcnow
 
         fleet = self.follower.fleet
         command = build_command(
@@ -601,7 +601,7 @@ def profile_summary(files: Sequence[str], commands: int, top: int = 18) -> dict[
 async def measure_level(
     bootstrap: str, broker_pid: int | None, n: int, args: argparse.Namespace, tmp: Path
 ) -> dict[str, Any]:
-    from controlplane.bus import Producer
+    from controlplane.kafka.bus import Producer
 
     level: dict[str, Any] = {"n": n, "loadavg_before": loadavg()}
     print(f"\n== N={n}: floor", flush=True)

@@ -1,6 +1,6 @@
 """Reload bandwidth and memory: in-place reloads into the torch (CPU), XLA (CPU) and CUDA runners.
 
-Writes one fp32 checkpoint of the built-in ``workers.models:tiny_lm`` (~1 GB quick, ~4 GB full),
+Writes one fp32 checkpoint of the built-in ``workers.runners.tiny_lm:tiny_lm`` (~1 GB quick, ~4 GB full),
 then runs each section in its own subprocess (clean memory, clean RSS baseline):
 
 * **torch** (CPU): baselines, then the runner. Baselines: memcpy (``copy_`` from one preallocated
@@ -228,7 +228,7 @@ def load_file_state_dict(
 
 
 def runner_reload(runner: Any, path: Path) -> Callable[[], None]:
-    from controlplane.protocol import ReloadWeightsSpec
+    from controlplane.wire.protocol import ReloadWeightsSpec
 
     counter = iter(range(10**9))
 
@@ -239,7 +239,7 @@ def runner_reload(runner: Any, path: Path) -> Callable[[], None]:
 
 
 def model_facts(runner: Any) -> tuple[dict[str, Any], int, int]:
-    from workers.loaders import module_targets
+    from workers.weights.loaders import module_targets
 
     targets, _ = module_targets(runner._model)  # a benchmark-only peek at the runner's model
     nbytes = sum(t.numel() * t.element_size() for t in targets.values())
@@ -320,7 +320,7 @@ def h2d_baselines(nbytes: int, repeats: int) -> list[dict[str, Any]]:
 
 def one_reader(path: Path, targets: dict[str, Any]) -> Callable[[], None]:
     """The runner's loader with a single reader: what ``read_threads=1`` (cold disks) gives."""
-    from workers.loaders import load_checkpoint
+    from workers.weights.loaders import load_checkpoint
 
     def run() -> None:
         load_checkpoint(path, targets, version="bench", from_version=None, read_threads=1)
@@ -331,7 +331,7 @@ def one_reader(path: Path, targets: dict[str, Any]) -> Callable[[], None]:
 def section_torch(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from workers.torch_runner import TorchRunner
+    from workers.runners.torch_runner import TorchRunner
 
     runner = TorchRunner({"model_kwargs": kwargs, "seed": 0})
     runner.load()
@@ -375,7 +375,7 @@ def section_xla(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) ->
         import torch_xla
     except ImportError as exc:
         return {"skipped": f"torch_xla is not importable: {exc}"}
-    from workers.xla_runner import XlaRunner
+    from workers.runners.xla_runner import XlaRunner
 
     runner = XlaRunner({"model_kwargs": kwargs, "seed": 0})
     runner.load()
@@ -440,7 +440,7 @@ def xla_breakdown(
     """The loader's XLA path by hand: pread into a host tensor, copy_ to the device, sync."""
     import torch
 
-    from workers.loaders import _byte_view, _read_exact, open_checkpoint
+    from workers.weights.loaders import _byte_view, _read_exact, open_checkpoint
 
     t_read = t_copy = t_sync = 0.0
     pending = 0
@@ -480,7 +480,7 @@ def xla_dlpack_reader(path: Path, targets: dict[str, Any]) -> Callable[[], None]
     import torch_xla.core.xla_model as xm
     import torch_xla.utils.dlpack as xdl
 
-    from workers.loaders import _byte_view, _read_exact, open_checkpoint
+    from workers.weights.loaders import _byte_view, _read_exact, open_checkpoint
 
     try:
         first = next(iter(targets.values()))
@@ -513,7 +513,7 @@ def section_cuda(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) -
 
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device (torch.cuda.is_available() is False)"}
-    from workers.torch_runner import TorchRunner
+    from workers.runners.torch_runner import TorchRunner
 
     runner = TorchRunner({"model_kwargs": kwargs, "seed": 0, "device": "cuda"})
     runner.load()
@@ -558,7 +558,7 @@ SECTIONS: dict[str, Callable[[Path, dict[str, Any], argparse.Namespace], dict[st
 
 
 def write_ckpt(directory: Path, kwargs: dict[str, Any]) -> tuple[Path, float]:
-    from workers.checkpoints import write_checkpoint
+    from workers.demo.checkpoints import write_checkpoint
 
     started = time.perf_counter()
     path = write_checkpoint(directory / "ckpt", model_kwargs=kwargs, seed=1)

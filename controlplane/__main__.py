@@ -1,5 +1,5 @@
 """`python -m controlplane` runs the CLI."""
 
-from controlplane.cli import main
+from controlplane.cli.main import main
 
 main()

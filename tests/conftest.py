@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.broker import BrokerConfig, ClusterConfig, LocalBroker, LocalCluster
-from controlplane.bus import Admin, probe_sync
-from controlplane.settings import KafkaSettings
+from controlplane.kafka.broker import BrokerConfig, ClusterConfig, LocalBroker, LocalCluster
+from controlplane.kafka.bus import Admin, probe_sync
+from controlplane.kafka.settings import KafkaSettings
 
 
 def free_port() -> int:

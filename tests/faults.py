@@ -27,9 +27,10 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 
-from controlplane.broker import LocalCluster
-from controlplane.follower import PROBE_KEY
-from controlplane.protocol import (
+from controlplane.coordinator.follower import PROBE_KEY
+from controlplane.kafka.broker import LocalCluster
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.wire.protocol import (
     Ack,
     AckState,
     Command,
@@ -39,8 +40,7 @@ from controlplane.protocol import (
     decode_command,
     decode_heartbeat,
 )
-from controlplane.settings import KafkaSettings
-from controlplane.topics import worker_key
+from controlplane.wire.topics import worker_key
 
 JSON = dict[str, Any]
 NODES = 3

@@ -9,8 +9,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from controlplane.bus import Consumer, Producer
-from controlplane.protocol import (
+from controlplane.kafka.bus import Consumer, Producer
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.wire.protocol import (
     Ack,
     Command,
     CommandSpec,
@@ -21,7 +22,6 @@ from controlplane.protocol import (
     encode,
     utcnow,
 )
-from controlplane.settings import KafkaSettings
 
 
 def make_command(

@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 import typer
 
-from controlplane.errors import ControlPlaneError, ErrorCode
+from controlplane.wire.errors import ControlPlaneError, ErrorCode
 
 app = typer.Typer(
     name="fleet-worker",
@@ -54,7 +54,7 @@ def _fail(exc: ControlPlaneError) -> typer.Exit:
 
 
 try:  # the checkpoint tool needs torch; the agent itself does not
-    from workers.checkpoints import checkpoint_app
+    from workers.demo.checkpoints import checkpoint_app
 
     app.add_typer(checkpoint_app, name="checkpoint", help="Write safetensors checkpoints.")
 except ImportError:  # pragma: no cover - only without torch
@@ -125,9 +125,9 @@ def run(
     Exit codes: 0 stopped, 3 invalid settings, 4 Kafka, 5 state directory in use by another
     agent, 6 journal not writable, 7 runner failed to load, 1 any other error.
     """
-    from workers.agent import Agent
-    from workers.runner import create_runner
-    from workers.settings import load_worker_settings
+    from workers.agent.loop import Agent
+    from workers.agent.settings import load_worker_settings
+    from workers.runners.base import create_runner
 
     # Everything is checked here, before anything connects to Kafka.
     try:
@@ -177,7 +177,7 @@ def run(
 def _warn_about_a_legacy_state_dir(state_dir: Path, worker_id: str) -> None:
     """Ids with "/" had their journal in a directory with "_" instead (shared with the id
     spelled that way); it is not taken over, as it may be the other worker's."""
-    from workers.settings import worker_dir_name
+    from workers.agent.settings import worker_dir_name
 
     legacy = state_dir / worker_id.replace("/", "_")
     current = state_dir / worker_dir_name(worker_id)

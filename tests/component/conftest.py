@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from workers.checkpoints import write_checkpoint
-from workers.torch_runner import TorchRunner
+from workers.demo.checkpoints import write_checkpoint
+from workers.runners.torch_runner import TorchRunner
 
 #: Small enough that XLA compiles each graph in about a second.
 TINY: dict[str, Any] = {
@@ -63,7 +63,7 @@ def make_runner(runner_kind: str) -> Iterator[MakeRunner]:
             **options,
         }
         if runner_kind == "xla":
-            from workers.xla_runner import XlaRunner
+            from workers.runners.xla_runner import XlaRunner
 
             runner: TorchRunner = XlaRunner(opts)
         elif runner_kind == "cuda":

@@ -17,14 +17,21 @@ import pytest
 from fastapi import FastAPI
 from pydantic import SecretStr
 
-from controlplane.api import create_app
-from controlplane.api_models import parse_rollout_request
-from controlplane.api_server import ApiServer, serve
-from controlplane.coordinator import RESYNC, SUBSCRIBER_QUEUE, Coordinator, CoordinatorSettings
-from controlplane.errors import ControlPlaneError, ErrorCode
-from controlplane.follower import Batch
-from controlplane.metrics import AckLatency
-from controlplane.protocol import (
+from controlplane.api.app import create_app
+from controlplane.api.models import parse_rollout_request
+from controlplane.api.server import ApiServer, serve
+from controlplane.coordinator.follower import Batch
+from controlplane.coordinator.metrics import AckLatency
+from controlplane.coordinator.publisher import resolve_selector
+from controlplane.coordinator.service import (
+    RESYNC,
+    SUBSCRIBER_QUEUE,
+    Coordinator,
+    CoordinatorSettings,
+)
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.wire.errors import ControlPlaneError, ErrorCode
+from controlplane.wire.protocol import (
     Ack,
     AckError,
     AckState,
@@ -37,8 +44,6 @@ from controlplane.protocol import (
     UpdateConfigSpec,
     WorkerStatus,
 )
-from controlplane.publisher import resolve_selector
-from controlplane.settings import KafkaSettings
 from tests.fleet import wait_for
 
 T0 = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)

@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from controlplane.errors import ErrorCode
+from controlplane.wire.errors import ErrorCode
 from tests.component.conftest import TINY
-from workers.checkpoints import (
+from workers.demo.checkpoints import (
     BROKEN_CODES,
     BrokenKind,
     checkpoint_app,
@@ -22,7 +22,7 @@ from workers.checkpoints import (
     write_broken,
     write_checkpoint,
 )
-from workers.models import tiny_lm
+from workers.runners.tiny_lm import tiny_lm
 
 
 def read_all(files: list[Path]) -> dict[str, torch.Tensor]:

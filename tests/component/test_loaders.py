@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from controlplane.errors import CommandRejected, ErrorCode, RunnerError, WeightsCorrupted
-from workers.checkpoints import sha256_manifest, write_safetensors
-from workers.loaders import _Copier, load_checkpoint, module_targets, open_checkpoint
+from controlplane.wire.errors import CommandRejected, ErrorCode, RunnerError, WeightsCorrupted
+from workers.demo.checkpoints import sha256_manifest, write_safetensors
+from workers.weights.loaders import _Copier, load_checkpoint, module_targets, open_checkpoint
 
 
 def targets() -> dict[str, torch.Tensor]:
@@ -493,7 +493,7 @@ def _sharded(directory: Path) -> Path:
 
 
 def test_symlinked_shard_outside_the_root_is_never_read(tmp_path: Path) -> None:
-    from workers.paths import resolve_weights_path
+    from workers.weights.paths import resolve_weights_path
 
     root, outside = tmp_path / "root", tmp_path / "outside"
     (root / "ckpt").mkdir(parents=True)
@@ -523,8 +523,8 @@ def test_symlinked_shard_outside_the_root_is_never_read(tmp_path: Path) -> None:
 def test_a_file_swapped_between_check_and_open_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, swap: str
 ) -> None:
-    import workers.loaders as loaders
-    from workers.paths import resolve_weights_path
+    import workers.weights.loaders as loaders
+    from workers.weights.paths import resolve_weights_path
 
     root = tmp_path / "root"
     root.mkdir()

@@ -15,20 +15,20 @@ from typing import Any
 import pytest
 import torch
 
-from controlplane.errors import ErrorCode, RunnerError, WeightsCorrupted
-from controlplane.protocol import ReloadWeightsSpec
+from controlplane.wire.errors import ErrorCode, RunnerError, WeightsCorrupted
+from controlplane.wire.protocol import ReloadWeightsSpec
 from tests.component.conftest import TINY, MakeCheckpoint, MakeRunner
-from workers.checkpoints import (
+from workers.demo.checkpoints import (
     BrokenKind,
     model_tensors,
     sha256_manifest,
     write_broken,
     write_safetensors,
 )
-from workers.loaders import open_checkpoint
-from workers.models import tiny_lm
-from workers.runner import Runner
-from workers.torch_runner import TorchRunner
+from workers.runners.base import Runner
+from workers.runners.tiny_lm import tiny_lm
+from workers.runners.torch_runner import TorchRunner
+from workers.weights.loaders import open_checkpoint
 
 IDS = [72, 101, 108, 108, 111, 44, 32, 119]  # "Hello, w"
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from controlplane.errors import CommandRejected, ErrorCode, RunnerError
-from controlplane.protocol import ReloadWeightsSpec
+from controlplane.wire.errors import CommandRejected, ErrorCode, RunnerError
+from controlplane.wire.protocol import ReloadWeightsSpec
 from tests.component.conftest import TINY
-from workers.checkpoints import sha256_manifest, write_checkpoint
-from workers.vllm_runner import VllmRunner
+from workers.demo.checkpoints import sha256_manifest, write_checkpoint
+from workers.runners.vllm_runner import VllmRunner
 
 #: What vLLM 0.32 answers on /server_info when `uv` is not on the server's PATH.
 SERVER_INFO_500 = {"error": {"message": "'NoneType' object has no attribute 'splitlines'"}}
@@ -245,7 +245,7 @@ def test_vllm_loads_the_verified_bytes_even_if_the_files_are_rewritten_after_the
 def test_a_file_rewritten_while_it_is_copied_is_refused_and_never_loaded(
     loaded: tuple[VllmRunner, FakeVllm, Path], monkeypatch: pytest.MonkeyPatch, sha256: bool
 ) -> None:
-    import workers.vllm_runner as vllm_runner
+    import workers.runners.vllm_runner as vllm_runner
 
     runner, fake, tmp_path = loaded
     v2 = _write(tmp_path / "v2", seed=2)
@@ -307,7 +307,7 @@ def test_a_hugging_face_cache_layout_inside_the_roots_is_snapshotted(
 ) -> None:
     """snapshots/<rev>/ holds symlinks into ../../blobs (inside the allowed root): fine, and
     vLLM gets real files with the blobs' bytes."""
-    from workers.paths import resolve_weights_path
+    from workers.weights.paths import resolve_weights_path
 
     runner, fake, tmp_path = loaded
     cache = tmp_path / "hf"

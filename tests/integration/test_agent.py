@@ -17,9 +17,10 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.protocol.admin import DeleteGroupsRequest
 
-from controlplane.bus import Consumer
-from controlplane.errors import BusError, ControlPlaneError, ErrorCode, RunnerError
-from controlplane.protocol import (
+from controlplane.kafka.bus import Consumer
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.wire.errors import BusError, ControlPlaneError, ErrorCode, RunnerError
+from controlplane.wire.protocol import (
     Ack,
     AckState,
     ReloadWeightsSpec,
@@ -29,7 +30,6 @@ from controlplane.protocol import (
     decode_ack,
     utcnow,
 )
-from controlplane.settings import KafkaSettings
 from tests.fleet import (
     acks_tail,
     has_terminal,
@@ -40,11 +40,11 @@ from tests.fleet import (
     terminal,
     wait_for,
 )
-from workers import agent as agent_module
-from workers.agent import Agent
-from workers.runner import ReloadResult, RunnerDescription, config_digest
-from workers.settings import WorkerSettings
-from workers.state import WorkerState
+from workers.agent import loop as agent_module
+from workers.agent.journal import WorkerState
+from workers.agent.loop import Agent
+from workers.agent.settings import WorkerSettings
+from workers.runners.base import ReloadResult, RunnerDescription, config_digest
 
 pytestmark = pytest.mark.kafka
 
@@ -296,7 +296,7 @@ async def delete_worker_group(kafka: KafkaSettings, worker_id: str) -> None:
 async def test_duplicate_delivery_and_restart_apply_once(
     kafka: KafkaSettings, tmp_path: Path, weights: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="workers.agent")
+    caplog.set_level(logging.INFO, logger="workers.agent.loop")
     runner = RecordingRunner()
     cmd = reload(weights, "v7")
     async with acks_tail(kafka) as acks:
@@ -696,7 +696,7 @@ async def test_a_fetch_outage_is_logged_once_when_it_starts_and_once_when_it_end
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The command loop retries a failing fetch every second: not a WARNING each time."""
-    caplog.set_level(logging.DEBUG, logger="workers.agent")
+    caplog.set_level(logging.DEBUG, logger="workers.agent.loop")
     down = threading.Event()
     failures: list[int] = []
 
@@ -716,7 +716,7 @@ async def test_a_fetch_outage_is_logged_once_when_it_starts_and_once_when_it_end
         cmd = reload(weights, "v2")
         await publish(kafka, cmd)
         await acks.until(has_terminal(cmd.command_id))
-    agent_lines = [r for r in caplog.records if r.name == "workers.agent"]
+    agent_lines = [r for r in caplog.records if r.name == "workers.agent.loop"]
 
     def count(text: str, level: int) -> int:
         return sum(1 for r in agent_lines if text in r.getMessage() and r.levelno == level)

@@ -17,15 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.broker import BrokerConfig, LocalBroker
-from controlplane.bus import Admin, Consumer
-from controlplane.protocol import AckState, ReloadWeightsSpec
-from controlplane.settings import KafkaSettings
+from controlplane.kafka.broker import BrokerConfig, LocalBroker
+from controlplane.kafka.bus import Admin, Consumer
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.wire.protocol import AckState, ReloadWeightsSpec
 from tests.conftest import free_port
 from tests.fleet import acks_tail, has_terminal, make_command, publish, terminal
 from tests.integration.test_agent import RecordingRunner
-from workers.agent import Agent
-from workers.settings import WorkerSettings
+from workers.agent.loop import Agent
+from workers.agent.settings import WorkerSettings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -44,7 +44,7 @@ def broker(tmp_path: Path) -> Iterator[LocalBroker]:
 
 
 def _records(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "workers.agent" and text in r.getMessage()]
+    return [r for r in caplog.records if r.name == "workers.agent.loop" and text in r.getMessage()]
 
 
 async def _until(predicate: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
@@ -57,7 +57,7 @@ async def _until(predicate: Callable[[], bool], what: str, timeout: float = 120.
 async def test_an_outage_is_logged_once_and_commands_flow_after_it(
     broker: LocalBroker, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="workers.agent")
+    caplog.set_level(logging.DEBUG, logger="workers.agent.loop")
     kafka = KafkaSettings(
         bootstrap_servers=broker.bootstrap, topic_prefix="outage", request_timeout_ms=5000
     )
@@ -96,7 +96,7 @@ async def test_an_outage_is_logged_once_and_commands_flow_after_it(
     loud = [
         r.getMessage()
         for r in caplog.records
-        if r.name == "workers.agent" and r.levelno >= logging.WARNING
+        if r.name == "workers.agent.loop" and r.levelno >= logging.WARNING
     ]
     assert sum("heartbeat failed" in m for m in loud) == 1, loud
     assert sum("Kafka unreachable since" in m for m in loud) <= 1, loud
@@ -136,7 +136,7 @@ async def test_an_ack_kafka_cannot_take_is_said_once_and_published_once_when_it_
     """The broker stops while a command runs: its terminal ack (journaled) waits, said once,
     on the same record; once the broker is back it is published once and the offset
     committed. (Before, each failed send was logged and sent again.)"""
-    caplog.set_level(logging.INFO, logger="workers.agent")
+    caplog.set_level(logging.INFO, logger="workers.agent.loop")
     kafka = KafkaSettings(
         bootstrap_servers=broker.bootstrap,
         topic_prefix="outage",

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.protocol import WorkerStatus
-from controlplane.settings import KafkaSettings
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.wire.protocol import WorkerStatus
 from tests.fleet import heartbeats_tail
 
 pytestmark = pytest.mark.kafka

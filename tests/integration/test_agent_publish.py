@@ -24,17 +24,17 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-from controlplane.broker import LocalCluster
-from controlplane.bus import Consumer, Delivery, Producer
-from controlplane.errors import BusError, ErrorCode
-from controlplane.protocol import AckState, Heartbeat, ReloadWeightsSpec, decode_ack
-from controlplane.settings import KafkaSettings
+from controlplane.kafka.broker import LocalCluster
+from controlplane.kafka.bus import Consumer, Delivery, Producer
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.wire.errors import BusError, ErrorCode
+from controlplane.wire.protocol import AckState, Heartbeat, ReloadWeightsSpec, decode_ack
 from tests.fleet import acks_tail, heartbeats_tail, latest, make_command, publish, terminal
 from tests.integration.test_agent import RecordingRunner, acks_on_the_topic
-from workers import agent as agent_module
-from workers.agent import Agent
-from workers.settings import WorkerSettings
-from workers.state import WorkerState
+from workers.agent import loop as agent_module
+from workers.agent.journal import WorkerState
+from workers.agent.loop import Agent
+from workers.agent.settings import WorkerSettings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -130,7 +130,7 @@ def lines(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "workers.agent" and text in r.getMessage()
+        if r.name == "workers.agent.loop" and text in r.getMessage()
     ]
 
 
@@ -180,7 +180,7 @@ async def test_acks_the_cluster_refuses_are_waited_on_said_once_and_published_on
     weights: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="workers.agent")
+    caplog.set_level(logging.INFO, logger="workers.agent.loop")
     runner = RecordingRunner()
     cmd = make_command(ReloadWeightsSpec(path=str(weights / "model.safetensors"), version="v2"))
     async with (
@@ -245,7 +245,7 @@ async def test_a_stop_while_acks_cannot_be_published_exits_and_the_next_start_pu
     weights: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="workers.agent")
+    caplog.set_level(logging.INFO, logger="workers.agent.loop")
     runner = RecordingRunner()
     cmd = make_command(ReloadWeightsSpec(path=str(weights / "model.safetensors"), version="v2"))
     async with (
@@ -414,7 +414,7 @@ async def test_acks_go_out_again_after_the_producer_gave_up_on_one(
     good (larger than the topic's max.message.bytes) until the limit is lifted: then they go
     out, once, from a new producer (before, they were refused for ever, and the offset never
     committed). A batch that waited for a leader past the request timeout does the same."""
-    caplog.set_level(logging.INFO, logger="workers.agent")
+    caplog.set_level(logging.INFO, logger="workers.agent.loop")
     runner = RecordingRunner()
     # The first command's acks go out: the broker knows the producer's sequence from them (a
     # producer new to a partition may start anywhere).

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.broker import (
+from controlplane.kafka.broker import (
     BrokerConfig,
     ClusterConfig,
     LocalBroker,
     LocalCluster,
     default_cache_dir,
 )
-from controlplane.bus import probe_sync
-from controlplane.errors import BrokerError, ErrorCode
+from controlplane.kafka.bus import probe_sync
+from controlplane.wire.errors import BrokerError, ErrorCode
 from tests.conftest import free_port
 
 
@@ -173,7 +173,7 @@ def test_a_cluster_id_that_starts_with_a_dash_formats(
     import uuid
 
     forced = uuid.UUID(bytes=bytes([0xF8]) + uuid.uuid4().bytes[1:])
-    monkeypatch.setattr("controlplane.broker.uuid.uuid4", lambda: forced)
+    monkeypatch.setattr("controlplane.kafka.broker.uuid.uuid4", lambda: forced)
     broker = LocalBroker(_config(tmp_path))
     try:
         broker.start(timeout=120)

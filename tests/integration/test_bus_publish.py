@@ -23,11 +23,11 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 
-from controlplane.broker import LocalCluster
-from controlplane.bus import Consumer, Producer, Record
-from controlplane.errors import BusError, ErrorCode
-from controlplane.settings import KafkaSettings
-from controlplane.topics import Topics
+from controlplane.kafka.broker import LocalCluster
+from controlplane.kafka.bus import Consumer, Producer, Record
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.wire.errors import BusError, ErrorCode
+from controlplane.wire.topics import Topics
 from tests.conftest import free_port
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.broker import BrokerConfig, LocalBroker, LocalCluster
-from controlplane.bus import Admin, Consumer, Producer, health, log_filter
-from controlplane.errors import BusError
-from controlplane.protocol import (
+from controlplane.kafka.broker import BrokerConfig, LocalBroker, LocalCluster
+from controlplane.kafka.bus import Admin, Consumer, Producer, health, log_filter
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.wire.errors import BusError
+from controlplane.wire.protocol import (
     Ack,
     AckState,
     CommandKind,
@@ -38,8 +39,7 @@ from controlplane.protocol import (
     encode,
     utcnow,
 )
-from controlplane.settings import KafkaSettings
-from controlplane.topics import worker_key
+from controlplane.wire.topics import worker_key
 from tests.conftest import free_port
 from tests.fleet import make_command, publish
 from tests.integration.test_bus_publish import fleet_below_min_isr, node_down
@@ -342,7 +342,7 @@ async def test_a_follower_stops_cleanly_while_kafka_is_down(
 ) -> None:
     """aiokafka's Fetcher.close() awaits the fetch tasks it cancels and lets their
     CancelledError out; stop() must not (it was a traceback at the end of `--wait`)."""
-    from controlplane.follower import Follower
+    from controlplane.coordinator.follower import Follower
 
     follower = Follower(outage_kafka)
     await follower.start()

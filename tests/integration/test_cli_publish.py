@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.broker import LocalCluster
-from controlplane.bus import Producer
-from controlplane.errors import CommandRejected, ErrorCode
-from controlplane.protocol import (
+from controlplane.coordinator.publisher import MAX_TTL_S, build_command
+from controlplane.kafka.broker import LocalCluster
+from controlplane.kafka.bus import Producer
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.wire.errors import CommandRejected, ErrorCode
+from controlplane.wire.protocol import (
     Ack,
     AckState,
     CommandKind,
@@ -31,9 +33,7 @@ from controlplane.protocol import (
     encode,
     utcnow,
 )
-from controlplane.publisher import MAX_TTL_S, build_command
-from controlplane.settings import KafkaSettings
-from controlplane.topics import worker_key
+from controlplane.wire.topics import worker_key
 from tests.conftest import free_port
 from tests.fleet import make_command, publish
 from tests.integration.test_bus_publish import (

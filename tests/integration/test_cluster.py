@@ -22,12 +22,12 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 
-from controlplane.broker import LocalCluster
-from controlplane.bus import Admin, Producer, probe, probe_sync
-from controlplane.follower import Follower
-from controlplane.protocol import Heartbeat, WorkerStatus, encode, utcnow
-from controlplane.registry import lost_at
-from controlplane.settings import KafkaSettings
+from controlplane.coordinator.follower import Follower
+from controlplane.kafka.broker import LocalCluster
+from controlplane.kafka.bus import Admin, Producer, probe, probe_sync
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.rollout.registry import lost_at
+from controlplane.wire.protocol import Heartbeat, WorkerStatus, encode, utcnow
 from tests.conftest import partition_leader
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -222,7 +222,14 @@ async def test_the_products_topics_on_the_cluster_are_replicated(
     await admin.start()
     try:
         for name in names:
-            [described] = await admin.describe_topics([name])
+            # The broker asked may not have applied the new topic's metadata yet: it answers
+            # UNKNOWN_TOPIC_OR_PARTITION (3) until it has (a condition, with a deadline).
+            deadline = time.monotonic() + 60
+            while True:
+                [described] = await admin.describe_topics([name])
+                if described["error_code"] != 3 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)
             assert described["error_code"] == 0, described
             assert {len(p["replicas"]) for p in described["partitions"]} == {NODES}, name
         # A broker that has not applied the new topics' metadata yet answers without their

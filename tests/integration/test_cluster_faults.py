@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.broker import LocalCluster
-from controlplane.protocol import decode_command, decode_heartbeat
+from controlplane.kafka.broker import LocalCluster
+from controlplane.wire.protocol import decode_command, decode_heartbeat
 from tests.conftest import partition_leader, say
 from tests.faults import (
     NODES,
@@ -425,7 +425,8 @@ def _printed_phase(run: CliRun) -> str | None:
 def _cannot_publish(log: str) -> bool:
     """The agent's own line that it cannot publish (not aiokafka's retries)."""
     return any(
-        "workers.agent" in line and "cannot publish" in line.lower() for line in log.splitlines()
+        "workers.agent.loop" in line and "cannot publish" in line.lower()
+        for line in log.splitlines()
     )
 
 

@@ -20,14 +20,14 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from controlplane.api import create_app
-from controlplane.api_models import from_domain
-from controlplane.api_server import ApiServer
-from controlplane.broker import LocalCluster
-from controlplane.coordinator import Coordinator, CoordinatorSettings
-from controlplane.errors import BusError, ErrorCode
-from controlplane.protocol import ReloadWeightsSpec, encode
-from controlplane.settings import KafkaSettings
+from controlplane.api.app import create_app
+from controlplane.api.models import from_domain
+from controlplane.api.server import ApiServer
+from controlplane.coordinator.service import Coordinator, CoordinatorSettings
+from controlplane.kafka.broker import LocalCluster
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.wire.errors import BusError, ErrorCode
+from controlplane.wire.protocol import ReloadWeightsSpec, encode
 from tests.fleet import make_command, publish
 from tests.integration.test_bus_publish import (
     fleet_below_min_isr,
@@ -36,9 +36,9 @@ from tests.integration.test_bus_publish import (
     restore_commands_topic,
 )
 from tests.integration.test_cli_publish import live_worker
-from workers.agent import Agent
-from workers.fake_runner import FakeRunner
-from workers.settings import WorkerSettings
+from workers.agent.loop import Agent
+from workers.agent.settings import WorkerSettings
+from workers.runners.fake_runner import FakeRunner
 
 pytestmark = pytest.mark.kafka
 

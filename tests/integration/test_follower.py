@@ -11,9 +11,11 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from controlplane.bus import Producer
-from controlplane.follower import Follower
-from controlplane.protocol import (
+from controlplane.coordinator.follower import Follower
+from controlplane.kafka.bus import Producer
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.rollout.fleet import Fleet
+from controlplane.wire.protocol import (
     Command,
     Heartbeat,
     UpdateConfigSpec,
@@ -21,9 +23,7 @@ from controlplane.protocol import (
     encode,
     utcnow,
 )
-from controlplane.rollout import Fleet
-from controlplane.settings import KafkaSettings
-from controlplane.topics import worker_key
+from controlplane.wire.topics import worker_key
 from tests.fleet import make_command, publish
 
 pytestmark = pytest.mark.kafka
@@ -137,14 +137,16 @@ async def test_a_record_whose_fold_fails_is_counted_and_logged_and_the_batch_goe
     commands = [make_command(UpdateConfigSpec(overrides={"n": n})) for n in range(3)]
     await publish(kafka, *commands)
     fleet = _FleetThatFailsOn(commands[1].rollout_id)
-    with caplog.at_level(logging.ERROR, logger="controlplane.follower"):
+    with caplog.at_level(logging.ERROR, logger="controlplane.coordinator.follower"):
         async with Follower(kafka, fleet) as follower:
             async with asyncio.timeout(30):
                 await follower.catch_up()
     assert commands[0].rollout_id in fleet and commands[2].rollout_id in fleet
     assert commands[1].rollout_id not in fleet
     assert follower.fold_errors == 1
-    lines = [r.getMessage() for r in caplog.records if r.name == "controlplane.follower"]
+    lines = [
+        r.getMessage() for r in caplog.records if r.name == "controlplane.coordinator.follower"
+    ]
     assert any(f"{kafka.topics.commands.name}[0]@1" in line and "boom" in line for line in lines), (
         lines
     )
@@ -234,7 +236,7 @@ async def test_received_at_is_the_brokers_append_time_whatever_the_workers_clock
 async def test_without_log_append_time_replayed_keeps_its_own_clock_live_gets_the_readers(
     kafka_bootstrap: str,
 ) -> None:
-    from controlplane.bus import Admin
+    from controlplane.kafka.bus import Admin
     from tests.integration.test_topics import _OlderTopics
 
     prefix = f"n{uuid.uuid4().hex[:8]}"
@@ -283,7 +285,7 @@ async def _poll_until(
 
 
 async def _workers_end(settings: KafkaSettings) -> int:
-    from controlplane.bus import Consumer
+    from controlplane.kafka.bus import Consumer
 
     async with Consumer(settings) as consumer:
         ends = await consumer.end_offsets(settings.topics.workers.name)

@@ -12,11 +12,11 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-from controlplane.broker import LocalCluster
-from controlplane.bus import LOG_APPEND_TIME, Admin, Consumer, Producer, Record
-from controlplane.errors import BusError, ErrorCode, TopicMismatch
-from controlplane.settings import KafkaSettings
-from controlplane.topics import Topics
+from controlplane.kafka.broker import LocalCluster
+from controlplane.kafka.bus import LOG_APPEND_TIME, Admin, Consumer, Producer, Record
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.wire.errors import BusError, ErrorCode, TopicMismatch
+from controlplane.wire.topics import Topics
 
 pytestmark = pytest.mark.kafka
 

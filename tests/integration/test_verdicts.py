@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.coordinator import Coordinator, CoordinatorSettings
-from controlplane.protocol import ReloadWeightsSpec, Selector
-from controlplane.rollout_models import RolloutPhase, RolloutStatus, WorkerState
-from controlplane.settings import KafkaSettings
+from controlplane.coordinator.service import Coordinator, CoordinatorSettings
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.rollout.models import RolloutPhase, RolloutStatus, WorkerState
+from controlplane.wire.protocol import ReloadWeightsSpec, Selector
 from tests.integration.test_worker_process import WorkerProcess
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.protocol import AckState, ReloadWeightsSpec, Selector, WorkerStatus
-from controlplane.settings import KafkaSettings
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.wire.protocol import AckState, ReloadWeightsSpec, Selector, WorkerStatus
 from tests.fleet import (
     acks_tail,
     has_terminal,

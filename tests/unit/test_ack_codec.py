@@ -22,13 +22,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane import ack_codec
-from controlplane.ack_codec import MAX_RESULT_DEPTH, AckLike, FastAck, decode_ack_fast
-from controlplane.bus import Record, collector_paused
-from controlplane.errors import ErrorCode, ProtocolError
-from controlplane.follower import Follower
-from controlplane.metrics import AckLatency
-from controlplane.protocol import (
+from controlplane.coordinator.follower import Follower
+from controlplane.coordinator.metrics import AckLatency
+from controlplane.kafka.bus import Record, collector_paused
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.rollout.fleet import Fleet
+from controlplane.wire import ack_codec
+from controlplane.wire.ack_codec import MAX_RESULT_DEPTH, AckLike, FastAck, decode_ack_fast
+from controlplane.wire.errors import ErrorCode, ProtocolError
+from controlplane.wire.protocol import (
     MAX_MESSAGE_BYTES,
     Ack,
     AckError,
@@ -40,8 +42,6 @@ from controlplane.protocol import (
     decode_ack,
     encode,
 )
-from controlplane.rollout import Fleet
-from controlplane.settings import KafkaSettings
 from tests.unit.test_protocol_fuzz import (
     Pairs,
     acks,

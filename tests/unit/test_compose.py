@@ -20,13 +20,13 @@ import yaml
 from pydantic import BaseModel
 from typer.testing import CliRunner
 
-from controlplane.cli import app as controlplane_app
-from controlplane.coordinator import ENV_PREFIX as COORDINATOR_PREFIX
-from controlplane.coordinator import CoordinatorSettings
+from controlplane.cli.main import app as controlplane_app
+from controlplane.coordinator.service import ENV_PREFIX as COORDINATOR_PREFIX
+from controlplane.coordinator.service import CoordinatorSettings
+from workers.agent.settings import ENV_PREFIX as WORKER_PREFIX
+from workers.agent.settings import WorkerSettings
 from workers.cli import app as worker_app
-from workers.runner import RUNNERS
-from workers.settings import ENV_PREFIX as WORKER_PREFIX
-from workers.settings import WorkerSettings
+from workers.runners.base import RUNNERS
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.errors import REJECTION_CODES, RETRYABLE_CODES, CommandRejected, ErrorCode
+from controlplane.wire.errors import REJECTION_CODES, RETRYABLE_CODES, CommandRejected, ErrorCode
 
 ROOT = Path(__file__).resolve().parents[2]
 ERRORS_PY = ROOT / "controlplane" / "errors.py"

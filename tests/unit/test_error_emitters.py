@@ -20,9 +20,9 @@ from aiokafka.errors import (
     UnknownTopicOrPartitionError,
 )
 
-from controlplane.broker import BrokerConfig, LocalBroker
-from controlplane.bus import translate
-from controlplane.errors import BrokerError, BusError, ErrorCode
+from controlplane.kafka.broker import BrokerConfig, LocalBroker
+from controlplane.kafka.bus import translate
+from controlplane.wire.errors import BrokerError, BusError, ErrorCode
 
 
 @pytest.mark.parametrize(

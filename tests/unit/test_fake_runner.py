@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.errors import ErrorCode, RunnerError, WeightsCorrupted
-from controlplane.protocol import ReloadWeightsSpec
-from workers.fake_runner import FakeRunner
+from controlplane.wire.errors import ErrorCode, RunnerError, WeightsCorrupted
+from controlplane.wire.protocol import ReloadWeightsSpec
+from workers.runners.fake_runner import FakeRunner
 
 
 def spec(version: str, path: Path) -> ReloadWeightsSpec:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.errors import CommandRejected, ErrorCode, RunnerError
-from workers.paths import checkpoint_files, relative_member, resolve_weights_path
+from controlplane.wire.errors import CommandRejected, ErrorCode, RunnerError
+from workers.weights.paths import checkpoint_files, relative_member, resolve_weights_path
 
 
 @pytest.fixture

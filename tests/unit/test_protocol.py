@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from controlplane.errors import ErrorCode, ProtocolError
-from controlplane.protocol import (
+from controlplane.wire.errors import ErrorCode, ProtocolError
+from controlplane.wire.protocol import (
     MAX_MESSAGE_BYTES,
     Ack,
     AckError,

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from controlplane.errors import ErrorCode, ProtocolError
-from controlplane.protocol import (
+from controlplane.wire.errors import ErrorCode, ProtocolError
+from controlplane.wire.protocol import (
     Ack,
     AckError,
     AckState,

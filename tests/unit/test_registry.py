@@ -9,15 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.protocol import (
-    CommandKind,
-    Degraded,
-    Heartbeat,
-    InFlight,
-    Selector,
-    WorkerStatus,
-)
-from controlplane.registry import (
+from controlplane.rollout.registry import (
     LIVENESS_PERIODS,
     MAX_INTERVAL_S,
     Registry,
@@ -26,6 +18,14 @@ from controlplane.registry import (
     lost_at,
     silence_limit,
     was_alive_at,
+)
+from controlplane.wire.protocol import (
+    CommandKind,
+    Degraded,
+    Heartbeat,
+    InFlight,
+    Selector,
+    WorkerStatus,
 )
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)

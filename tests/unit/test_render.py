@@ -7,8 +7,8 @@ from typing import Any, cast
 
 from rich.console import Console
 
-from controlplane.registry import WorkerView
-from controlplane.render import target, workers_table
+from controlplane.cli.render import target, workers_table
+from controlplane.rollout.registry import WorkerView
 
 
 def test_the_target_of_a_rollout_whose_command_no_worker_could_read() -> None:
@@ -19,7 +19,7 @@ def test_the_target_of_a_rollout_whose_command_no_worker_could_read() -> None:
 def _worker(**fields: Any) -> WorkerView:
     from datetime import UTC, datetime
 
-    from controlplane.protocol import Heartbeat, WorkerStatus
+    from controlplane.wire.protocol import Heartbeat, WorkerStatus
 
     at = datetime(2026, 12, 1, 6, 30, tzinfo=UTC)
     hb = Heartbeat(

@@ -12,7 +12,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from controlplane.protocol import (
+from controlplane.rollout.fleet import DEFAULT_PROGRESS_DEADLINE_S, Fleet
+from controlplane.rollout.models import (
+    AnomalyCode,
+    RolloutPhase,
+    RolloutReason,
+    RolloutStatus,
+    StateCounts,
+    WorkerState,
+)
+from controlplane.wire.protocol import (
     Ack,
     AckError,
     AckState,
@@ -26,15 +35,6 @@ from controlplane.protocol import (
     Timings,
     UpdateConfigSpec,
     WorkerStatus,
-)
-from controlplane.rollout import DEFAULT_PROGRESS_DEADLINE_S, Fleet
-from controlplane.rollout_models import (
-    AnomalyCode,
-    RolloutPhase,
-    RolloutReason,
-    RolloutStatus,
-    StateCounts,
-    WorkerState,
 )
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from pydantic import Field
 
-from controlplane.errors import ErrorCode, RunnerError
-from workers.runner import (
+from controlplane.wire.errors import ErrorCode, RunnerError
+from workers.runners.base import (
     RUNNERS,
     ReloadResult,
     Runner,
@@ -127,8 +127,8 @@ def test_a_runner_whose_library_is_missing_is_a_coded_error(tmp_path: Path) -> N
     xla runner module imports torch, and torch_xla is hidden there only.)"""
     code = (
         "import sys; sys.modules['torch_xla'] = None\n"
-        "from workers.runner import create_runner\n"
-        "from controlplane.errors import RunnerError\n"
+        "from workers.runners.base import create_runner\n"
+        "from controlplane.wire.errors import RunnerError\n"
         "try:\n"
         "    create_runner('xla', {})\n"
         "except RunnerError as exc:\n"
@@ -150,6 +150,6 @@ def test_a_runner_whose_library_is_missing_is_a_coded_error(tmp_path: Path) -> N
 
 
 def test_the_runner_modules_do_not_import_torch() -> None:
-    code = "import sys, workers.runner, workers.paths, workers.fake_runner; print('torch' in sys.modules)"
+    code = "import sys, workers.runners.base, workers.weights.paths, workers.runners.fake_runner; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

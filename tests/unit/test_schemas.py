@@ -17,9 +17,9 @@ import jsonschema
 import pytest
 from jsonschema import Draft202012Validator, FormatChecker
 
-from controlplane.errors import ErrorCode, ProtocolError
-from controlplane.protocol import encode, json_schemas
-from controlplane.schema_export import (
+from controlplane.wire.errors import ErrorCode, ProtocolError
+from controlplane.wire.protocol import encode, json_schemas
+from controlplane.wire.schema_export import (
     EXPORT_COMMAND,
     SCHEMA_DIR,
     check_schemas,

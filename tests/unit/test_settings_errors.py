@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from controlplane.cli import app as controlplane_app
-from workers import agent as agent_module
+from controlplane.cli.main import app as controlplane_app
+from workers.agent import loop as agent_module
+from workers.agent.journal import WorkerState
 from workers.cli import EXIT_JOURNAL, EXIT_SETTINGS, EXIT_STATE_DIR_LOCKED
 from workers.cli import app as worker_app
-from workers.state import WorkerState
 
 #: Nothing listens there: a worker that got as far as Kafka would fail differently.
 NO_KAFKA = ["--bootstrap", "127.0.0.1:1"]

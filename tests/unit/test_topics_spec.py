@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.coordinator import CoordinatorSettings
-from controlplane.errors import ControlPlaneError, ErrorCode
-from controlplane.settings import KafkaSettings, load_settings
-from controlplane.topics import Topics, default_min_insync_replicas
-from workers.settings import WorkerSettings
+from controlplane.coordinator.service import CoordinatorSettings
+from controlplane.kafka.settings import KafkaSettings, load_settings
+from controlplane.wire.errors import ControlPlaneError, ErrorCode
+from controlplane.wire.topics import Topics, default_min_insync_replicas
+from workers.agent.settings import WorkerSettings
 
 
 @pytest.mark.parametrize(

@@ -8,11 +8,11 @@ from typing import Annotated
 import pytest
 from pydantic import Field
 
-from controlplane.errors import ControlPlaneError, ErrorCode
-from controlplane.protocol import MAX_HEARTBEAT_INTERVAL_S, MAX_LEASE_S, Heartbeat
-from controlplane.settings import load_settings
-from workers import settings as settings_module
-from workers.settings import WorkerSettings, load_worker_settings, worker_dir_name
+from controlplane.kafka.settings import load_settings
+from controlplane.wire.errors import ControlPlaneError, ErrorCode
+from controlplane.wire.protocol import MAX_HEARTBEAT_INTERVAL_S, MAX_LEASE_S, Heartbeat
+from workers.agent import settings as settings_module
+from workers.agent.settings import WorkerSettings, load_worker_settings, worker_dir_name
 
 
 def test_command_bounds_have_defaults_and_come_from_the_environment(

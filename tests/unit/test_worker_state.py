@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.errors import ControlPlaneError, ErrorCode
-from controlplane.protocol import Ack, AckError, AckState, ReloadWeightsSpec, Timings
-from workers import state as state_module
-from workers.state import WorkerState
+from controlplane.wire.errors import ControlPlaneError, ErrorCode
+from controlplane.wire.protocol import Ack, AckError, AckState, ReloadWeightsSpec, Timings
+from workers.agent import journal as state_module
+from workers.agent.journal import WorkerState
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -274,7 +274,7 @@ def test_the_lock_is_held_by_another_process_until_it_dies(tmp_path: Path) -> No
         [
             sys.executable,
             "-c",
-            "import sys; from pathlib import Path; from workers.state import WorkerState;"
+            "import sys; from pathlib import Path; from workers.agent.journal import WorkerState;"
             f" WorkerState.open(Path({str(tmp_path)!r})); print('open', flush=True);"
             " sys.stdin.read()",
         ],

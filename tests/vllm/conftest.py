@@ -35,12 +35,12 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
-from controlplane.settings import KafkaSettings  # noqa: E402
+from controlplane.kafka.settings import KafkaSettings  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
-from workers.agent import Agent  # noqa: E402
-from workers.settings import WorkerSettings  # noqa: E402
-from workers.tiny_llama import hf_greedy, write_tiny_llama  # noqa: E402
-from workers.vllm_runner import VllmRunner  # noqa: E402
+from workers.agent.loop import Agent  # noqa: E402
+from workers.agent.settings import WorkerSettings  # noqa: E402
+from workers.demo.tiny_llama import hf_greedy, write_tiny_llama  # noqa: E402
+from workers.runners.vllm_runner import VllmRunner  # noqa: E402
 
 #: Engine settings shared by both shapes: float32 (matches transformers), prefix caching with
 #: 32-token blocks (the stale-KV case needs a full cached block), small limits.

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from controlplane.errors import ErrorCode, RunnerError
-from controlplane.protocol import Ack, AckState, ReloadWeightsSpec, UpdateConfigSpec
-from controlplane.settings import KafkaSettings
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.wire.errors import ErrorCode, RunnerError
+from controlplane.wire.protocol import Ack, AckState, ReloadWeightsSpec, UpdateConfigSpec
 from tests.fleet import acks_tail, has_terminal, make_command, publish, terminal
 from tests.vllm.conftest import (
     LONG,
@@ -27,9 +27,9 @@ from tests.vllm.conftest import (
     running_agent,
     sha256_of,
 )
-from workers.tiny_llama import write_tiny_llama
-from workers.vllm_config import translate_config_error
-from workers.vllm_runner import VllmRunner
+from workers.demo.tiny_llama import write_tiny_llama
+from workers.runners.vllm_config import translate_config_error
+from workers.runners.vllm_runner import VllmRunner
 
 
 async def generate(runner: VllmRunner, prompt: list[int] = SHORT) -> list[int]:

@@ -8,10 +8,10 @@ from tests.vllm.conftest import SKIP_REASON
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
 
-from controlplane.errors import ErrorCode, RunnerError
-from workers.vllm_config import check_overrides, normalize_overrides, translate_config_error
-from workers.vllm_runner import VllmRunnerOptions
-from workers.vllm_sidecar import SidecarError, is_loopback_url, worker_message
+from controlplane.wire.errors import ErrorCode, RunnerError
+from workers.runners.vllm_config import check_overrides, normalize_overrides, translate_config_error
+from workers.runners.vllm_runner import VllmRunnerOptions
+from workers.runners.vllm_sidecar import SidecarError, is_loopback_url, worker_message
 
 FIELDS = {
     "load_config": {"load_format": "auto", "ignore_patterns": [], "use_tqdm_on_load": True},

@@ -18,7 +18,7 @@ from tests.vllm.scenarios import (  # noqa: F401 - the shared tests, collected h
     test_update_config_errors_are_coded_nacks_and_the_engine_keeps_serving,
     test_vllm_own_config_errors_translate_to_our_codes,
 )
-from workers.vllm_runner import VllmRunner
+from workers.runners.vllm_runner import VllmRunner
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 

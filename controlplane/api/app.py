@@ -1,0 +1,491 @@
+"""The coordinator's HTTP surface: rollouts and workers as JSON, live status as server-sent events,
+the one write (POST /rollouts, which only publishes a command to Kafka), metrics and the dashboard.
+
+Reads come from the coordinator's replica of the log; nothing here holds state of its own.
+Models live in api_models.py, serving in api_server.py. No signals, no process settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import importlib.resources
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from typing import Annotated, Any, Final
+
+from fastapi import Depends, FastAPI, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from controlplane.api.models import (
+    ROLLOUT_REQUEST,
+    ApiError,
+    ApiErrorCode,
+    BearerCredentials,
+    ErrorBody,
+    Health,
+    RolloutCreated,
+    WorkerOut,
+    error_response,
+    from_domain,
+    parse_rollout_request,
+    validation_details,
+)
+from controlplane.coordinator.metrics import CONTENT_TYPE, CoordinatorMetrics
+from controlplane.coordinator.publisher import PublishUnconfirmed
+from controlplane.coordinator.service import RESYNC, Coordinator
+from controlplane.kafka.bus import Delivery
+from controlplane.rollout.models import RolloutPhase, RolloutStatus
+from controlplane.wire.errors import BusError, ControlPlaneError, ErrorCode
+
+log = logging.getLogger(__name__)
+
+API: Final = "/api/v1"
+#: How often an SSE stream re-judges its rollout without news (deadlines pass, workers go silent).
+SSE_TICK_S: Final = 1.0
+SSE_PING_S: Final = 15.0
+
+
+# --------------------------------------------------------------------------- the app
+
+
+def create_app(
+    coordinator: Coordinator,
+    *,
+    metrics: CoordinatorMetrics | None = None,
+    sse_tick_s: float = SSE_TICK_S,
+    sse_ping_s: float = SSE_PING_S,
+) -> FastAPI:
+    """The ASGI app over ``coordinator``. Create it before the coordinator starts, so the metrics
+    listener sees the replay (see :class:`~controlplane.coordinator.metrics.CoordinatorMetrics`).
+
+    ``app.state.closing`` (an asyncio.Event) ends every SSE stream when set; :class:`ApiServer` sets it.
+    """
+    if metrics is None:
+        if coordinator.follower.records:
+            log.warning(
+                "metrics attached after %d records were folded: counters miss them",
+                coordinator.follower.records,
+            )
+        metrics = CoordinatorMetrics(coordinator)
+    app = FastAPI(
+        title="Fleet control plane: coordinator",
+        version="1",
+        description=(
+            "Rollout status and workers, rebuilt from the Kafka log. The write path "
+            "(POST /api/v1/rollouts) only publishes a command; status follows from the log."
+        ),
+    )
+    app.state.coordinator = coordinator
+    app.state.metrics = metrics
+    app.state.closing = asyncio.Event()
+    closing: asyncio.Event = app.state.closing
+    dashboard = importlib.resources.files("controlplane.api").joinpath("static", "dashboard.html")
+
+    # ------------------------------------------------------------------ error rendering
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(ControlPlaneError)
+    async def _domain_error(request: Request, exc: ControlPlaneError) -> JSONResponse:
+        return error_response(from_domain(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        details = validation_details(exc)
+        return error_response(
+            ApiError(422, ApiErrorCode.INVALID_REQUEST, "invalid request", details=details)
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: ApiErrorCode.NOT_FOUND, 405: ApiErrorCode.METHOD_NOT_ALLOWED}.get(
+            exc.status_code, ApiErrorCode.HTTP_ERROR
+        )
+        headers = dict(exc.headers) if exc.headers else None
+        return error_response(ApiError(exc.status_code, code, str(exc.detail), headers=headers))
+
+    # ------------------------------------------------------------------ dependencies
+
+    def require_ready() -> None:
+        if not coordinator.ready:
+            raise ApiError(
+                503,
+                ApiErrorCode.NOT_READY,
+                "the coordinator is still reading the log; statuses would be incomplete",
+                headers={"Retry-After": "1"},
+                retryable=True,
+            )
+
+    def require_token(credentials: BearerCredentials) -> None:
+        token = coordinator.settings.api_token
+        if token is None or not token.get_secret_value():
+            raise ApiError(
+                403,
+                ApiErrorCode.WRITES_DISABLED,
+                "writes disabled: this coordinator has no API token (FLEET_COORDINATOR_API_TOKEN)",
+            )
+        if credentials is None:
+            raise ApiError(
+                401,
+                ApiErrorCode.UNAUTHORIZED,
+                "missing bearer token",
+                headers={"WWW-Authenticate": 'Bearer realm="controlplane"'},
+            )
+        given = credentials.credentials.encode("utf-8")
+        if not hmac.compare_digest(given, token.get_secret_value().encode("utf-8")):
+            raise ApiError(
+                401,
+                ApiErrorCode.UNAUTHORIZED,
+                "invalid bearer token",
+                headers={"WWW-Authenticate": 'Bearer realm="controlplane", error="invalid_token"'},
+            )
+
+    ready = [Depends(require_ready)]
+    #: Publishes answered 504 whose record this coordinator's producer still retries, by rollout
+    #: id: posting the same rollout_id again meanwhile is refused (it could land twice).
+    unconfirmed: dict[str, PublishUnconfirmed] = {}
+    not_found: dict[int | str, dict[str, Any]] = {
+        404: {"model": ErrorBody},
+        503: {"model": ErrorBody},
+    }
+
+    def status_or_404(rollout_id: str) -> RolloutStatus:
+        try:
+            return coordinator.fleet.status(rollout_id, coordinator.now())
+        except KeyError:
+            raise ApiError(
+                404, ApiErrorCode.ROLLOUT_NOT_FOUND, f"no rollout {rollout_id!r} in the log"
+            ) from None
+
+    # ------------------------------------------------------------------ health
+
+    @app.get("/healthz", summary="Liveness; says whether the log has been read up to its end")
+    async def healthz() -> Health:
+        return Health(
+            ready=coordinator.ready,
+            records=coordinator.follower.records,
+            rollouts=len(coordinator.fleet.rollout_ids()),
+            workers=len(coordinator.fleet.registry),
+            as_of=coordinator.judge_time(),
+        )
+
+    @app.get(
+        "/readyz",
+        summary="Readiness: 200 once caught up with the log, 503 before",
+        responses={503: {"model": ErrorBody}},
+        dependencies=ready,
+    )
+    async def readyz() -> Health:
+        return await healthz()
+
+    # ------------------------------------------------------------------ rollouts
+
+    @app.get(
+        f"{API}/rollouts",
+        summary="Rollouts, newest first",
+        responses={503: {"model": ErrorBody}},
+        dependencies=ready,
+    )
+    async def list_rollouts(
+        phase: Annotated[
+            list[RolloutPhase] | None, Query(description="Only these phases (repeatable).")
+        ] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> list[RolloutStatus]:
+        fleet, now = coordinator.fleet, coordinator.now()
+        wanted = set(phase) if phase else None
+        out: list[RolloutStatus] = []
+        for _, rollout_id in reversed(fleet.rollout_keys()):  # judged lazily: as the page needs
+            status = fleet.status(rollout_id, now)
+            if wanted is None or status.phase in wanted:
+                out.append(status)
+                if len(out) >= limit:
+                    break
+        return out
+
+    @app.get(
+        f"{API}/rollouts/{{rollout_id}}",
+        summary="One rollout's status",
+        responses=not_found,
+        dependencies=ready,
+    )
+    async def get_rollout(rollout_id: str) -> RolloutStatus:
+        return status_or_404(rollout_id)
+
+    @app.get(
+        f"{API}/rollouts/{{rollout_id}}/events",
+        summary="Server-sent events: the rollout's status on every change, then `end` once terminal",
+        description=(
+            "Each `status` event carries the RolloutStatus JSON; when the phase is terminal a "
+            "final `end` event carries `{rollout_id, phase, reason, exit_code}` and the stream "
+            "closes. A client too slow for the change feed gets a `resync` event, then the "
+            "full status again. `wait_s` waits that long for a rollout just published to "
+            "appear in the log."
+        ),
+        response_class=EventSourceResponse,
+        responses=not_found,
+        dependencies=ready,
+    )
+    async def rollout_events(
+        rollout_id: str,
+        wait_s: Annotated[float, Query(ge=0, le=60)] = 0.0,
+    ) -> EventSourceResponse:
+        if rollout_id not in coordinator.fleet and wait_s > 0:
+            await _wait_for_rollout(coordinator, rollout_id, wait_s)
+        status_or_404(rollout_id)
+        return EventSourceResponse(
+            _status_events(coordinator, rollout_id, closing, sse_tick_s), ping=sse_ping_s
+        )
+
+    @app.post(
+        f"{API}/rollouts",
+        summary="Start a rollout: publish one command to Kafka (needs the bearer token)",
+        status_code=201,
+        responses={
+            201: {"model": RolloutCreated},
+            400: {"model": ErrorBody},
+            401: {"model": ErrorBody},
+            403: {"model": ErrorBody},
+            409: {"model": ErrorBody, "description": "NO_MATCHING_WORKERS or ROLLOUT_EXISTS"},
+            422: {"model": ErrorBody},
+            503: {
+                "model": ErrorBody,
+                "description": "NOT_READY, or BROKER_UNAVAILABLE: the command was not published",
+            },
+            504: {
+                "model": ErrorBody,
+                "description": "PUBLISH_OUTCOME_UNKNOWN: not confirmed within the delivery "
+                "timeout, the command may be in the log (details: rollout_id, command_id); "
+                "GET the rollout before posting it again, with the same rollout_id",
+            },
+        },
+        dependencies=[Depends(require_token), *ready],
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/RolloutRequest"}}
+                },
+            }
+        },
+    )
+    async def create_rollout(request: Request) -> JSONResponse:
+        spec, options = parse_rollout_request(await request.body())
+        await _refuse_unconfirmed(coordinator, unconfirmed, options.rollout_id)
+        try:
+            command = await coordinator.create_rollout(
+                spec,
+                options.selector,
+                ttl_s=options.ttl_s,
+                timeout_s=options.timeout_s,
+                rollout_id=options.rollout_id,
+            )
+        except PublishUnconfirmed as exc:
+            unconfirmed[exc.rollout_id] = exc
+            log.warning(
+                "rollout %s (command %s) not confirmed within %g s; the producer keeps trying it",
+                exc.rollout_id,
+                exc.command_id,
+                exc.timeout_s,
+                extra={"rollout_id": exc.rollout_id, "command_id": exc.command_id},
+            )
+            raise
+        log.info(
+            "rollout %s published over HTTP as command %s for %d worker(s)",
+            command.rollout_id,
+            command.command_id,
+            len(command.selector.worker_ids or ()),
+            extra={"rollout_id": command.rollout_id, "command_id": command.command_id},
+        )
+        url = f"{API}/rollouts/{command.rollout_id}"
+        created = RolloutCreated(
+            rollout_id=command.rollout_id,
+            command_id=command.command_id,
+            command=command,
+            status_url=url,
+            events_url=f"{url}/events",
+        )
+        return JSONResponse(
+            created.model_dump(mode="json"), status_code=201, headers={"Location": url}
+        )
+
+    # ------------------------------------------------------------------ workers
+
+    @app.get(
+        f"{API}/workers",
+        summary="Workers: latest heartbeat, liveness, desired against reported weights version",
+        responses={503: {"model": ErrorBody}},
+        dependencies=ready,
+    )
+    async def list_workers(
+        alive: Annotated[
+            bool | None, Query(description="Only alive (or only not alive) workers.")
+        ] = None,
+    ) -> list[WorkerOut]:
+        workers = list(_workers(coordinator))
+        return [w for w in workers if alive is None or w.alive is alive]
+
+    @app.get(
+        f"{API}/workers/{{worker_id}}",
+        summary="One worker",
+        responses=not_found,
+        dependencies=ready,
+    )
+    async def get_worker(worker_id: str) -> WorkerOut:
+        for worker in _workers(coordinator):
+            if worker.worker_id == worker_id:
+                return worker
+        raise ApiError(404, ApiErrorCode.WORKER_NOT_FOUND, f"no worker {worker_id!r} is known")
+
+    # ------------------------------------------------------------------ metrics, dashboard
+
+    @app.get(
+        "/metrics",
+        summary="Prometheus metrics",
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE: {}}}},
+    )
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> HTMLResponse:
+        return HTMLResponse(dashboard.read_text("utf-8"), headers={"Cache-Control": "no-cache"})
+
+    _document_request_body(app)
+    return app
+
+
+async def _refuse_unconfirmed(
+    coordinator: Coordinator, unconfirmed: dict[str, PublishUnconfirmed], rollout_id: str | None
+) -> None:
+    """ROLLOUT_EXISTS (409) while an earlier, unconfirmed publish of ``rollout_id`` may still
+    land; entries end once their rollout is in the log or the producer gave up on the record."""
+    for rid, earlier in list(unconfirmed.items()):
+        if rid in coordinator.fleet or (earlier.delivery.done and await _failed(earlier.delivery)):
+            del unconfirmed[rid]
+    pending = unconfirmed.get(rollout_id) if rollout_id is not None else None
+    if pending is not None:
+        raise ApiError(
+            409,
+            ErrorCode.ROLLOUT_EXISTS.value,
+            f"rollout {rollout_id!r} was posted before (command {pending.command_id}) and its "
+            "publish is not confirmed yet; this coordinator is still trying it: GET "
+            f"/api/v1/rollouts/{rollout_id} until it shows",
+        )
+
+
+async def _failed(delivery: Delivery) -> bool:
+    """Whether a finished delivery failed (the record was not written)."""
+    try:
+        await delivery.wait(0)
+    except BusError:
+        return True
+    return False
+
+
+def _workers(coordinator: Coordinator) -> Iterator[WorkerOut]:
+    now = coordinator.now()
+    registry = coordinator.fleet.registry
+    for level in coordinator.fleet.worker_levels(now):
+        yield WorkerOut(**level.model_dump(), heartbeat=registry.get(level.worker_id, now))
+
+
+_ERROR_REF: Final = "#/components/schemas/ErrorBody"
+
+
+def _document_request_body(app: FastAPI) -> None:
+    """The POST body is parsed by hand (strict, after auth), so describe it in OpenAPI ourselves."""
+    schema = ROLLOUT_REQUEST.json_schema(ref_template="#/components/schemas/{model}")
+    defs: dict[str, Any] = schema.pop("$defs", {})
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for name, definition in defs.items():
+                schemas.setdefault(name, definition)
+            schemas["RolloutRequest"] = schema
+            # Our 422s are ErrorBody too, not FastAPI's default HTTPValidationError.
+            for operation in (op for path in doc["paths"].values() for op in path.values()):
+                invalid = operation.get("responses", {}).get("422")
+                if invalid is not None:
+                    invalid["content"] = {"application/json": {"schema": {"$ref": _ERROR_REF}}}
+            schemas.pop("HTTPValidationError", None)
+            schemas.pop("ValidationError", None)
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------- SSE
+
+
+def _changes(coordinator: Coordinator, tick_s: float) -> AsyncGenerator[set[str], None]:
+    return coordinator.changes(tick_s)
+
+
+async def _wait_for_rollout(coordinator: Coordinator, rollout_id: str, wait_s: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        async with (
+            asyncio.timeout(wait_s),
+            contextlib.aclosing(_changes(coordinator, 0.25)) as feed,
+        ):
+            async for _ in feed:
+                if rollout_id in coordinator.fleet:
+                    return
+
+
+async def _status_events(
+    coordinator: Coordinator, rollout_id: str, closing: asyncio.Event, tick_s: float
+) -> AsyncIterator[ServerSentEvent]:
+    """The rollout's status whenever it differs (``as_of`` aside), re-judged on every change or tick.
+
+    A client too slow for the change feed gets a ``resync`` event (the changes it missed were
+    dropped), then the full status again, even if unchanged."""
+    last: str | None = None
+    sent = 0
+    resync = False
+    async with contextlib.aclosing(_changes(coordinator, tick_s)) as feed:
+        while True:
+            status = coordinator.fleet.status(rollout_id, coordinator.now())
+            seen = status.model_dump_json(exclude={"as_of"})
+            if resync:
+                sent += 1
+                yield ServerSentEvent(
+                    data=json.dumps({"rollout_id": rollout_id}), event="resync", id=str(sent)
+                )
+                resync = False
+                last = None
+            if seen != last:
+                last = seen
+                sent += 1
+                yield ServerSentEvent(data=status.model_dump_json(), event="status", id=str(sent))
+            if status.terminal:
+                end = {
+                    "rollout_id": rollout_id,
+                    "phase": status.phase.value,
+                    "reason": status.reason.value if status.reason else None,
+                    "exit_code": status.exit_code,
+                }
+                yield ServerSentEvent(data=json.dumps(end), event="end", id=str(sent + 1))
+                return
+            if closing.is_set():
+                return
+            try:
+                changed = await anext(feed)
+            except StopAsyncIteration:  # the coordinator stopped
+                return
+            resync = RESYNC in changed

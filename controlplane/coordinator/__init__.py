@@ -1,0 +1,1 @@
+"""The coordinator: the follower (log in), the publisher (log out), the service, metrics."""

@@ -1,0 +1,285 @@
+"""Prometheus metrics of one coordinator: counters fed by follower batches, gauges read at scrape time.
+
+Each instance owns its CollectorRegistry (never the process-global one). No I/O, no HTTP: api.py
+serves the text. Counters include the replay of the log at start, so they count the log's history.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from datetime import datetime
+from typing import TYPE_CHECKING, Final, NamedTuple
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from controlplane.coordinator.follower import Batch
+from controlplane.rollout.models import RolloutPhase
+from controlplane.wire.ack_codec import AckLike
+from controlplane.wire.errors import ErrorCode
+from controlplane.wire.protocol import Command
+
+if TYPE_CHECKING:
+    from controlplane.coordinator.service import Coordinator
+
+#: Seconds from a command's ``issued_at`` to a worker's terminal ack: reloads take seconds to minutes.
+LATENCY_BUCKETS: Final = (
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+)
+
+CONTENT_TYPE: Final = CONTENT_TYPE_LATEST
+
+
+class Sample(NamedTuple):
+    """One command-to-terminal-ack latency: the command's kind, the ack's state, seconds."""
+
+    kind: str
+    state: str
+    seconds: float
+
+
+#: Commands whose latency pairing is remembered (and commands with held acks): the oldest
+#: noted are forgotten beyond this (a redelivered ack for one may then be held again, never
+#: sampled twice unless its command is seen again).
+MAX_TRACKED_COMMANDS: Final = 4096
+
+#: Label value of ack error codes that are not :class:`~controlplane.wire.errors.ErrorCode` values:
+#: the code is worker input, and every distinct label value is a new time series.
+OTHER_CODE: Final = "OTHER"
+_KNOWN_CODES: Final = frozenset(code.value for code in ErrorCode)
+
+
+def code_label(code: str | None) -> str:
+    """The ``code`` label of an ack: "" without an error, the code when it is one of ours."""
+    if code is None:
+        return ""
+    return code if code in _KNOWN_CODES else OTHER_CODE
+
+
+class AckLatency:
+    """Pairs commands with their workers' terminal acks, whatever order they arrive in.
+
+    A sample is produced once per (command id, worker), when both the command and a terminal ack
+    are known: on a replay acks may come before their command (they are held until it does).
+    Of several terminal acks held for one worker the earliest sent counts, as in the status rules;
+    after a sample, later ones (redelivery) are ignored. Pure: no clock, no I/O.
+    Memory is bounded: the last ``max_commands`` commands noted, and held acks for at most as
+    many unknown command ids (the oldest forgotten first).
+    """
+
+    def __init__(self, *, max_commands: int = MAX_TRACKED_COMMANDS) -> None:
+        self._max = max(1, max_commands)
+        self._issued: dict[str, tuple[datetime, str]] = {}
+        self._held: dict[str, dict[str, AckLike]] = {}
+        self._sampled: dict[str, set[str]] = {}
+
+    def command(self, command: Command) -> list[Sample]:
+        """Note a command; returns the samples of the terminal acks that were waiting for it."""
+        if command.command_id in self._issued:  # a reused command id: the first one seen counts
+            return []
+        self._issued[command.command_id] = (command.issued_at, command.kind.value)
+        while len(self._issued) > self._max:  # dicts keep insertion order: the oldest first
+            oldest = next(iter(self._issued))
+            del self._issued[oldest]
+            self._sampled.pop(oldest, None)
+        held = self._held.pop(command.command_id, {})
+        return [self._sample(ack) for _, ack in sorted(held.items())]
+
+    def ack(self, ack: AckLike) -> list[Sample]:
+        """Note an ack; returns its sample when it is the first terminal one of a known command."""
+        if not ack.state.terminal or ack.worker_id in self._sampled.get(ack.command_id, ()):
+            return []
+        if ack.command_id not in self._issued:
+            held = self._held.get(ack.command_id)
+            if held is None:
+                held = self._held[ack.command_id] = {}
+                while len(self._held) > self._max:
+                    del self._held[next(iter(self._held))]
+            first = held.get(ack.worker_id)
+            if first is None or ack.sent_at < first.sent_at:
+                held[ack.worker_id] = ack
+            return []
+        return [self._sample(ack)]
+
+    @property
+    def tracked(self) -> int:
+        """Commands remembered plus command ids with held acks (bounded)."""
+        return len(self._issued) + len(self._held)
+
+    @property
+    def waiting(self) -> int:
+        """Terminal acks held because their command has not been seen yet."""
+        return sum(len(held) for held in self._held.values())
+
+    def _sample(self, ack: AckLike) -> Sample:
+        issued_at, kind = self._issued[ack.command_id]
+        self._sampled.setdefault(ack.command_id, set()).add(ack.worker_id)
+        seconds = max(0.0, (ack.sent_at - issued_at).total_seconds())  # clock skew: never negative
+        return Sample(kind, ack.state.value, seconds)
+
+
+class CoordinatorMetrics:
+    """The metrics of one coordinator. Create it before the coordinator starts folding the log,
+    or the counters miss what was folded before (the scrape-time gauges never do).
+    """
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        *,
+        registry: CollectorRegistry | None = None,
+        buckets: tuple[float, ...] = LATENCY_BUCKETS,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.latency = AckLatency()
+        self._messages = Counter(
+            "controlplane_messages",
+            "Decoded messages folded into status, by kind (command, ack, heartbeat).",
+            ["kind"],
+            registry=self.registry,
+        )
+        self._acks = Counter(
+            "controlplane_acks",
+            "Acks folded, by state and error code (empty when the ack carries no error; "
+            f"{OTHER_CODE} for a code that is not one of ours).",
+            ["state", "code"],
+            registry=self.registry,
+        )
+        self._latency = Histogram(
+            "controlplane_command_ack_latency_seconds",
+            "Seconds from a command's issued_at to each worker's first terminal ack (its sent_at).",
+            ["kind", "state"],
+            buckets=buckets,
+            registry=self.registry,
+        )
+        self.registry.register(_FleetCollector(coordinator, self.latency))
+        coordinator.follower.listeners.append(self.on_batch)
+
+    def on_batch(self, batch: Batch) -> None:
+        """A follower listener: count what one fetch folded."""
+        for kind, n in (
+            ("command", len(batch.commands)),
+            ("ack", len(batch.acks)),
+            ("heartbeat", len(batch.heartbeats)),
+        ):
+            if n:
+                self._messages.labels(kind).inc(n)
+        samples: list[Sample] = []
+        # Commands first: an ack in the same batch may be for a command in it.
+        for command in batch.commands:
+            samples.extend(self.latency.command(command))
+        for ack in batch.acks:
+            error = ack.error
+            self._acks.labels(ack.state.value, code_label(error.code if error else None)).inc()
+            samples.extend(self.latency.ack(ack))
+        for sample in samples:
+            self._latency.labels(sample.kind, sample.state).observe(sample.seconds)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric (content type :data:`CONTENT_TYPE`)."""
+        return generate_latest(self.registry)
+
+
+class _FleetCollector(Collector):
+    """Gauges computed from the Fleet at scrape time, plus the follower's own record counts."""
+
+    def __init__(self, coordinator: Coordinator, latency: AckLatency) -> None:
+        self._coordinator = coordinator
+        self._latency = latency
+
+    def collect(self) -> Iterator[Metric]:
+        coordinator = self._coordinator
+        fleet, follower = coordinator.fleet, coordinator.follower
+        now = coordinator.judge_time()
+
+        ready = GaugeMetricFamily(
+            "controlplane_ready", "1 once the coordinator has caught up with the log."
+        )
+        ready.add_metric([], 1.0 if coordinator.ready else 0.0)
+        yield ready
+
+        records = CounterMetricFamily(
+            "controlplane_records_folded", "Kafka records read from the three topics."
+        )
+        records.add_metric([], follower.records)
+        yield records
+        undecodable = CounterMetricFamily(
+            "controlplane_records_undecodable", "Records skipped because they did not decode."
+        )
+        undecodable.add_metric([], follower.undecodable)
+        yield undecodable
+
+        if now is None:  # not caught up (or cut off from Kafka): no judgement to report
+            return
+        phases = collections.Counter(s.phase for s in fleet.rollouts(now))
+        rollouts = GaugeMetricFamily(
+            "controlplane_rollouts", "Rollouts by phase.", labels=["phase"]
+        )
+        for phase in RolloutPhase:
+            rollouts.add_metric([phase.value], phases[phase])
+        yield rollouts
+
+        levels = fleet.worker_levels(now)
+        known = {hb.worker_id for hb in fleet.registry.heartbeats()}
+        for name, text, value in (
+            ("controlplane_workers", "Workers known from heartbeats.", len(known)),
+            (
+                "controlplane_workers_alive",
+                "Workers whose heartbeats prove them alive.",
+                sum(1 for lv in levels if lv.alive),
+            ),
+            (
+                "controlplane_workers_in_sync",
+                "Workers reporting the weights version desired for them.",
+                sum(1 for lv in levels if lv.in_sync and lv.worker_id in known),
+            ),
+            (
+                "controlplane_workers_degraded",
+                "Workers whose weights are a mix of two versions.",
+                sum(1 for lv in levels if lv.degraded),
+            ),
+            (
+                "controlplane_orphan_acks",
+                "Acks whose command has not been seen.",
+                fleet.stats().orphan_acks,
+            ),
+            (
+                "controlplane_ack_latency_waiting",
+                "Terminal acks held until their command is seen.",
+                self._latency.waiting,
+            ),
+            (
+                "controlplane_rollouts_summarized",
+                "Ended rollouts beyond max_ended_rollouts, kept only as a final summary.",
+                fleet.stats().compacted,
+            ),
+            (
+                "controlplane_change_subscribers",
+                "Open change-feed subscribers (server-sent event streams, waits).",
+                coordinator.subscribers,
+            ),
+        ):
+            gauge = GaugeMetricFamily(name, text)
+            gauge.add_metric([], value)
+            yield gauge

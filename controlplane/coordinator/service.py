@@ -1,0 +1,258 @@
+"""The coordinator service: a replica of the log (Follower + Fleet) with a write path into Kafka.
+
+Rebuilt from the topics on start, so a restart shows the same status; then follows live and
+fans changes out to subscribers (server-sent events). Holds no state of its own. HTTP lives in
+api.py; process settings, signals and uvicorn in the CLI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
+from datetime import datetime
+from typing import Final
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from controlplane.coordinator.follower import Batch, Follower
+from controlplane.coordinator.publisher import (
+    build_command,
+    check_new_rollout,
+    publish,
+    resolve_selector,
+)
+from controlplane.kafka.bus import Producer
+from controlplane.kafka.lifecycle import AsyncService
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.rollout.fleet import (
+    DEFAULT_MAX_ENDED_ROLLOUTS,
+    DEFAULT_PROGRESS_DEADLINE_S,
+    Fleet,
+)
+from controlplane.wire.protocol import Command, CommandSpec, Selector, utcnow
+
+log = logging.getLogger(__name__)
+
+ENV_PREFIX = "FLEET_COORDINATOR_"
+
+#: What a change-feed subscriber gets instead of the changes it fell behind on (its queue
+#: was full): re-read everything.
+RESYNC: Final = "*resync"
+#: Change sets a subscriber may have waiting before it is told to resync instead.
+SUBSCRIBER_QUEUE: Final = 64
+#: How often ended rollouts beyond ``max_ended_rollouts`` are summarized.
+COMPACT_EVERY_S: Final = 10.0
+
+
+class CoordinatorSettings(BaseSettings):
+    """Example: FLEET_COORDINATOR_KAFKA__BOOTSTRAP_SERVERS=kafka:9092 FLEET_COORDINATOR_API_TOKEN=..."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid"
+    )
+
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    api_token: SecretStr | None = Field(
+        default=None,
+        description="Bearer token for POST /rollouts; without one, writes are refused.",
+    )
+    progress_deadline_s: float = Field(default=DEFAULT_PROGRESS_DEADLINE_S, gt=0)
+    max_ended_rollouts: int = Field(
+        default=DEFAULT_MAX_ENDED_ROLLOUTS,
+        ge=0,
+        description="Ended rollouts kept in full; older ones are kept as a final summary "
+        "(phase, reason, counts, times), their per-worker details dropped.",
+    )
+    issuer: str = "coordinator"
+    probe_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="How often the coordinator appends a probe to the workers topic and reads "
+        "it back: it judges liveness only up to the last one read (docs/rollouts.md, Liveness).",
+    )
+
+
+class Coordinator(AsyncService):
+    """``async with Coordinator(settings) as c:`` runs the follower in the background."""
+
+    def __init__(
+        self,
+        settings: CoordinatorSettings,
+        *,
+        clock: Callable[[], datetime] = utcnow,
+        current_as_of: Callable[[], datetime | None] | None = None,
+    ) -> None:
+        """``current_as_of``: up to when the replica knows it has read the whole log (None:
+        not known); the follower's by default. Tests pass their clock."""
+        self.settings = settings
+        self.clock = clock
+        self.fleet = Fleet(
+            progress_deadline_s=settings.progress_deadline_s,
+            max_ended_rollouts=settings.max_ended_rollouts,
+        )
+        self.follower = Follower(
+            settings.kafka, self.fleet, probe=True, probe_interval_s=settings.probe_interval_s
+        )
+        self.follower.listeners.append(self._on_batch)
+        self._current_as_of = current_as_of or self.follower.current_as_of
+        self._producer = Producer(settings.kafka)
+        self._subscribers: set[asyncio.Queue[set[str] | None]] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._compacted_at = time.monotonic()
+        self.started_at = clock()
+
+    @property
+    def ready(self) -> bool:
+        return self.follower.caught_up.is_set()
+
+    def judge_time(self) -> datetime | None:
+        """The instant to judge status and liveness at: ``min(clock, current_as_of)``, never
+        later than the replica knows the log (cut off from Kafka, it knows nothing about
+        workers since: no false ``lost``). None while it has not caught up."""
+        if not self.ready:
+            return None
+        as_of = self._current_as_of()
+        if as_of is None:
+            return None
+        return min(self.clock(), as_of)
+
+    def now(self) -> datetime:
+        """:meth:`judge_time`, or the clock while there is none (callers that must answer)."""
+        when = self.judge_time()
+        return self.clock() if when is None else when
+
+    def compact(self) -> int:
+        """Summarize ended rollouts beyond ``max_ended_rollouts`` (see :meth:`Fleet.compact`)."""
+        when = self.judge_time()
+        self._compacted_at = time.monotonic()
+        return 0 if when is None else self.fleet.compact(when)
+
+    async def start(self) -> None:
+        await self.follower.start()
+        await self._producer.start()
+        self._task = asyncio.create_task(self._run(), name="coordinator-follower")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for queue in list(self._subscribers):
+            _offer(queue, None)
+        await self._producer.stop()
+        await self.follower.stop()
+
+    async def wait_ready(self, timeout: float = 60.0) -> None:
+        await asyncio.wait_for(self.follower.caught_up.wait(), timeout)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.follower.poll(timeout_s=0.5)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Kafka away: keep serving what we have, retry
+                log.warning("follower poll failed: %s", exc)
+                await asyncio.sleep(1.0)
+            if time.monotonic() - self._compacted_at >= COMPACT_EVERY_S:
+                summarized = self.compact()
+                if summarized:
+                    log.info(
+                        "summarized %d ended rollout(s) beyond the last %d",
+                        summarized,
+                        self.settings.max_ended_rollouts,
+                    )
+
+    # ------------------------------------------------------------------ write path
+
+    async def create_rollout(
+        self,
+        spec: CommandSpec,
+        selector: Selector,
+        *,
+        issuer: str | None = None,
+        ttl_s: float = 3600.0,
+        timeout_s: float | None = None,
+        rollout_id: str | None = None,
+    ) -> Command:
+        """Resolve the selector against live workers, publish the command; returns it.
+
+        Refuses a rollout id that is already in the log (``ROLLOUT_EXISTS``): workers would
+        skip the new command as a duplicate and the old status would answer for it."""
+        if rollout_id is not None:
+            check_new_rollout(rollout_id, self.fleet)
+        now = self.clock()
+        pinned = resolve_selector(selector, self.fleet.registry, self.now())
+        command = build_command(
+            spec,
+            pinned,
+            issuer=issuer or self.settings.issuer,
+            ttl_s=ttl_s,
+            timeout_s=timeout_s,
+            rollout_id=rollout_id,
+            now=now,
+        )
+        await publish(self.settings.kafka, command, self._producer)
+        return command
+
+    # ------------------------------------------------------------------ change feed
+
+    def _on_batch(self, batch: Batch) -> None:
+        changed = batch.rollout_ids
+        if batch.heartbeats:
+            changed.add("*workers")
+        for queue in self._subscribers:
+            _offer(queue, changed)
+
+    @property
+    def subscribers(self) -> int:
+        """Change-feed subscribers (open SSE streams, waits for a rollout)."""
+        return len(self._subscribers)
+
+    @property
+    def backlog(self) -> int:
+        """Change sets queued for subscribers and not yet taken (bounded per subscriber)."""
+        return sum(queue.qsize() for queue in self._subscribers)
+
+    async def changes(
+        self, tick_s: float = 1.0, *, maxsize: int = SUBSCRIBER_QUEUE
+    ) -> AsyncGenerator[set[str], None]:
+        """Sets of changed rollout ids ("*workers" for the registry); an empty set every tick.
+
+        A subscriber that falls ``maxsize`` sets behind gets ``{RESYNC}`` instead of them:
+        memory stays bounded whatever a slow client does."""
+        queue: asyncio.Queue[set[str] | None] = asyncio.Queue(maxsize=max(2, maxsize))
+        self._subscribers.add(queue)
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), tick_s)
+                except TimeoutError:
+                    item = set()
+                if item is None:
+                    return
+                yield item
+        finally:
+            self._subscribers.discard(queue)
+
+
+def _offer(queue: asyncio.Queue[set[str] | None], item: set[str] | None) -> None:
+    """Queue ``item``; when the queue is full, replace what waits by one resync (and ``None``,
+    the end, if that is what came)."""
+    try:
+        queue.put_nowait(item)
+        return
+    except asyncio.QueueFull:
+        pass
+    ended = item is None
+    while not queue.empty():
+        ended = ended or queue.get_nowait() is None
+    queue.put_nowait({RESYNC})
+    if ended:
+        queue.put_nowait(None)

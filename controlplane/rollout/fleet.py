@@ -1,0 +1,466 @@
+"""The rollout state machine: folds commands, acks and heartbeats, in any order, into rollout status.
+
+Pure: no asyncio, no Kafka, no clock (time comes in as ``now``); O(1) per event, status on request.
+Whether a worker is alive (``lost`` or not) is judged on the reader's clock: when it received
+the worker's latest heartbeat (``received_at``; without one, the heartbeat's own ``sent_at``).
+Judge at a ``now`` the reader knows to be current (the coordinator: ``min(clock,
+follower.current_as_of())``). A verdict depends only on the log's own timestamps, never on when
+a reader received something, so every reader (``--wait``, ``status``, any coordinator) agrees:
+in-flight spans and the expected set of a label-only command use the worker's clock, as its
+acks do.
+
+Rules (the coordinator, the API and the CLI all rely on them):
+
+* **One command per rollout.** Of several commands with one ``rollout_id`` the earliest issued
+  (ties: lowest ``command_id``) is the rollout; the others are reported as anomalies, ignored.
+* **Expected workers**, fixed by the command and the log, never by arrival order. Explicit
+  ``selector.worker_ids`` (what our CLI publishes after resolving labels): exactly those.
+  Otherwise (a label-only command, e.g. from kcat): every worker matching the selector whose
+  latest known heartbeat shows an incarnation alive at ``issued_at`` (started by then, received
+  at or after ``issued_at - 3 * interval_s``, not stopped by then), plus any worker that acks
+  the command and matches by its latest labels (or has no heartbeat), unless its first ack was
+  sent after the rollout had ended. None expected: ``failed`` / ``NO_MATCHING_WORKERS`` at once,
+  unless matching workers refused the command as ``EXPIRED`` (it was published after it
+  expired): then ``timed_out`` / ``EXPIRED``, those workers listed.
+* **Per-worker state**: pending < accepted < running < terminal (succeeded, failed, rejected).
+  The first terminal ack by ``sent_at`` wins; redelivered duplicates change nothing; a different
+  terminal state later is an anomaly. Acks from workers outside the expected set are listed as
+  ``unexpected`` and counted nowhere. Acks whose command never appeared are kept (``orphans()``)
+  and folded in when it does.
+* **Lost is provisional.** An expected worker without a terminal ack whose heartbeats do not
+  prove it alive at an instant (neither its latest incarnation nor the one before it was
+  started, received within 3 periods and not stopped then), or that was never seen and never
+  acked, is ``lost`` at that instant, with ``lost_at``. It does not end the rollout: it may come back (a restarted
+  incarnation re-applies the redelivered command) and its terminal ack counts whenever it is
+  sent before the rollout ends. Lost becomes final only when the rollout ends by a deadline.
+* **Phase** is a pure function of the events and ``now``; event timestamps, not arrival order,
+  decide. It ends at the earliest of: every expected worker terminal, giving ``succeeded`` if
+  all succeeded else ``failed`` / ``WORKERS_FAILED``; the command's ``expires_at``
+  (``timed_out`` / ``EXPIRED``); an ``abort`` (``aborted``); and the progress deadline: more
+  than ``progress_deadline_s`` without progress (``timed_out`` /
+  ``PROGRESS_DEADLINE_EXCEEDED``), where progress is an expected worker's accepted, running or
+  terminal ack, the span of a terminal ack's own ``timings.started_at`` to ``sent_at`` (only
+  the instant it was sent for a worker already silent then), and the span of a latest
+  heartbeat showing the command in flight (keep the deadline above three heartbeat periods).
+  At a deadline the phase is ``failed`` / ``WORKERS_FAILED`` when a worker had reported a
+  failure or rejection by then, else ``timed_out``; lost workers are listed ``lost``. The phase
+  never depends on whether a worker was alive at the deadline: the log keeps only each worker's
+  latest heartbeat, which cannot say that for certain once the worker restarts, so a verdict
+  built on it could flip. ``WORKERS_LOST`` is therefore no longer given.
+* **Ended is ended.** Counts and per-worker states are those as of ``finished_at``; what a
+  worker reported later shows as its ``late_state``. Acks sent after the end (late, or
+  redelivered) never change the phase, whenever they arrive. Once ended, a verdict is final;
+  the known exceptions are evidence the reader could not have had: an ack sent before the end
+  that reaches Kafka after a reader judged, and a worker silent past the deadline that comes
+  back in the same incarnation with the command still in flight.
+* **Unreadable commands.** A NACK with ``kind`` null is a worker's refusal of a record it
+  could not decode. It never counts as a worker's state in a rollout that has a readable
+  command (it is listed as an ``UNREADABLE_COMMAND_NACK`` anomaly: garbage, or forged ids). A
+  rollout known only from such NACKs is ``failed`` / ``COMMAND_REJECTED`` from its first NACK,
+  each worker that said so ``rejected`` with its code.
+* **Memory is bounded** (``max_ended_rollouts``): :meth:`Fleet.compact` keeps the last N ended
+  rollouts in full and older ones as a final summary (phase, reason, counts, times;
+  ``details_dropped``: no per-worker details, anomalies or ``selector.worker_ids``), and drops
+  their commands and acks; acks that arrive later for them are counted and dropped. A summary
+  is a few hundred bytes per rollout id; acks for commands never seen (``orphans()``) are kept
+  until their command arrives (a replay reads acks ahead of commands), so only write access to
+  the topics, which ACLs guard, can grow them.
+* **Not durable**: ``abort`` lives only in this object until aborts travel on a topic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Final
+
+from controlplane.rollout.judge import Abort, evaluate, judge, rejected, unreadable_anomalies
+from controlplane.rollout.ledger import CommandLedger, Report
+from controlplane.rollout.models import (
+    Anomaly,
+    AnomalyCode,
+    OrphanAcks,
+    RolloutPhase,
+    RolloutStatus,
+    WorkerLevel,
+)
+from controlplane.rollout.registry import Registry, is_alive, seconds
+from controlplane.wire.ack_codec import AckLike
+from controlplane.wire.protocol import Command, Heartbeat, ReloadWeightsSpec
+
+#: Kubernetes' default ``progressDeadlineSeconds``.
+DEFAULT_PROGRESS_DEADLINE_S: Final = 600.0
+#: Ended rollouts kept in full by :meth:`Fleet.compact`; older ones become a summary.
+DEFAULT_MAX_ENDED_ROLLOUTS: Final = 1000
+
+_DESIRING = frozenset({RolloutPhase.PENDING, RolloutPhase.PROGRESSING, RolloutPhase.SUCCEEDED})
+
+
+@dataclass(frozen=True, slots=True)
+class FleetStats:
+    commands: int
+    acks: int
+    heartbeats: int
+    rollouts: int
+    orphan_acks: int
+    #: Ended rollouts kept only as a summary, and acks dropped because they were for one.
+    compacted: int = 0
+    dropped_acks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Summary:
+    """An ended rollout beyond the last ``max_ended_rollouts``: its final status, details dropped."""
+
+    status: RolloutStatus
+    command_ids: frozenset[str]
+
+
+class Fleet:
+    """Every rollout and worker the log describes. Feed it events; ask it for status."""
+
+    def __init__(
+        self,
+        *,
+        progress_deadline_s: float = DEFAULT_PROGRESS_DEADLINE_S,
+        registry: Registry | None = None,
+        max_ended_rollouts: int | None = None,
+    ) -> None:
+        """``max_ended_rollouts``: how many ended rollouts :meth:`compact` keeps in full
+        (None: all; the coordinator sets it)."""
+        if not progress_deadline_s > 0:
+            raise ValueError(f"progress_deadline_s must be positive, got {progress_deadline_s!r}")
+        if max_ended_rollouts is not None and max_ended_rollouts < 0:
+            raise ValueError(f"max_ended_rollouts must be >= 0, got {max_ended_rollouts!r}")
+        self._deadline = seconds(progress_deadline_s, limit=10 * 365 * 86400.0)
+        self._registry = registry if registry is not None else Registry()
+        self.max_ended_rollouts = max_ended_rollouts
+        #: rollout id -> its distinct commands, usually one.
+        self._commands: dict[str, list[Command]] = {}
+        self._ledgers: dict[tuple[str, str], CommandLedger] = {}
+        #: rollout id -> (command id, worker id) -> the earliest NACK of an unreadable record.
+        self._unreadable: dict[str, dict[tuple[str, str], Report]] = {}
+        self._aborts: dict[str, Abort] = {}
+        #: (rollout id, command id) -> (worker id, incarnation's started_at) -> the span its
+        #: heartbeats showed the command in flight (the latest heartbeat alone forgets it once
+        #: the worker restarts, and a stall judged without it would move).
+        self._flights: dict[
+            tuple[str, str], dict[tuple[str, datetime], tuple[datetime, datetime]]
+        ] = {}
+        #: rollout id -> when it ended, for rollouts found ended by :meth:`compact`.
+        self._ended: dict[str, datetime] = {}
+        self._summaries: dict[str, _Summary] = {}
+        #: worker id -> (issued_at, rollout id, version) of the newest summarized reload rollout
+        #: that desired a version for it (summaries keep no per-worker details).
+        self._summary_desired: dict[str, tuple[datetime, str, str]] = {}
+        self._n_commands = 0
+        self._n_acks = 0
+        self._n_heartbeats = 0
+        self._n_dropped_acks = 0
+
+    @property
+    def registry(self) -> Registry:
+        return self._registry
+
+    @property
+    def progress_deadline_s(self) -> float:
+        return self._deadline.total_seconds()
+
+    # ------------------------------------------------------------------ events
+
+    def observe_command(self, command: Command) -> None:
+        self._n_commands += 1
+        if command.rollout_id in self._summaries:
+            return  # a redelivery (or another command) for a rollout that ended long ago
+        held = self._commands.setdefault(command.rollout_id, [])
+        if command not in held:
+            held.append(command)
+
+    def observe_ack(self, ack: AckLike) -> None:
+        """Fold one ack: the pydantic :class:`~controlplane.wire.protocol.Ack` or the fast decoder's."""
+        self._n_acks += 1
+        rollout_id = ack.rollout_id
+        if rollout_id in self._summaries:
+            self._n_dropped_acks += 1
+            return
+        if ack.kind is None:  # a NACK of a record the worker could not read
+            nacks = self._unreadable.setdefault(rollout_id, {})
+            key = (ack.command_id, ack.worker_id)
+            report = Report.of(ack)
+            held = nacks.get(key)
+            if held is None or report.order() < held.order():
+                nacks[key] = report
+            return
+        key = (rollout_id, ack.command_id)
+        ledger = self._ledgers.get(key)
+        if ledger is None:
+            ledger = self._ledgers[key] = CommandLedger(*key)
+        ledger.add(ack)
+
+    def observe_heartbeat(self, heartbeat: Heartbeat, received_at: datetime | None = None) -> bool:
+        """True when it became its worker's latest heartbeat.
+
+        ``received_at``: when the reader's side of the log got it (the record's broker
+        timestamp, or the reader's clock at the fetch); None: its own ``sent_at``. Liveness is
+        judged on it, so a worker's clock skew does not make it look lost.
+        """
+        self._n_heartbeats += 1
+        flight = heartbeat.in_flight
+        if flight is not None and flight.rollout_id not in self._summaries:
+            spans = self._flights.setdefault((flight.rollout_id, flight.command_id), {})
+            key = (heartbeat.worker_id, heartbeat.started_at)
+            since, seen = flight.since, heartbeat.sent_at  # the worker's clock, like its acks
+            held = spans.get(key)
+            spans[key] = (
+                (since, seen) if held is None else (min(held[0], since), max(held[1], seen))
+            )
+        return self._registry.observe(heartbeat, received_at)
+
+    def abort(self, rollout_id: str, reason: str, now: datetime) -> None:
+        """Abort a rollout at ``now``, unless it ended before; the earliest abort counts."""
+        held = self._aborts.get(rollout_id)
+        if held is None or (now, reason) < (held.at, held.reason):
+            self._aborts[rollout_id] = Abort(now, reason)
+
+    # ------------------------------------------------------------------ queries
+
+    def __contains__(self, rollout_id: object) -> bool:
+        return (
+            rollout_id in self._commands
+            or rollout_id in self._summaries
+            or rollout_id in self._unreadable
+        )
+
+    def rollout_ids(self) -> list[str]:
+        return sorted(self._commands.keys() | self._summaries.keys() | self._unreadable.keys())
+
+    def command(self, rollout_id: str) -> Command:
+        """The command that is the rollout. Raises KeyError for an unknown rollout (or one
+        without a readable command, or summarized)."""
+        return _primary(self._commands[rollout_id])
+
+    def issued(self, rollout_id: str) -> datetime:
+        """When the rollout was issued (for one without a readable command: its first NACK).
+        Raises KeyError for an unknown rollout."""
+        commands = self._commands.get(rollout_id)
+        if commands is not None:
+            return _primary(commands).issued_at
+        summary = self._summaries.get(rollout_id)
+        if summary is not None:
+            return summary.status.issued_at
+        return min(r.sent_at for r in self._unreadable[rollout_id].values())
+
+    def status(self, rollout_id: str, now: datetime) -> RolloutStatus:
+        """The rollout's status at ``now``. Raises KeyError when no command or NACK has that
+        rollout id."""
+        commands = self._commands.get(rollout_id)
+        if commands is None:
+            summary = self._summaries.get(rollout_id)
+            if summary is not None:
+                return summary.status.model_copy(update={"as_of": now})
+            return rejected(rollout_id, self._unreadable[rollout_id], now)
+        command = _primary(commands)
+        anomalies = self._command_anomalies(command, commands)
+        nacks = self._unreadable.get(rollout_id)
+        if nacks:
+            anomalies += unreadable_anomalies(rollout_id, nacks)
+        return judge(
+            command,
+            self._ledgers.get((rollout_id, command.command_id)),
+            self._registry,
+            now=now,
+            progress_deadline=self._deadline,
+            abort=self._aborts.get(rollout_id),
+            anomalies=anomalies,
+            flights=self._flights_of(rollout_id, command.command_id),
+        )
+
+    def rollouts(self, now: datetime) -> list[RolloutStatus]:
+        """Every rollout's status, oldest issued first."""
+        return [self.status(rid, now) for _, rid in self.rollout_keys()]
+
+    def rollout_keys(self) -> list[tuple[datetime, str]]:
+        """(issued_at, rollout id) of every rollout, oldest issued first (cheap: judges nothing)."""
+        return sorted((self.issued(rid), rid) for rid in self.rollout_ids())
+
+    def orphans(self) -> list[OrphanAcks]:
+        """Acks whose command has not been seen, by (rollout id, command id)."""
+        known = {(c.rollout_id, c.command_id) for cs in self._commands.values() for c in cs}
+        out = []
+        for key in sorted(self._ledgers):
+            ledger = self._ledgers[key]
+            first, last = ledger.first_sent, ledger.last_sent
+            if key in known or first is None or last is None:
+                continue
+            out.append(
+                OrphanAcks(
+                    rollout_id=key[0],
+                    command_id=key[1],
+                    workers=len(ledger.workers),
+                    acks=ledger.acks,
+                    first_sent_at=first,
+                    last_sent_at=last,
+                )
+            )
+        return out
+
+    def worker_levels(self, now: datetime) -> list[WorkerLevel]:
+        """Per worker: the desired weights version against the reported one, sorted by worker id.
+
+        Desired is the target of the latest issued reload rollout that expects the worker and is
+        pending, progressing or succeeded (a failed, timed-out or aborted one desires nothing).
+        """
+        desired: dict[str, tuple[str, str, datetime]] = {}
+        newest_first = sorted(
+            map(_primary, self._commands.values()),
+            key=lambda c: (c.issued_at, c.rollout_id),
+            reverse=True,
+        )
+        for command in newest_first:
+            spec = command.spec
+            if not isinstance(spec, ReloadWeightsSpec):
+                continue
+            ids = command.selector.worker_ids
+            if ids is not None and all(w in desired for w in ids):
+                continue  # a newer rollout already decides for all of its workers
+            verdict = evaluate(
+                command,
+                self._ledgers.get((command.rollout_id, command.command_id)),
+                self._registry,
+                now=now,
+                progress_deadline=self._deadline,
+                abort=self._aborts.get(command.rollout_id),
+                flights=self._flights_of(command.rollout_id, command.command_id),
+            )
+            if verdict.phase in _DESIRING:
+                for worker_id in verdict.tracks:
+                    desired.setdefault(
+                        worker_id, (spec.version, command.rollout_id, command.issued_at)
+                    )
+        for worker_id, (issued, rollout_id, version) in self._summary_desired.items():
+            held = desired.get(worker_id)
+            if held is None or (issued, rollout_id) > (held[2], held[1]):
+                desired[worker_id] = (version, rollout_id, issued)
+        levels = []
+        registry = self._registry
+        known = {hb.worker_id for hb in registry.heartbeats()}
+        for worker_id in sorted(desired.keys() | known):
+            hb = registry.latest(worker_id)
+            want = desired.get(worker_id)
+            reported = hb.weights_version if hb is not None else None
+            degraded = hb is not None and hb.degraded is not None
+            levels.append(
+                WorkerLevel(
+                    worker_id=worker_id,
+                    alive=hb is not None and is_alive(hb, now, registry.received_at(worker_id)),
+                    reported_version=reported,
+                    desired_version=want[0] if want else None,
+                    desired_rollout_id=want[1] if want else None,
+                    degraded=degraded,
+                    in_sync=not degraded and (want is None or reported == want[0]),
+                )
+            )
+        return levels
+
+    def stats(self) -> FleetStats:
+        known = {(c.rollout_id, c.command_id) for cs in self._commands.values() for c in cs}
+        return FleetStats(
+            commands=self._n_commands,
+            acks=self._n_acks,
+            heartbeats=self._n_heartbeats,
+            rollouts=len(self.rollout_ids()),
+            orphan_acks=sum(v.acks for k, v in self._ledgers.items() if k not in known),
+            compacted=len(self._summaries),
+            dropped_acks=self._n_dropped_acks,
+        )
+
+    # ------------------------------------------------------------------ memory
+
+    def compact(self, now: datetime) -> int:
+        """Keep the last ``max_ended_rollouts`` ended rollouts (by end, then id) in full; turn
+        older ones into a final summary and drop their commands, acks and NACKs. Returns how
+        many were summarized. Judges only rollouts not yet known to have ended; call it with a
+        ``now`` the reader knows to be current, every few seconds (the coordinator does)."""
+        keep = self.max_ended_rollouts
+        if keep is None:
+            return 0
+        for rollout_id in self._commands.keys() | self._unreadable.keys():
+            if rollout_id in self._ended:
+                continue
+            status = self.status(rollout_id, now)
+            if status.terminal and status.finished_at is not None:
+                self._ended[rollout_id] = status.finished_at
+        excess = len(self._ended) - keep
+        if excess <= 0:
+            return 0
+        oldest = sorted(self._ended.items(), key=lambda kv: (kv[1], kv[0]))[:excess]
+        for rollout_id, _ in oldest:
+            self._summarize(rollout_id, now)
+        return len(oldest)
+
+    def _summarize(self, rollout_id: str, now: datetime) -> None:
+        status = self.status(rollout_id, now)
+        commands = self._commands.pop(rollout_id, [])
+        command_ids = frozenset(c.command_id for c in commands)
+        nacks = self._unreadable.pop(rollout_id, {})
+        for command_id in command_ids:
+            self._ledgers.pop((rollout_id, command_id), None)
+            self._flights.pop((rollout_id, command_id), None)
+        self._aborts.pop(rollout_id, None)
+        del self._ended[rollout_id]
+        if commands and status.phase in _DESIRING and status.target_version is not None:
+            primary = _primary(commands)
+            for detail in status.workers:
+                held = self._summary_desired.get(detail.worker_id)
+                mine = (primary.issued_at, rollout_id, status.target_version)
+                if held is None or mine[:2] > held[:2]:
+                    self._summary_desired[detail.worker_id] = mine
+        summary = status.model_copy(
+            update={
+                # The expected ids are per-worker detail too (a CLI-pinned command names them all).
+                "selector": status.selector.model_copy(update={"worker_ids": None}),
+                "workers": (),
+                "unexpected": (),
+                "anomalies": (),
+                "details_dropped": True,
+                "message": status.message + " (per-worker details dropped: an older ended rollout)",
+            }
+        )
+        self._summaries[rollout_id] = _Summary(summary, command_ids | {c for c, _ in nacks})
+
+    # ------------------------------------------------------------------ internals
+
+    def _flights_of(
+        self, rollout_id: str, command_id: str
+    ) -> dict[str, list[tuple[datetime, datetime]]]:
+        spans = self._flights.get((rollout_id, command_id))
+        out: dict[str, list[tuple[datetime, datetime]]] = {}
+        if spans:
+            for (worker_id, _), span in spans.items():
+                out.setdefault(worker_id, []).append(span)
+        return out
+
+    def _command_anomalies(self, primary: Command, commands: list[Command]) -> list[Anomaly]:
+        out = []
+        for other in commands:
+            if other is primary:
+                continue
+            ledger = self._ledgers.get((other.rollout_id, other.command_id))
+            acks = f"; {ledger.acks} ack(s) for it ignored" if ledger is not None else ""
+            if other.command_id == primary.command_id:
+                code = AnomalyCode.COMMAND_ID_REUSED
+                text = f"command id {other.command_id} seen again with different content"
+            else:
+                code = AnomalyCode.DUPLICATE_ROLLOUT_COMMAND
+                text = (
+                    f"command {other.command_id} ignored: rollout {primary.rollout_id} "
+                    f"is command {primary.command_id}{acks}"
+                )
+            out.append(Anomaly(code=code, message=text, command_id=other.command_id))
+        return out
+
+
+def _primary(commands: list[Command]) -> Command:
+    if len(commands) == 1:
+        return commands[0]
+    return min(commands, key=lambda c: (c.issued_at, c.command_id, c.model_dump_json()))

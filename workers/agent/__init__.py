@@ -1,0 +1,1 @@
+"""The worker agent: the command loop, its journal, settings and failpoints."""

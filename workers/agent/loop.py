@@ -1,0 +1,1123 @@
+"""The worker agent: consume commands, filter, dedupe, dispatch to the runner off the loop, ack, commit.
+
+One command at a time, in log order. The position is committed only after the terminal ack is
+published; application is idempotent by command id (journal in state.py). Heartbeats run beside
+the command loop and never wait for the runner or the disk. No signals or asyncio.run here (see
+cli.py).
+
+Per command, in this order (acks are keyed by worker id: one partition, kept in order):
+
+1. the ``accepted`` and ``running`` acks are built and held; the runner starts at once, in a
+   thread. If it is still running after a grace period (setting ``progress_grace_s``), the held acks
+   are handed to the producer together, not awaited, beside a "busy" heartbeat;
+2. journal phase 1: what the command applied (weights or config) and its terminal outcome, one
+   ``fsync`` off the loop: the outcome is durable before anyone can see its ack (failpoint
+   ``after_apply``);
+3. acks released at the grace are awaited; then the terminal ack is published, after any acks
+   still held, in one request, and awaited until the cluster confirms it (see
+   :meth:`Agent._publish_acks`); the heartbeat reporting the result goes out beside it;
+4. journal phase 2: "published" and the next offset, one ``fsync`` off the loop (failpoint
+   ``after_ack``); then the offset is committed to Kafka.
+
+A quick command thus costs one produce request (three acks and a heartbeat), one fsync before
+its ack and one after, and one offset commit.
+
+While the cluster does not confirm acks (unreachable, or fewer in-sync replicas than the acks
+topic's ``min.insync.replicas``) the agent waits on the same records (the idempotent producer
+retries them: no second copy), says so once, reports it in every heartbeat
+(``acks_unpublished``, ``publish_failing_since``), and says once when they go through. A stop
+meanwhile waits for them until the drain timeout at most, then exits with the terminal acks
+still in the journal: the next start publishes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, TypeVar, assert_never
+
+from controlplane.kafka.bus import Consumer, Delivery, Producer, Record
+from controlplane.wire.errors import (
+    BusError,
+    CommandRejected,
+    ControlPlaneError,
+    ErrorCode,
+    ProtocolError,
+)
+from controlplane.wire.protocol import (
+    Ack,
+    AckError,
+    AckState,
+    Command,
+    CommandKind,
+    Degraded,
+    Heartbeat,
+    InFlight,
+    ReloadWeightsSpec,
+    Timings,
+    UpdateConfigSpec,
+    WorkerStatus,
+    decode_command,
+    encode,
+    utcnow,
+)
+from controlplane.wire.topics import worker_key
+from workers.agent import failpoints
+from workers.agent.journal import WorkerState
+from workers.agent.settings import WorkerSettings
+from workers.runners.base import ReloadResult, Runner, RunnerDescription
+from workers.weights.paths import resolve_weights_path
+
+log = logging.getLogger("workers.agent.loop")
+
+AGENT_VERSION = "0.1.0"
+#: After a runner ignores cancellation this long past its deadline, we stop waiting for it.
+_CANCEL_GRACE_S = 30.0
+#: After a stop, a publish that starts once the drain timeout is over still gets this long
+#: (at most the delivery timeout): a healthy cluster confirms in milliseconds.
+_STOP_PUBLISH_MIN_S = 5.0
+
+R = TypeVar("R")
+
+
+class _AcksLeftUnpublished(Exception):
+    """A stop's deadline passed while acks were not confirmed: the agent stops without them
+    (terminal ones stay in the journal, published at the next start; offset not committed)."""
+
+
+@dataclass
+class _Outcome:
+    state: AckState
+    error: AckError | None = None
+    result: dict[str, Any] | None = None
+    started_at: datetime | None = None
+    #: The runner's description after the command, when the runner returned one.
+    description: RunnerDescription | None = None
+
+
+class Agent:
+    """One worker agent. ``await agent.run()`` until ``agent.request_stop()`` (or burst mode)."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        runner: Runner,
+        *,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.settings = settings
+        self.runner = runner
+        self.clock = clock
+        self.topics = settings.kafka.topics
+        self.worker_id = settings.worker_id
+        self.ready = asyncio.Event()
+        self.outcomes: Counter[str] = Counter()
+        self._stop = asyncio.Event()
+        #: Why this worker cannot serve as it should, beyond what its runner says (its model
+        #: failed to load, its journal cannot be written); reported in every heartbeat.
+        self._degraded: Degraded | None = None
+        #: The coded error run() raises once it has stopped (a journal that cannot be written).
+        self._failed: ControlPlaneError | None = None
+        #: Since when the command loop cannot fetch (logged once, and once when it can again).
+        self._unreachable_since: datetime | None = None
+        #: Since when heartbeats fail (the first failed one was built), None while they go out.
+        self._beats_failing_since: datetime | None = None
+        #: Acks handed to _publish_acks and not confirmed by the cluster yet (heartbeats report
+        #: them while publishing fails).
+        self._acks_unconfirmed = 0
+        #: Since when acks go unconfirmed (the publish that first failed began), None while
+        #: they go through: said once when it starts and once when it ends.
+        self._acks_failing_since: datetime | None = None
+        self._stopped_at: float | None = None
+        self._hb_wakeup = asyncio.Event()
+        self._hb_done = asyncio.Event()
+        self._status = WorkerStatus.STARTING
+        self._in_flight: InFlight | None = None
+        self._describe: RunnerDescription | None = None
+        self._started_at = self.clock()
+        self._seq = 0
+        self._last_beat = 0.0  # time.monotonic() of the last heartbeat built
+        self._producer: Producer | None = None
+        self._consumer: Consumer | None = None
+        self._state: WorkerState | None = None
+        #: The command in hand's accepted and running acks, until the grace or its end.
+        self._held: tuple[Ack, ...] = ()
+        #: Those acks once released at the grace, on their way (see _release_progress).
+        self._progress: asyncio.Task[None] | None = None
+        #: Heartbeats sent beside the command path (see _beat_soon), until sent.
+        self._beats: set[asyncio.Task[None]] = set()
+        #: Producers replaced after they gave up on a record (see _renew_producer), stopping.
+        self._retired: set[asyncio.Task[None]] = set()
+        self._renewing = asyncio.Lock()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def request_stop(self) -> None:
+        """Stop taking commands; the one in flight may finish within ``drain_timeout_s``."""
+        if not self._stop.is_set():
+            self._stopped_at = time.monotonic()
+            self._stop.set()
+            self._hb_wakeup.set()
+
+    async def run(self) -> None:
+        """Run until stopped. Drains on stop: in-flight command acked, last heartbeat sent.
+
+        A journal that cannot be written stops the worker: no more commands, a degraded
+        heartbeat with code JOURNAL_WRITE_FAILED (best effort), then that error is raised here
+        once everything is closed. The runner is closed whatever happened; an error while
+        closing is logged and never hides the one that stopped the worker.
+        """
+        try:
+            self._state = WorkerState.open(self.settings.worker_state_dir)
+            async with (
+                Producer(self.settings.kafka) as producer,
+                Consumer(
+                    self.settings.kafka,
+                    group_id=self.topics.worker_group(self.worker_id),
+                    # The broker answers a waiting fetch as soon as a command lands, so a long
+                    # poll costs no latency, while a short one costs a request per idle worker
+                    # every 100 ms (docs/benchmarks.md: 500 idle agents, broker 28% -> 9%).
+                    fetch_max_wait_ms=3000,
+                ) as consumer,
+            ):
+                self._producer, self._consumer = producer, consumer
+                try:
+                    try:
+                        await self._establish_position()
+                    except ControlPlaneError as exc:
+                        if exc is not self._failed:
+                            raise
+                        await self._beat()  # best effort: say why, then stop
+                    else:
+                        await self._serve()
+                    await asyncio.gather(*self._beats, return_exceptions=True)
+                finally:
+                    if self._producer is not producer:  # renewed (see _renew_producer)
+                        await self._producer.stop()
+                    await asyncio.gather(*self._retired, return_exceptions=True)
+        finally:
+            await self._close()
+        if self._failed is not None:
+            raise self._failed
+
+    async def _serve(self) -> None:
+        """Heartbeats beside the command loop, until stopped (or the journal fails).
+
+        Acks journaled and not published by the previous run go first (heartbeats already
+        report them, should the cluster not take them yet)."""
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._heartbeat_loop())
+            try:
+                await self._publish_pending_acks()
+                await self._load_runner()
+                self.ready.set()
+                if self._degraded is not None:
+                    self._log(
+                        logging.WARNING,
+                        "running degraded (%s): runner %s on %s",
+                        self._degraded.code,
+                        self.runner.name,
+                        self._device(),
+                    )
+                else:
+                    self._log(
+                        logging.INFO, "ready: runner %s on %s", self.runner.name, self._device()
+                    )
+                await self._command_loop()
+            except ControlPlaneError as exc:
+                if exc is not self._failed:
+                    raise
+                await self._beat()  # the degraded heartbeat, best effort; then stop
+            except _AcksLeftUnpublished:
+                assert self._state is not None
+                left = sum(1 for o in self._state.outcomes.values() if not o.published)
+                self._log(
+                    logging.WARNING,
+                    "stopping: Kafka has not confirmed acks within the drain timeout"
+                    " (drain_timeout_s %gs); %d ack(s) remain unpublished in the journal and are"
+                    " published at the next start (the command offset is not committed)",
+                    self.settings.drain_timeout_s,
+                    left,
+                )
+            finally:
+                self._status = WorkerStatus.STOPPED
+                self._hb_done.set()
+                self._hb_wakeup.set()
+                if self._progress is not None:  # only if the command loop was cancelled
+                    self._progress.cancel()
+
+    async def _close(self) -> None:
+        """Close the journal, then the runner (always); errors are logged, never raised over
+        the one that stopped the worker. A journal that cannot be closed when nothing else
+        failed is the error run() raises."""
+        if self._state is not None:
+            error = self._state.close()  # never raises: returns what it could not write
+            if error is not None:
+                self._log(logging.ERROR, "the journal could not be closed: %s", error)
+                if self._failed is None:
+                    self._failed = error
+        try:
+            await asyncio.to_thread(self.runner.close)
+        except Exception as exc:
+            self._log(logging.ERROR, "runner.close() failed: %r", exc)
+        self._log(logging.INFO, "stopped")
+
+    # ------------------------------------------------------------------ start-up
+
+    async def _establish_position(self) -> None:
+        """Where to read from: Kafka's committed offset, else ours, else the head of the log.
+
+        A worker never seen before starts at the head: history is not replayed onto it. The
+        position is fixed before the first heartbeat, so a command published after a worker
+        is visible as live is always seen by it.
+        """
+        assert self._consumer is not None and self._state is not None
+        topic = self.topics.commands.name
+        await self._consumer.assign(topic, [0])
+        committed = await self._consumer.committed(topic, 0)
+        begin = (await self._consumer.beginning_offsets(topic))[0]
+        end = (await self._consumer.end_offsets(topic))[0]
+        if committed is not None:
+            start, source = committed, "committed offset"
+        elif self._state.next_offset is not None:
+            start, source = self._state.next_offset, "local state (committed offset expired)"
+        else:
+            start, source = end, "head of the log (new worker)"
+        if start < begin:
+            self._log(
+                logging.WARNING, "offset %d was deleted by retention; reading from %d", start, begin
+            )
+            start = begin
+        self._consumer.seek(topic, 0, start)
+        # Remember where this incarnation starts, so a crash before its first commit resumes here.
+        self._state.set_offset(start)
+        await self._sync()
+        self._log(logging.INFO, "reading %s from offset %d (%s)", topic, start, source)
+
+    async def _publish_pending_acks(self) -> None:
+        """Terminal acks recorded but not known to be published (a crash, or a stop while the
+        cluster did not take them): publish them, together, then mark them published."""
+        assert self._state is not None
+        pending = [o.ack for o in self._state.outcomes.values() if not o.published]
+        if not pending:
+            return
+        self._log(
+            logging.INFO,
+            "re-publishing %d ack(s) of applied commands, from the journal",
+            len(pending),
+        )
+        await self._publish_acks([self._replayed(ack) for ack in pending])
+        for ack in pending:
+            self._state.mark_published(ack.command_id)
+        await self._sync()
+
+    async def _load_runner(self) -> None:
+        """Load the model. If that fails the worker keeps running, degraded (RUNNER_LOAD_FAILED
+        in its heartbeats), and the runner refuses reloads with MODEL_NOT_LOADED."""
+        assert self._state is not None
+        try:
+            await asyncio.to_thread(self.runner.load)
+        except Exception as exc:
+            message = exc.message if isinstance(exc, ControlPlaneError) else f"{exc}"
+            message = f"{type(exc).__name__}: {message}"
+            self._log(logging.ERROR, "runner failed to load its model: %s", message)
+            self._degraded = Degraded(
+                code=ErrorCode.RUNNER_LOAD_FAILED.value,
+                message=message[:4096],
+                since=self.clock(),
+            )
+        else:
+            if self.settings.restore_on_start:
+                await self._restore()
+        await self._refresh()
+        self._status = self._idle_status()
+
+    async def _restore(self) -> None:
+        """Re-apply what this worker had applied before a restart (level, not events)."""
+        assert self._state is not None
+        if self._state.config_overrides:
+            try:
+                await asyncio.to_thread(
+                    self.runner.update_config, dict(self._state.config_overrides)
+                )
+            except Exception as exc:
+                self._log(logging.ERROR, "could not restore config overrides: %s", exc)
+        spec = self._state.weights
+        if spec is not None:
+            try:
+                path = resolve_weights_path(spec.path, self.settings.allowed_roots)
+                await asyncio.to_thread(self.runner.reload_weights, spec, path)
+                self._log(logging.INFO, "restored weights %s from %s", spec.version, spec.path)
+            except Exception as exc:
+                self._log(logging.ERROR, "could not restore weights %s: %s", spec.version, exc)
+
+    # ------------------------------------------------------------------ commands
+
+    async def _command_loop(self) -> None:
+        assert self._consumer is not None
+        topic = self.topics.commands.name
+        while not self._stop.is_set():
+            try:
+                records = await self._consumer.fetch(timeout_s=0.5, max_records=16)
+            except BusError as exc:
+                self._fetch_failed(exc)
+                await self._sleep_unless_stopped(1.0)
+                continue
+            if self._unreachable_since is not None:
+                self._log(
+                    logging.WARNING,
+                    "Kafka reachable again (unreachable since %s)",
+                    self._unreachable_since.isoformat(timespec="seconds"),
+                )
+                self._unreachable_since = None
+            for record in records:
+                if self._stop.is_set():
+                    break  # not committed: seen again after a restart
+                acked = await self._handle(record)
+                await self._commit(topic, record.offset + 1, acked=acked)
+
+    def _fetch_failed(self, exc: BusError) -> None:
+        """Log an outage once when it starts (and once when it ends), not at every retry."""
+        if self._unreachable_since is None:
+            self._unreachable_since = self.clock()
+            self._log(
+                logging.WARNING,
+                "Kafka unreachable since %s, retrying every second: %s",
+                self._unreachable_since.isoformat(timespec="seconds"),
+                exc,
+            )
+        else:
+            self._log(logging.DEBUG, "fetch failed, retrying: %s", exc)
+
+    async def _commit(self, topic: str, next_offset: int, *, acked: bool) -> None:
+        """Journal phase 2, then Kafka: the next offset (with the "published" mark of the ack
+        just sent, staged by _finish or _replay_outcome) in one fsync, then the commit."""
+        assert self._consumer is not None and self._state is not None
+        self._state.set_offset(next_offset)
+        await self._sync()
+        if acked:
+            failpoints.hit("after_ack")
+        try:
+            await self._consumer.commit(topic, 0, next_offset)
+        except BusError as exc:  # the local state still has it; Kafka catches up at the next one
+            self._log(logging.WARNING, "commit of offset %d failed: %s", next_offset, exc)
+
+    async def _handle(self, record: Record) -> bool:
+        """Handle one record. True if it ended with a terminal ack published (now or before)."""
+        received = self.clock()
+        try:
+            command = decode_command(record.value or b"", max_bytes=self.settings.max_message_bytes)
+        except ProtocolError as exc:
+            return await self._handle_garbage(record, exc, received)
+        if not command.selector.matches(self.worker_id, self.settings.labels):
+            return False
+        if await self._replay_outcome(command.command_id):
+            return True
+        rejected = self._precheck(command, received)
+        if isinstance(rejected, ControlPlaneError):
+            await self._finish(
+                command.command_id,
+                command.rollout_id,
+                command.kind,
+                received,
+                _Outcome(AckState.REJECTED, _ack_error(rejected)),
+            )
+            return True
+        path = rejected
+        started = self.clock()
+        self._in_flight = InFlight(
+            command_id=command.command_id,
+            rollout_id=command.rollout_id,
+            kind=command.kind,
+            since=started,
+        )
+        self._status = WorkerStatus.BUSY
+        self._held = (
+            self._ack(
+                command.command_id, command.rollout_id, command.kind, AckState.ACCEPTED, received
+            ),
+            self._ack(
+                command.command_id,
+                command.rollout_id,
+                command.kind,
+                AckState.RUNNING,
+                received,
+                started_at=started,
+            ),
+        )
+        self._log(
+            logging.INFO,
+            "applying %s",
+            command.kind.value,
+            command_id=command.command_id,
+            rollout_id=command.rollout_id,
+        )
+        grace = asyncio.get_running_loop().call_later(
+            # A command done within it sends its three acks in one request, and no busy
+            # heartbeat (its acks say as much; the heartbeat at its end reports the result).
+            min(self.settings.progress_grace_s, self.settings.heartbeat_interval_s),
+            self._grace_over,
+        )
+        try:
+            outcome = await self._execute(command, path)
+        finally:
+            grace.cancel()
+        outcome.started_at = started
+        self._in_flight = None
+        if outcome.description is not None:
+            self._describe = outcome.description
+        else:
+            await self._refresh()
+        self._status = self._idle_status()
+        await self._finish(command.command_id, command.rollout_id, command.kind, received, outcome)
+        return True
+
+    async def _handle_garbage(self, record: Record, exc: ProtocolError, received: datetime) -> bool:
+        """NACK a record that did not decode, where its command id can be read.
+
+        The NACK is published but never journaled: an id read from bytes that are not a command
+        proves nothing about the command of that id, which must still be applied when it comes
+        (anyone can write a record with a guessable id in front of the real one).
+        """
+        self._log(logging.WARNING, "unreadable command at offset %d: %s", record.offset, exc)
+        if exc.command_id is None:
+            return False
+        if await self._replay_outcome(exc.command_id):
+            return True
+        nack = self._ack(
+            exc.command_id,
+            exc.rollout_id or "unknown",
+            None,
+            AckState.REJECTED,
+            received,
+            finished_at=self.clock(),
+            error=_ack_error(exc),
+        )
+        await self._publish_acks((nack,))
+        self.outcomes[exc.code.value] += 1
+        self._log(
+            logging.WARNING,
+            "rejected %s: %s (not remembered: the real command of this id is still applied)",
+            exc.code.value,
+            exc.message,
+            command_id=exc.command_id,
+            rollout_id=exc.rollout_id,
+        )
+        return True
+
+    def _precheck(self, command: Command, now: datetime) -> Path | ControlPlaneError | None:
+        """Checks before anything is touched: expiry, issue time, TTL and weights path.
+        Returns the resolved path."""
+        if command.is_expired(now):
+            return CommandRejected(
+                f"command expired at {command.expires_at.isoformat()} (worker clock {now.isoformat()})",
+                code=ErrorCode.EXPIRED,
+            )
+        skew = timedelta(seconds=self.settings.max_clock_skew_s)
+        if command.issued_at > now + skew:
+            return CommandRejected(
+                f"command issued at {command.issued_at.isoformat()}, in the future of the worker"
+                f" clock {now.isoformat()} by more than max_clock_skew_s"
+                f" ({self.settings.max_clock_skew_s:g}s)",
+                code=ErrorCode.ISSUED_IN_FUTURE,
+            )
+        ttl = (command.expires_at - command.issued_at).total_seconds()
+        if ttl > self.settings.max_ttl_s:
+            return CommandRejected(
+                f"command TTL of {ttl:.0f}s (issued_at to expires_at) exceeds max_ttl_s"
+                f" ({self.settings.max_ttl_s:g}s)",
+                code=ErrorCode.TTL_TOO_LONG,
+            )
+        if isinstance(command.spec, ReloadWeightsSpec):
+            try:
+                return resolve_weights_path(command.spec.path, self.settings.allowed_roots)
+            except ControlPlaneError as exc:
+                return exc
+        return None
+
+    async def _replay_outcome(self, command_id: str) -> bool:
+        """Already ended here (redelivery after a crash)? Then re-publish its ack if needed.
+
+        The "published" mark is staged; the caller syncs it (with the next offset, or at start).
+        """
+        assert self._state is not None
+        prior = self._state.outcome(command_id)
+        if prior is None:
+            return False
+        if not prior.published:
+            ack = self._replayed(prior.ack)
+            self._log(
+                logging.INFO,
+                "re-publishing the %s ack of an applied command",
+                ack.state.value,
+                command_id=command_id,
+                rollout_id=ack.rollout_id,
+            )
+            await self._publish_acks((ack,))
+            self._state.mark_published(command_id)
+        else:
+            self._log(
+                logging.INFO,
+                "duplicate delivery ignored (already %s)",
+                prior.ack.state.value,
+                command_id=command_id,
+                rollout_id=prior.ack.rollout_id,
+            )
+        return True
+
+    def _replayed(self, ack: Ack) -> Ack:
+        """A journaled terminal ack, to publish again."""
+        return ack.model_copy(
+            update={
+                "attempt": ack.attempt + 1,
+                "sent_at": self.clock(),
+                "result": {**ack.result, "replayed": True},
+            }
+        )
+
+    async def _execute(self, command: Command, path: Path | None) -> _Outcome:
+        """Run the command in a thread under its timeout and the drain deadline."""
+        assert self._state is not None
+        spec = command.spec
+        cancel = threading.Event()
+        call: Callable[[], ReloadResult | RunnerDescription]
+        if isinstance(spec, ReloadWeightsSpec):
+            assert path is not None
+            call = lambda: self.runner.reload_weights(spec, path, cancel=cancel)  # noqa: E731
+        elif isinstance(spec, UpdateConfigSpec):
+            call = lambda: self.runner.update_config(dict(spec.overrides))  # noqa: E731
+        else:  # pragma: no cover - the discriminated union has no other member
+            assert_never(spec)
+        timeout = command.timeout_s or self.settings.command_timeout_s
+        task = asyncio.ensure_future(asyncio.to_thread(call))
+        deadline = time.monotonic() + timeout
+        reason: ErrorCode | None = None
+        while not task.done():
+            limit = deadline
+            if self._stopped_at is not None:
+                limit = min(limit, self._stopped_at + self.settings.drain_timeout_s)
+            if time.monotonic() >= limit:
+                reason = (
+                    ErrorCode.WORKER_SHUTTING_DOWN
+                    if limit < deadline
+                    else ErrorCode.COMMAND_TIMEOUT
+                )
+                cancel.set()
+                self._log(
+                    logging.WARNING,
+                    "cancelling (%s)",
+                    reason.value,
+                    command_id=command.command_id,
+                    rollout_id=command.rollout_id,
+                )
+                await asyncio.wait({task}, timeout=_CANCEL_GRACE_S)
+                break
+            await asyncio.wait({task}, timeout=min(0.2, max(0.0, limit - time.monotonic())))
+        if not task.done():
+            return _Outcome(
+                AckState.FAILED,
+                AckError(
+                    code=reason or ErrorCode.COMMAND_TIMEOUT,
+                    retryable=True,
+                    message=f"runner did not stop within {_CANCEL_GRACE_S:.0f}s of cancellation",
+                ),
+            )
+        try:
+            value = task.result()
+        except ControlPlaneError as exc:
+            error = _ack_error(exc)
+            if reason is not None and exc.code is ErrorCode.COMMAND_TIMEOUT:
+                error = AckError(code=reason, message=exc.message, retryable=True)
+            elif reason is not None:
+                error = AckError(
+                    code=exc.code,
+                    retryable=exc.retryable,
+                    message=f"{exc.message} (after cancellation: {reason.value})",
+                )
+            return _Outcome(AckState.REJECTED if exc.is_rejection else AckState.FAILED, error)
+        except Exception as exc:  # a runner bug must not kill the agent
+            self._log(logging.ERROR, "runner raised %r", exc, command_id=command.command_id)
+            return _Outcome(
+                AckState.FAILED,
+                AckError(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}"),
+            )
+        if isinstance(spec, ReloadWeightsSpec) and isinstance(value, ReloadResult):
+            self._state.set_weights(spec)
+            return _Outcome(AckState.SUCCEEDED, result=value.as_dict())
+        if isinstance(spec, UpdateConfigSpec) and isinstance(value, RunnerDescription):
+            self._state.add_config(dict(spec.overrides))
+            return _Outcome(
+                AckState.SUCCEEDED,
+                result={"overrides": sorted(spec.overrides)},
+                description=value,  # the runner's state after the update: no describe() call
+            )
+        return _Outcome(  # pragma: no cover - a runner returned the wrong type
+            AckState.FAILED,
+            AckError(code=ErrorCode.INTERNAL, message=f"runner returned {type(value).__name__}"),
+        )
+
+    async def _finish(
+        self,
+        command_id: str,
+        rollout_id: str,
+        kind: CommandKind | None,
+        received: datetime,
+        outcome: _Outcome,
+    ) -> None:
+        """Record the terminal ack durably, publish it, then mark it published (staged).
+
+        Journal phase 1 is the outcome plus what _execute staged (weights or config): one fsync,
+        off the loop, done before the ack can be seen. The ack follows the accepted and running
+        acks (released ones awaited first, held ones in the same request), and the heartbeat
+        reporting the result goes beside it. The "published" mark goes to disk with the next
+        offset in _commit.
+        """
+        assert self._state is not None
+        ack = self._ack(
+            command_id,
+            rollout_id,
+            kind,
+            outcome.state,
+            received,
+            started_at=outcome.started_at,
+            finished_at=self.clock(),
+            error=outcome.error,
+            result=outcome.result,
+        )
+        self._state.record(ack, published=False)
+        await self._sync()
+        failpoints.hit("after_apply")
+        await self._settle_progress()
+        held, self._held = self._held, ()
+        self._beat_soon()  # appended right after the acks below: one request for both
+        await self._publish_acks((*held, ack))
+        self._state.mark_published(command_id)
+        self.outcomes[outcome.error.code if outcome.error else "OK"] += 1
+        level = logging.INFO if outcome.state is AckState.SUCCEEDED else logging.WARNING
+        self._log(
+            level,
+            "%s%s",
+            outcome.state.value,
+            f" {outcome.error.code}: {outcome.error.message}" if outcome.error else "",
+            command_id=command_id,
+            rollout_id=rollout_id,
+        )
+
+    def _ack(
+        self,
+        command_id: str,
+        rollout_id: str,
+        kind: CommandKind | None,
+        state: AckState,
+        received: datetime,
+        *,
+        started_at: datetime | None = None,
+        finished_at: datetime | None = None,
+        error: AckError | None = None,
+        result: dict[str, Any] | None = None,
+    ) -> Ack:
+        desc = self._describe
+        return Ack(
+            command_id=command_id,
+            rollout_id=rollout_id,
+            worker_id=self.worker_id,
+            kind=kind,
+            state=state,
+            weights_version=desc.weights_version if desc else None,
+            config_digest=desc.config_digest if desc else None,
+            error=error,
+            timings=Timings(received_at=received, started_at=started_at, finished_at=finished_at),
+            sent_at=self.clock(),
+            result=result or {},
+        )
+
+    def _grace_over(self) -> None:
+        """The command in hand still runs after the grace: say so, acks and heartbeat, now."""
+        self._release_progress()
+        self._beat_soon()
+
+    def _release_progress(self) -> None:
+        """Hand the held accepted and running acks to the producer without waiting for them.
+
+        One task, one ``send_many``: appended in this order, they go out in one request, and the
+        idempotent producer keeps them in order within the worker's partition.
+        :meth:`_settle_progress` waits for them before the terminal ack is published.
+        """
+        acks, self._held = self._held, ()
+        if acks:
+            assert self._progress is None, "the previous command's acks were not settled"
+            self._progress = asyncio.create_task(self._publish_acks(acks))
+
+    async def _settle_progress(self) -> None:
+        """Wait until the released acks are published (before the terminal one follows)."""
+        task, self._progress = self._progress, None
+        if task is not None:
+            await task
+
+    async def _publish_acks(self, acks: Sequence[Ack]) -> None:
+        """Publish acks in this order (one request when they fit) and wait until the cluster
+        has confirmed them all.
+
+        Nothing is dropped, non-terminal acks included: a coordinator shows "running" from them
+        while a long reload runs. Each ack is handed to the producer once and waited on in
+        delivery-timeout slices: a wait that times out (PUBLISH_OUTCOME_UNKNOWN: the idempotent
+        producer still retries the record) waits again on the same record, so a cluster that
+        takes it late gets it once. Only a record the producer could not queue, or gave up on
+        (then it was not written), is handed over again after a backoff, with every ack after
+        it, in order, so the log still reads accepted, running, terminal (a copy of one that
+        was written meanwhile is a duplicate, which readers expect: the earliest of each state
+        counts). Said once when acks go unconfirmed and once when they go through (see
+        :meth:`_publish_failed`). After a stop this gives up at the stop's deadline
+        (:meth:`_publish_limit`) with :class:`_AcksLeftUnpublished`.
+        """
+        assert self._producer is not None
+        topic, key = self.topics.acks.name, worker_key(self.worker_id)
+        pending = [(ack, encode(ack)) for ack in acks]
+        deliveries: list[Delivery] = []  # of pending's first ones, in order, by `producer`
+        producer = self._producer
+        began, began_mono = self.clock(), time.monotonic()
+        delay = 0.5
+        self._acks_unconfirmed += len(pending)
+        try:
+            while pending:
+                limit = self._publish_limit(began_mono)
+                if producer is not self._producer:  # renewed: the old one publishes no more
+                    producer, deliveries = self._producer, []
+                queued = False
+                try:
+                    while len(deliveries) < len(pending):
+                        value = pending[len(deliveries)][1]
+                        deliveries.append(
+                            await producer.submit(topic, value, key=key, timeout_s=limit)
+                        )
+                    queued = True
+                    if await self._unless_stopped(deliveries[0].wait(limit)) is None:
+                        continue  # a stop came: its deadline bounds the waits from now on
+                except BusError as exc:
+                    self._publish_failed(exc, began, timed_out=limit)
+                    if exc.code is ErrorCode.PUBLISH_OUTCOME_UNKNOWN:
+                        continue  # still queued: wait on the same records
+                    if queued:  # the producer gave up on it: hand it over again, and all after
+                        deliveries.clear()
+                        await self._renew_producer(producer, exc)
+                    await self._backoff(delay, began_mono)
+                    delay = min(delay * 2, 10.0)
+                    continue
+                pending.pop(0)
+                deliveries.pop(0)
+                self._acks_unconfirmed -= 1
+                self._publish_recovered()
+        except _AcksLeftUnpublished:
+            if self._acks_failing_since is None:  # the last heartbeat reports them
+                self._acks_failing_since = began
+            raise
+        except BaseException:
+            self._acks_unconfirmed -= len(pending)
+            raise
+
+    async def _renew_producer(self, producer: Producer, exc: BusError) -> None:
+        """Replace ``producer`` after it gave up on a record (then it was not written).
+
+        The idempotent producer numbers the records of each partition; one it gave up on (a
+        batch that waited for a leader longer than the request timeout, or that the broker
+        refused for good) leaves a gap, and the broker refuses every later record of that
+        partition (OutOfOrderSequenceNumber) for as long as the producer lives: acks or
+        heartbeats would never go out again. A new producer (a new producer id) starts a new
+        sequence. If it cannot start (Kafka unreachable), the old one stays until the next
+        give-up. The old one is stopped in the background (its records are abandoned).
+        """
+        async with self._renewing:
+            if producer is not self._producer:
+                return  # already replaced
+            fresh = Producer(self.settings.kafka)
+            try:
+                async with asyncio.timeout(fresh.delivery_timeout_s):
+                    await fresh.start()
+            except (BusError, TimeoutError) as start_exc:
+                await fresh.stop()
+                self._log(logging.DEBUG, "no new producer yet: %s", start_exc)
+                return
+            self._producer = fresh
+        failing = self._acks_failing_since or self._beats_failing_since
+        self._log(
+            logging.DEBUG if failing else logging.INFO,
+            "the producer gave up on a record (%s: %s); publishing with a new one",
+            exc.code,
+            exc.message,
+        )
+        task = asyncio.create_task(producer.stop())
+        self._retired.add(task)
+        task.add_done_callback(self._retired.discard)
+
+    def _publish_failed(self, exc: BusError, began: datetime, *, timed_out: float) -> None:
+        """Said once when acks go unconfirmed (then at DEBUG), with how many and why."""
+        assert self._producer is not None
+        if (
+            exc.code is ErrorCode.PUBLISH_OUTCOME_UNKNOWN
+            and timed_out < self._producer.delivery_timeout_s
+        ):
+            return  # a wait cut short by a stop's deadline, not a failure
+        if self._acks_failing_since is not None:
+            self._log(logging.DEBUG, "acks still unconfirmed: %s", exc)
+            return
+        self._acks_failing_since = began
+        self._log(
+            logging.WARNING,
+            "cannot publish to Kafka since %s: %d ack(s) wait to be published (the outcomes are"
+            " in the journal); retrying until Kafka takes them (%s: %s)",
+            began.isoformat(timespec="seconds"),
+            self._acks_unconfirmed,
+            exc.code,
+            exc.message,
+        )
+
+    def _publish_recovered(self) -> None:
+        since, self._acks_failing_since = self._acks_failing_since, None
+        if since is not None:
+            self._log(
+                logging.WARNING,
+                "acks published again after %.0f s",
+                (self.clock() - since).total_seconds(),
+            )
+
+    def _publish_limit(self, began: float) -> float:
+        """How long the next attempt to publish acks may wait: the delivery timeout, or what is
+        left of a stop's deadline (the drain timeout after the stop; a publish that begins
+        later still gets a few seconds). :class:`_AcksLeftUnpublished` once it has passed."""
+        assert self._producer is not None
+        limit = self._producer.delivery_timeout_s
+        deadline = self._stop_deadline(began)
+        if deadline is None:
+            return limit
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _AcksLeftUnpublished()
+        return min(limit, left)
+
+    def _stop_deadline(self, began: float) -> float | None:
+        if self._stopped_at is None:
+            return None
+        assert self._producer is not None
+        least = min(_STOP_PUBLISH_MIN_S, self._producer.delivery_timeout_s)
+        return max(
+            self._stopped_at + self.settings.drain_timeout_s,
+            max(began, self._stopped_at) + least,
+        )
+
+    async def _backoff(self, seconds: float, began: float) -> None:
+        """Sleep before publishing again; a stop's deadline cuts it short."""
+        deadline = self._stop_deadline(began)
+        if deadline is None:
+            await self._sleep_unless_stopped(seconds)
+        else:
+            await asyncio.sleep(max(0.0, min(seconds, deadline - time.monotonic())))
+
+    async def _unless_stopped(self, call: Coroutine[Any, Any, R]) -> R | None:
+        """``call``'s result, or None when a stop comes first (``call`` is cancelled).
+        After a stop, just ``call``."""
+        if self._stop.is_set():
+            return await call
+        task = asyncio.ensure_future(call)
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not task.done():
+                task.cancel()
+        await asyncio.wait({task})  # when cancelled above: until it has unwound
+        return None if task.cancelled() else task.result()
+
+    # ------------------------------------------------------------------ heartbeats
+
+    async def _heartbeat_loop(self) -> None:
+        """Every interval, at start, at stop and when stopped; the command path adds its own."""
+        while True:
+            self._hb_wakeup.clear()  # before reading the state: a wake-up from now on counts
+            final = self._hb_done.is_set()
+            if final:
+                self._status = WorkerStatus.STOPPED
+            elif self._stop.is_set():
+                self._status = WorkerStatus.STOPPING
+            await self._beat()
+            if final:
+                return
+            # Until woken (stop, end), or an interval has passed since the last heartbeat,
+            # whoever sent it: one sent beside a command (_beat_soon) restarts the period.
+            while (
+                due := self._last_beat + self.settings.heartbeat_interval_s - time.monotonic()
+            ) > 0:
+                try:
+                    await asyncio.wait_for(self._hb_wakeup.wait(), due)
+                    break
+                except TimeoutError:
+                    pass
+
+    def _beat_soon(self) -> None:
+        """Send a heartbeat now, beside the command path (not awaited).
+
+        Its task appends it to the producer at the loop's next turn, before the producer's
+        sender runs, so it shares a request with what the command path appends just after
+        this call. Out of order with the loop's own beats is harmless: readers order by ``seq``.
+        """
+        task = asyncio.create_task(self._beat())
+        self._beats.add(task)
+        task.add_done_callback(self._beats.discard)
+
+    async def _beat(self) -> None:
+        """Build a heartbeat of the current state and send it (built when sent: seq in order)."""
+        assert self._producer is not None
+        hb = self._heartbeat()
+        self._last_beat = time.monotonic()
+        # While Kafka is down a send waits for it (the record stays queued and goes out when
+        # Kafka is back): the loop, and a stop, do not wait longer than this for it.
+        limit = max(
+            1.0, min(3 * self.settings.heartbeat_interval_s, self._producer.delivery_timeout_s)
+        )
+        producer = self._producer
+        deadline = time.monotonic() + limit
+        try:
+            delivery = await producer.submit(
+                self.topics.workers.name,
+                encode(hb),
+                key=worker_key(self.worker_id),
+                timeout_s=limit,
+            )
+            try:
+                await delivery.wait(max(0.0, deadline - time.monotonic()))
+            except BusError as exc:
+                if exc.code is not ErrorCode.PUBLISH_OUTCOME_UNKNOWN:  # gave up on it
+                    await self._renew_producer(producer, exc)
+                raise
+        except BusError as exc:  # logged when they start failing, not each time
+            if self._beats_failing_since is None:
+                self._beats_failing_since = hb.sent_at
+                self._log(logging.WARNING, "heartbeat failed: %s", exc)
+            else:
+                self._log(logging.DEBUG, "heartbeat failed: %s", exc)
+        else:
+            if self._beats_failing_since is not None:
+                self._log(logging.INFO, "heartbeats sent again")
+            self._beats_failing_since = None
+
+    def _heartbeat(self) -> Heartbeat:
+        desc = self._describe
+        degraded = self._degraded
+        if degraded is None and desc is not None and desc.degraded is not None:
+            d = desc.degraded
+            degraded = Degraded(
+                code=d.code,
+                message=d.message[:4096],
+                from_version=d.from_version,
+                to_version=d.to_version,
+                since=d.since,
+            )
+        self._seq += 1
+        return Heartbeat(
+            worker_id=self.worker_id,
+            labels=self.settings.labels,
+            runner=self.runner.name,
+            device=desc.device if desc else "unknown",
+            status=self._status,
+            weights_version=desc.weights_version if desc else None,
+            config_digest=desc.config_digest if desc else None,
+            in_flight=self._in_flight,
+            degraded=degraded,
+            seq=self._seq,
+            sent_at=self.clock(),
+            started_at=self._started_at,
+            incarnation=self._state.incarnation if self._state is not None else 0,
+            interval_s=self.settings.heartbeat_interval_s,
+            lease_s=self.settings.effective_lease_s,
+            # Acks on their way for milliseconds are not news: counted while publishes fail.
+            acks_unpublished=self._acks_unconfirmed if self._acks_failing_since else 0,
+            publish_failing_since=min(
+                (t for t in (self._acks_failing_since, self._beats_failing_since) if t),
+                default=None,
+            ),
+            agent_version=AGENT_VERSION,
+        )
+
+    # ------------------------------------------------------------------ helpers
+
+    async def _sync(self) -> None:
+        """Make the journal's staged mutations durable: one fsync, off the loop (heartbeats go on)."""
+        assert self._state is not None
+        if not self._state.dirty:
+            return
+        try:
+            failpoints.hit("journal_sync")
+            await asyncio.to_thread(self._state.sync)
+        except Exception as exc:
+            raise self._journal_failed(exc) from exc
+
+    def _journal_failed(self, exc: Exception) -> ControlPlaneError:
+        """The journal cannot be written: stop taking commands, degraded with the code."""
+        error = _journal_error(exc, self.settings.worker_state_dir)
+        if self._failed is None:
+            self._failed = error
+            self._log(logging.ERROR, "stopping: %s", error)
+        self._degraded = Degraded(
+            code=error.code.value, message=error.message[:4096], since=self.clock()
+        )
+        self._status = WorkerStatus.DEGRADED
+        return self._failed
+
+    async def _refresh(self) -> None:
+        try:
+            self._describe = await asyncio.to_thread(self.runner.describe)
+        except Exception as exc:
+            self._log(logging.ERROR, "runner.describe() failed: %s", exc)
+
+    def _idle_status(self) -> WorkerStatus:
+        if self._degraded is not None or (
+            self._describe is not None and self._describe.degraded is not None
+        ):
+            return WorkerStatus.DEGRADED
+        return WorkerStatus.STOPPING if self._stop.is_set() else WorkerStatus.READY
+
+    def _device(self) -> str:
+        return self._describe.device if self._describe else "unknown"
+
+    async def _sleep_unless_stopped(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
+
+    def _log(
+        self,
+        level: int,
+        msg: str,
+        *args: Any,
+        command_id: str | None = None,
+        rollout_id: str | None = None,
+    ) -> None:
+        if not log.isEnabledFor(level):
+            return
+        ctx = f"worker={self.worker_id}"
+        if command_id:
+            ctx += f" command={command_id}"
+        if rollout_id:
+            ctx += f" rollout={rollout_id}"
+        log.log(level, f"[{ctx}] {msg}", *args)
+
+
+def _ack_error(exc: ControlPlaneError) -> AckError:
+    return AckError(code=exc.code.value, message=exc.message[:4096], retryable=exc.retryable)
+
+
+def _journal_error(exc: Exception, directory: Path) -> ControlPlaneError:
+    """``exc`` as JOURNAL_WRITE_FAILED (WorkerState raises it so; anything else is wrapped)."""
+    if isinstance(exc, ControlPlaneError) and exc.code is ErrorCode.JOURNAL_WRITE_FAILED:
+        return exc
+    return ControlPlaneError(
+        f"cannot write the journal in {directory}: {type(exc).__name__}: {exc}",
+        code=ErrorCode.JOURNAL_WRITE_FAILED,
+    )

@@ -1,0 +1,1 @@
+"""Checkpoints of the demo models, written offline (used by the demo and the tests)."""

@@ -1,0 +1,169 @@
+"""A runner without a model, for agent and benchmark tests: it records what it was told.
+
+No torch. Scripted outcomes by version name: "fail-*" fails (RUNNER_FAILED), "corrupt-*" raises
+WeightsCorrupted and degrades it. A reload still needs its path to exist. With ``load_error`` set
+its model never loads (a worker that must report RUNNER_LOAD_FAILED).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
+
+from controlplane.wire.errors import ErrorCode, RunnerError, WeightsCorrupted
+from controlplane.wire.protocol import ReloadWeightsSpec
+from workers.runners.base import (
+    DegradedInfo,
+    ReloadResult,
+    RunnerConfig,
+    RunnerDescription,
+    accepted_keys,
+    apply_overrides,
+    config_digest,
+    parse_options,
+)
+
+
+class FakeRunnerOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: str = "fake"
+    initial_version: str = Field(default="init", min_length=1, max_length=128)
+    load_delay_s: float = Field(default=0.0, ge=0)
+    load_error: str | None = Field(
+        default=None, description="If set, load() fails with this message (nothing is loaded)."
+    )
+    reload_delay_s: float = Field(default=0.0, ge=0, description="Sleep per reload (cancellable).")
+    fail_prefix: str = "fail-"
+    corrupt_prefix: str = "corrupt-"
+    config: dict[str, JsonValue] = Field(default_factory=dict, description="Initial overrides.")
+
+
+class FakeConfig(RunnerConfig):
+    """The same keys as the torch runner, so agent tests exercise real validation."""
+
+    max_new_tokens: int = Field(default=32, ge=1, le=4096)
+    temperature: float = Field(default=0.0, ge=0, le=100)
+    top_k: int = Field(default=0, ge=0, le=1_000_000)
+    sampling_seed: int = Field(default=0, ge=0, le=2**63 - 1)
+
+
+class FakeRunner:
+    name = "fake"
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        self.options = parse_options(FakeRunnerOptions, options or {}, self.name)
+        try:
+            self._config = apply_overrides(FakeConfig(), self.options.config)
+        except RunnerError as exc:
+            raise ValueError(f"invalid initial config for runner 'fake': {exc}") from None
+        self._lock = threading.Lock()
+        self._loaded = False
+        self._version: str | None = None
+        self._degraded: DegradedInfo | None = None
+        #: Every version applied successfully, in order (the initial one first).
+        self.history: list[str] = []
+        #: Every reload spec received, applied or not.
+        self.reloads: list[ReloadWeightsSpec] = []
+        self.config_updates: list[dict[str, JsonValue]] = []
+
+    def load(self) -> None:
+        with self._lock:
+            if self._loaded:
+                return
+            time.sleep(self.options.load_delay_s)
+            if self.options.load_error is not None:
+                raise RunnerError(f"cannot build the model: {self.options.load_error}")
+            self._loaded = True
+            self._version = self.options.initial_version
+            self.history.append(self._version)
+
+    def reload_weights(
+        self, spec: ReloadWeightsSpec, path: Path, *, cancel: threading.Event | None = None
+    ) -> ReloadResult:
+        started = time.perf_counter()
+        with self._lock:
+            self.reloads.append(spec)
+            if not self._loaded:
+                raise RunnerError("no model is loaded", code=ErrorCode.MODEL_NOT_LOADED)
+            files = _files(path)
+            delay = self.options.reload_delay_s
+            if cancel is not None:
+                if cancel.wait(delay):
+                    raise RunnerError("reload cancelled", code=ErrorCode.COMMAND_TIMEOUT)
+            elif delay:
+                time.sleep(delay)
+            if spec.version.startswith(self.options.fail_prefix):
+                raise RunnerError(f"scripted failure for {spec.version!r}")
+            if spec.version.startswith(self.options.corrupt_prefix):
+                error = WeightsCorrupted(
+                    f"scripted corruption while copying {spec.version!r}",
+                    from_version=self._version,
+                    to_version=spec.version,
+                )
+                self._degraded = DegradedInfo(
+                    code=error.code.value,
+                    message=error.message,
+                    from_version=self._version,
+                    to_version=spec.version,
+                    since=datetime.now(UTC),
+                )
+                raise error
+            self._version = spec.version
+            self._degraded = None
+            self.history.append(spec.version)
+        size = sum(f.stat().st_size for f in files)
+        duration = time.perf_counter() - started
+        return ReloadResult(
+            version=spec.version,
+            files=len(files),
+            tensors=0,
+            bytes=size,
+            validate_s=0.0,
+            copy_s=duration,
+            duration_s=duration,
+            gbps=size / duration / 1e9 if duration > 0 else 0.0,
+        )
+
+    def update_config(self, overrides: dict[str, JsonValue]) -> RunnerDescription:
+        with self._lock:
+            self._config = apply_overrides(self._config, overrides)
+            self.config_updates.append(dict(overrides))
+        return self.describe()
+
+    def describe(self) -> RunnerDescription:
+        config = self._config.model_dump(mode="json")
+        return RunnerDescription(
+            runner=self.name,
+            device=self.options.device,
+            model_loaded=self._loaded,
+            weights_version=self._version if self._loaded else None,
+            config=config,
+            config_digest=config_digest(config),
+            accepts=accepted_keys(FakeConfig),
+            degraded=self._degraded,
+            extra={"reloads": len(self.reloads)},
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            self._loaded = False
+
+
+def _files(path: Path) -> list[Path]:
+    try:
+        if path.is_file():
+            return [path]
+        if path.is_dir():
+            return sorted(p for p in path.iterdir() if p.is_file())
+    except OSError as exc:
+        raise RunnerError(
+            f"cannot read {str(path)!r}: {exc}", code=ErrorCode.WEIGHTS_UNREADABLE
+        ) from None
+    raise RunnerError(f"checkpoint {str(path)!r} does not exist", code=ErrorCode.WEIGHTS_UNREADABLE)

@@ -1,0 +1,332 @@
+"""A runner that holds one PyTorch model on a CPU or CUDA device and reloads it in place.
+
+It owns the model and its lock; checkpoint parsing and copying live in loaders.py. It never
+touches Kafka or asyncio: the agent calls it from a worker thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
+
+from controlplane.wire.errors import ErrorCode, RunnerError, WeightsCorrupted
+from controlplane.wire.protocol import ReloadWeightsSpec
+from workers.runners.base import (
+    DegradedInfo,
+    ReloadResult,
+    RunnerConfig,
+    RunnerDescription,
+    accepted_keys,
+    apply_overrides,
+    config_digest,
+    parse_options,
+)
+from workers.runners.tiny_lm import build_model, encode_text
+from workers.weights.loaders import DEFAULT_STAGING_BYTES, load_checkpoint, module_targets
+
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+class TorchRunnerOptions(BaseModel):
+    """How to build the model; fixed for the runner's life (from CLI flags or env JSON)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: str = "cpu"
+    factory: str = Field(
+        default="workers.runners.tiny_lm:tiny_lm", pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+    )
+    model_kwargs: dict[str, JsonValue] = Field(default_factory=dict)
+    seed: int = 0
+    dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    initial_checkpoint: str | None = None
+    initial_version: str = Field(default="init", min_length=1, max_length=128)
+    config: dict[str, JsonValue] = Field(default_factory=dict, description="Initial overrides.")
+    slow_copy_s: float = Field(default=0.0, ge=0, description="Test knob: sleep per tensor copied.")
+    staging_bytes: int = Field(default=DEFAULT_STAGING_BYTES, ge=1024 * 1024)
+    read_threads: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="Threads reading each tensor into host memory; default min(torch threads, 4).",
+    )
+    host_alias: bool = Field(
+        default=True,
+        description="Read straight into device buffers that are host memory (XLA on PJRT's CPU).",
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _parseable_device(cls, value: str) -> str:
+        try:
+            torch.device(value)
+        except RuntimeError as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
+
+class TorchConfig(RunnerConfig):
+    """Runtime settings the torch runner accepts in update_config."""
+
+    max_new_tokens: int = Field(default=32, ge=1, le=4096)
+    temperature: float = Field(default=0.0, ge=0, le=100)
+    top_k: int = Field(default=0, ge=0, le=1_000_000, description="0 disables top-k.")
+    sampling_seed: int = Field(default=0, ge=0, le=2**63 - 1)
+
+
+class TorchRunner:
+    """One ``torch.nn.Module`` on one device, reloaded in place, serialized by a lock."""
+
+    name = "torch"
+    options_model: type[TorchRunnerOptions] = TorchRunnerOptions
+    config_model: type[TorchConfig] = TorchConfig
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        self.options = parse_options(self.options_model, options or {}, self.name)
+        try:
+            self._config = apply_overrides(self.config_model(), self.options.config)
+        except RunnerError as exc:
+            raise ValueError(f"invalid initial config for runner {self.name!r}: {exc}") from None
+        self._lock = threading.Lock()  # the model: generate, reload, config, close
+        self._state = threading.Lock()  # the facts describe() reads, never held for long
+        self._model: torch.nn.Module | None = None
+        self._device: torch.device | None = None
+        self._targets: dict[str, torch.Tensor] = {}
+        self._aliases: dict[str, str] = {}
+        self._version: str | None = None
+        self._degraded: DegradedInfo | None = None
+        self._phase = "idle"
+        self._progress = (0, 0)
+        self._last_reload: ReloadResult | None = None
+
+    # ------------------------------------------------------------------ hardware hooks
+
+    def _resolve_device(self) -> torch.device:
+        device = torch.device(self.options.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RunnerError(f"device {device} requested but CUDA is not available")
+        return device
+
+    def _sync(self) -> None:
+        if self._device is not None and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    def _device_label(self) -> str:
+        return str(self._device if self._device is not None else self.options.device)
+
+    def _pad_to(self, model: torch.nn.Module) -> int | None:
+        return None
+
+    def _host_alias(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """A CPU tensor sharing ``tensor``'s memory, for a device whose buffers are host memory.
+
+        Called under the model lock, with no computation in flight, just before a copy; the
+        loader then reads the file straight into the alias. None (the default): copy to the
+        device through the device's own path.
+        """
+        return None
+
+    def _copy_targets(self, targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the loader writes: each target, or its host alias where the device offers one."""
+        if not self.options.host_alias:
+            return targets
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in targets.items():
+            alias = self._host_alias(tensor)
+            out[name] = tensor if alias is None else alias
+        return out
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def load(self) -> None:
+        with self._lock:
+            if self._model is not None:
+                return
+            device = self._resolve_device()
+            model = self._build_model()
+            if self.options.dtype is not None:
+                model = model.to(DTYPE_NAMES[self.options.dtype])
+            model = model.to(device).eval().requires_grad_(False)
+            tie = getattr(model, "tie_weights", None)
+            if callable(tie):
+                tie()  # moving to XLA unties shared parameters
+            self._device = device
+            targets, aliases = module_targets(model)
+            if self.options.initial_checkpoint is not None:
+                self._sync()  # nothing may still be writing the buffers aliased below
+                load_checkpoint(
+                    Path(self.options.initial_checkpoint),
+                    self._copy_targets(targets),
+                    version=self.options.initial_version,
+                    from_version=None,
+                    aliases=aliases,
+                    staging_bytes=self.options.staging_bytes,
+                    sync=self._sync,
+                    read_threads=self.options.read_threads,
+                )
+            else:
+                self._sync()
+            with self._state:
+                self._model, self._targets, self._aliases = model, targets, aliases
+                self._version = self.options.initial_version
+                self._degraded = None
+
+    def _build_model(self) -> torch.nn.Module:
+        try:
+            return build_model(self.options.factory, self.options.model_kwargs, self.options.seed)
+        except (ValueError, TypeError) as exc:
+            raise RunnerError(f"cannot build the model: {exc}") from exc
+
+    def close(self) -> None:
+        with self._lock, self._state:
+            self._model = None
+            self._targets, self._aliases = {}, {}
+
+    # ------------------------------------------------------------------ commands
+
+    def reload_weights(
+        self, spec: ReloadWeightsSpec, path: Path, *, cancel: threading.Event | None = None
+    ) -> ReloadResult:
+        with self._lock:
+            if self._model is None:
+                raise RunnerError(
+                    f"cannot reload {spec.version!r}: no model is loaded",
+                    code=ErrorCode.MODEL_NOT_LOADED,
+                )
+            from_version = self._version
+            self._set_phase("validating", (0, 0))
+            try:
+                result = load_checkpoint(
+                    path,
+                    self._copy_targets(self._targets),
+                    version=spec.version,
+                    from_version=from_version,
+                    strict=spec.strict,
+                    sha256=spec.sha256,
+                    aliases=self._aliases,
+                    cancel=cancel,
+                    staging_bytes=self.options.staging_bytes,
+                    progress=lambda done, total: self._on_copy_progress(done, total, cancel),
+                    sync=self._sync,
+                    read_threads=self.options.read_threads,
+                )
+            except WeightsCorrupted as exc:
+                with self._state:
+                    self._degraded = DegradedInfo(
+                        code=exc.code.value,
+                        message=exc.message,
+                        from_version=exc.from_version,
+                        to_version=exc.to_version,
+                        since=datetime.now(UTC),
+                    )
+                raise
+            finally:
+                self._set_phase("idle", (0, 0))
+            with self._state:
+                self._version = spec.version
+                self._degraded = None
+                self._last_reload = result
+            return result
+
+    def _on_copy_progress(self, done: int, total: int, cancel: threading.Event | None) -> None:
+        self._set_phase("copying", (done, total))
+        if self.options.slow_copy_s > 0 and 0 < done < total:
+            if cancel is not None:
+                cancel.wait(self.options.slow_copy_s)
+            else:
+                time.sleep(self.options.slow_copy_s)
+
+    def _set_phase(self, phase: str, progress: tuple[int, int]) -> None:
+        with self._state:
+            self._phase, self._progress = phase, progress
+
+    def update_config(self, overrides: dict[str, JsonValue]) -> RunnerDescription:
+        with self._lock:
+            config = apply_overrides(self._config, overrides)
+            with self._state:
+                self._config = config
+        return self.describe()
+
+    def describe(self) -> RunnerDescription:
+        with self._state:
+            model = self._model
+            config = self._config.model_dump(mode="json")
+            extra: dict[str, JsonValue] = {
+                "factory": self.options.factory,
+                "phase": self._phase,
+                "progress": list(self._progress),
+                "last_reload": self._last_reload.as_dict() if self._last_reload else None,
+            }
+            if model is not None:
+                extra["tensors"] = len(self._targets)
+                extra["parameters"] = sum(t.numel() for t in self._targets.values())
+                extra["bytes"] = sum(t.numel() * t.element_size() for t in self._targets.values())
+            return RunnerDescription(
+                runner=self.name,
+                device=self._device_label(),
+                model_loaded=model is not None,
+                weights_version=self._version if model is not None else None,
+                config=config,
+                config_digest=config_digest(config),
+                accepts=accepted_keys(self.config_model),
+                degraded=self._degraded,
+                extra=extra,
+            )
+
+    # ------------------------------------------------------------------ serving
+
+    def generate(self, prompt: str | Sequence[int]) -> list[int]:
+        """New token ids for ``prompt`` (text is byte-tokenized) under the current config."""
+        ids = encode_text(prompt) if isinstance(prompt, str) else list(prompt)
+        with self._lock:
+            model = self._serving_model()
+            generate = getattr(model, "generate", None)
+            if not callable(generate):
+                raise RunnerError(f"model {type(model).__name__} has no generate()")
+            config = self._config
+            out: list[int] = generate(
+                ids,
+                config.max_new_tokens,
+                temperature=config.temperature,
+                top_k=config.top_k,
+                seed=config.sampling_seed,
+                pad_to=self._pad_to(model),
+            )
+            return out
+
+    def forward_logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """Float32 CPU logits ``[len(ids), vocab]``; a diagnostic that works even when degraded."""
+        with self._lock:
+            model = self._require_model()
+            length = len(ids)
+            pad_to = self._pad_to(model)
+            window = list(ids) + [0] * ((pad_to or length) - length)
+            batch = torch.tensor([window], dtype=torch.long, device=self._device)
+            with torch.no_grad():
+                logits: torch.Tensor = model(batch)[0].float().cpu()[:length]
+            return logits
+
+    def _require_model(self) -> torch.nn.Module:
+        if self._model is None:
+            raise RunnerError("no model is loaded", code=ErrorCode.MODEL_NOT_LOADED)
+        return self._model
+
+    def _serving_model(self) -> torch.nn.Module:
+        model = self._require_model()
+        if self._degraded is not None:
+            raise RunnerError(
+                f"refusing to serve: weights are degraded ({self._degraded.message})",
+                code=ErrorCode.WEIGHTS_CORRUPTED,
+            )
+        return model

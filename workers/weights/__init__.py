@@ -1,0 +1,1 @@
+"""Weights: where they may come from, and the verified in-place copy from safetensors."""
