@@ -171,7 +171,19 @@ async def _publish_and_maybe_wait(
             left = None
             if wait_timeout is not None:
                 left = max(0.001, wait_timeout - (time.monotonic() - started))
-            status = await _follow(follower, command.rollout_id, left, as_json)
+            try:
+                status = await _follow(follower, command.rollout_id, left, as_json)
+            except BusError as exc:
+                if exc.code is not ErrorCode.BROKER_UNAVAILABLE:
+                    raise
+                # Published, then Kafka went away: exit 4 would say "not published".
+                typer.echo(f"error: {exc.code}: {exc.message}", err=True)
+                typer.echo(
+                    f"gave up waiting: rollout {command.rollout_id} was published; "
+                    f"check `controlplane status {command.rollout_id}`",
+                    err=True,
+                )
+                return Exit.TIMED_OUT
     if status is None:
         typer.echo(f"gave up waiting: rollout {command.rollout_id} not read back yet", err=True)
         return Exit.TIMED_OUT

@@ -65,7 +65,7 @@ from controlplane.kafka.lifecycle import AsyncService
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.rollout.fleet import Fleet
 from controlplane.wire.ack_codec import AckLike, decode_ack_fast
-from controlplane.wire.errors import BusError, ProtocolError
+from controlplane.wire.errors import BusError, ErrorCode, ProtocolError
 from controlplane.wire.protocol import Command, Heartbeat, decode_command, decode_heartbeat
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ class Follower(AsyncService):
         await self._consumer.stop()
 
     async def _start_producer(self) -> Producer:
-        producer = Producer(self.settings, stop_timeout_s=1.0)
+        producer = Producer(self.settings, stop_timeout_s=1.0, disposable=True)
         try:
             await producer.start()
         except BaseException:
@@ -205,6 +205,13 @@ class Follower(AsyncService):
                     self.probes_sent += 1
                 except BusError as exc:
                     log.debug("probe not written: %s", exc)
+                    if producer is not None and exc.code is not ErrorCode.PUBLISH_OUTCOME_UNKNOWN:
+                        # It gave up on a probe: the gap in its sequence numbers would make the
+                        # broker refuse every later one (OutOfOrderSequenceNumber). A new one.
+                        await producer.stop()
+                        producer = None
+                except Exception as exc:  # never end probing silently: the time would freeze
+                    log.warning("probe failed, retrying: %s: %s", type(exc).__name__, exc)
                 await asyncio.sleep(self.probe_interval_s)
         finally:
             if producer is not None:
@@ -335,6 +342,11 @@ class Follower(AsyncService):
                 latest = at
         self._written_until = latest
 
+    def written_as_of(self) -> float | None:
+        """Unix time up to which the workers partition is known read: the latest append read
+        there (a broker append time, or the send time of this reader's own probe)."""
+        return self._written_until
+
     def _own_probe_sent_at(self, value: bytes) -> float | None:
         """When this reader sent the probe ``value`` (None: another reader's, or not one)."""
         try:
@@ -358,9 +370,10 @@ class Follower(AsyncService):
         as_of = self.fetched_as_of()
         if as_of is None or not self.probe:
             return as_of
-        if self._written_until is None:
+        written = self.written_as_of()
+        if written is None:
             return None
-        return min(as_of, datetime.fromtimestamp(self._written_until, UTC))
+        return min(as_of, datetime.fromtimestamp(written, UTC))
 
     def fetched_as_of(self) -> datetime | None:
         """:meth:`current_as_of` by the consumer's fetches alone."""

@@ -398,9 +398,15 @@ class Producer(_Lifecycle):
     """An idempotent producer with acks=all: commands and acks must not be lost or duplicated."""
 
     def __init__(
-        self, settings: KafkaSettings, *, linger_ms: int = 0, stop_timeout_s: float = 5.0
+        self,
+        settings: KafkaSettings,
+        *,
+        linger_ms: int = 0,
+        stop_timeout_s: float = 5.0,
+        disposable: bool = False,
     ) -> None:
-        """``stop_timeout_s``: how long stop() may spend delivering records still pending (every
+        """``disposable``: its records may be dropped at stop without a word (probes).
+        ``stop_timeout_s``: how long stop() may spend delivering records still pending (every
         send here waits for its delivery, so those are records whose send already failed or was
         cancelled); with Kafka down, aiokafka's own stop() would wait for ever."""
         self._producer = AIOKafkaProducer(
@@ -411,6 +417,7 @@ class Producer(_Lifecycle):
             max_request_size=2 * 1024 * 1024,
         )
         self.stop_timeout_s = stop_timeout_s
+        self.disposable = disposable
         #: How long :meth:`send` waits for the cluster to confirm a record.
         self.delivery_timeout_s = settings.delivery_timeout_ms / 1000
 
@@ -424,7 +431,8 @@ class Producer(_Lifecycle):
                 await self._producer.stop()
             return
         except TimeoutError:
-            log.warning(
+            log.log(
+                logging.DEBUG if self.disposable else logging.WARNING,
                 "the producer could not deliver its pending records within %g s "
                 "(Kafka unreachable?); closing without them",
                 self.stop_timeout_s,

@@ -845,6 +845,9 @@ class Agent:
                 await fresh.stop()
                 self._log(logging.DEBUG, "no new producer yet: %s", start_exc)
                 return
+            except BaseException:  # cancelled while starting: never leave it open
+                await fresh.stop()
+                raise
             self._producer = fresh
         failing = self._acks_failing_since or self._beats_failing_since
         self._log(
