@@ -13,6 +13,7 @@ from pydantic_settings.exceptions import SettingsError
 
 from controlplane.wire.errors import ControlPlaneError, ErrorCode
 from controlplane.wire.topics import DEFAULT_PREFIX, Topics
+from controlplane.wire.validation import summarize
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:19092"
 
@@ -85,12 +86,8 @@ def load_settings(factory: Callable[..., S], **values: Any) -> S:
     try:
         return factory(**values)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}"
-            for e in exc.errors(include_url=False)[:5]
-        )
         raise ControlPlaneError(
-            f"invalid settings: {problems}", code=ErrorCode.SCHEMA_INVALID
+            f"invalid settings: {summarize(exc, more=False)}", code=ErrorCode.SCHEMA_INVALID
         ) from None
     except SettingsError as exc:  # e.g. a JSON-valued variable that is not JSON
         raise ControlPlaneError(f"invalid settings: {exc}", code=ErrorCode.SCHEMA_INVALID) from None

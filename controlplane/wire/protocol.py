@@ -30,6 +30,7 @@ from pydantic import (
 from pydantic_core import from_json
 
 from controlplane.wire.errors import ErrorCode, ProtocolError
+from controlplane.wire.validation import Location, clip_text, dotted, summarize
 
 SCHEMA_VERSION: Final = 1
 #: Messages above this size are refused before parsing (Kafka's default max is 1 MiB too).
@@ -682,18 +683,15 @@ def _identifier_or_none(value: object) -> str | None:
 
 
 def _clip(text: str, limit: int = _MAX_ERROR_CHARS) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return clip_text(text, limit)
 
 
 def _summarize(exc: ValidationError, limit: int = 5) -> str:
-    parts = []
-    for error in exc.errors(include_url=False)[:limit]:
-        loc = ".".join(_clip(str(p), 64) for p in error["loc"]) or "<root>"
-        parts.append(_clip(f"{loc}: {error['msg']}", 192))
-    more = exc.error_count() - limit
-    if more > 0:
-        parts.append(f"... and {more} more")
-    return "; ".join(parts)
+    return summarize(exc, limit=limit, clip=192, name=_short_location)
+
+
+def _short_location(loc: Location) -> str:
+    return dotted(loc, part_clip=64)
 
 
 def json_schemas() -> dict[str, dict[str, Any]]:
