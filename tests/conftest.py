@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -20,12 +19,7 @@ import pytest
 from controlplane.kafka.broker import BrokerConfig, ClusterConfig, LocalBroker, LocalCluster
 from controlplane.kafka.bus import Admin, probe_sync
 from controlplane.kafka.settings import KafkaSettings
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.factories import free_port
 
 
 def say(config: pytest.Config, line: str) -> None:

@@ -44,6 +44,7 @@ from controlplane.wire.protocol import (
     UpdateConfigSpec,
     WorkerStatus,
 )
+from tests import factories
 from tests.fleet import wait_for
 
 T0 = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
@@ -52,7 +53,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def at(seconds: float) -> datetime:
-    return T0 + timedelta(seconds=seconds)
+    return factories.at(seconds, T0)
 
 
 class Clock:
@@ -131,13 +132,13 @@ def heartbeat(
     status: WorkerStatus = WorkerStatus.READY,
     in_flight: Command | None = None,
 ) -> Heartbeat:
-    return Heartbeat(
-        worker_id=worker_id,
+    return factories.heartbeat(
+        worker_id,
+        sent,
+        t0=T0,
         labels=labels if labels is not None else {"model": "tiny"},
-        runner="torch",
-        device="cpu",
         status=status,
-        weights_version=version,
+        version=version,
         in_flight=(
             InFlight(
                 command_id=in_flight.command_id,
@@ -149,9 +150,6 @@ def heartbeat(
             else None
         ),
         seq=int(sent * 10) + 1000,
-        sent_at=at(sent),
-        started_at=at(-100),
-        interval_s=5.0,
     )
 
 

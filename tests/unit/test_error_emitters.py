@@ -7,7 +7,6 @@ and the broker's readiness wait is given a process that never listens.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from aiokafka.errors import (
 from controlplane.kafka.broker import BrokerConfig, LocalBroker
 from controlplane.kafka.bus import translate
 from controlplane.wire.errors import BrokerError, BusError, ErrorCode
+from tests.factories import free_port
 
 
 @pytest.mark.parametrize(
@@ -50,15 +50,8 @@ def test_a_non_retriable_kafka_error_is_kafka_error() -> None:
     assert str(caught.value).startswith("KAFKA_ERROR: creating topics: ")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
-
-
 def test_a_broker_that_never_answers_is_broker_start_timeout(tmp_path: Path) -> None:
-    broker = LocalBroker(BrokerConfig(port=_free_port(), data_dir=tmp_path / "broker"))
+    broker = LocalBroker(BrokerConfig(port=free_port(), data_dir=tmp_path / "broker"))
     broker.data_dir.mkdir(parents=True)
     broker.log_file.write_text("starting...\nstill starting...\n")
     silent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])

@@ -27,39 +27,7 @@ from controlplane.wire.protocol import (
     Selector,
     WorkerStatus,
 )
-
-T0 = datetime(2025, 1, 1, tzinfo=UTC)
-
-
-def at(seconds: float) -> datetime:
-    return T0 + timedelta(seconds=seconds)
-
-
-def heartbeat(
-    worker_id: str = "w1",
-    sent: float = 0.0,
-    *,
-    seq: int | None = None,
-    started: float = -100.0,
-    labels: dict[str, str] | None = None,
-    status: WorkerStatus = WorkerStatus.READY,
-    interval: float = 5.0,
-    version: str | None = "v1",
-    incarnation: int = 0,
-) -> Heartbeat:
-    return Heartbeat(
-        worker_id=worker_id,
-        labels=labels if labels is not None else {"model": "llama"},
-        runner="torch",
-        device="cpu",
-        status=status,
-        weights_version=version,
-        seq=seq if seq is not None else max(0, round((sent - started) * 1000)),
-        sent_at=at(sent),
-        started_at=at(started),
-        interval_s=interval,
-        incarnation=incarnation,
-    )
+from tests.factories import T0, at, heartbeat
 
 
 def registry(*hbs: Heartbeat) -> Registry:

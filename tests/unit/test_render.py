@@ -19,21 +19,10 @@ def test_the_target_of_a_rollout_whose_command_no_worker_could_read() -> None:
 def _worker(**fields: Any) -> WorkerView:
     from datetime import UTC, datetime
 
-    from controlplane.wire.protocol import Heartbeat, WorkerStatus
+    from tests.factories import fake_heartbeat
 
     at = datetime(2026, 12, 1, 6, 30, tzinfo=UTC)
-    hb = Heartbeat(
-        worker_id="w1",
-        runner="fake",
-        device="cpu",
-        status=WorkerStatus.READY,
-        seq=1,
-        sent_at=at,
-        started_at=at,
-        interval_s=3.0,
-        **fields,
-    )
-    return WorkerView.of(hb, at)
+    return WorkerView.of(fake_heartbeat("w1", at, interval_s=3.0, **fields), at)
 
 
 def _rendered(worker: WorkerView) -> str:

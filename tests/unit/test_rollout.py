@@ -27,17 +27,15 @@ from controlplane.wire.protocol import (
     AckState,
     Command,
     CommandKind,
-    Degraded,
     Heartbeat,
-    InFlight,
     ReloadWeightsSpec,
     Selector,
     Timings,
     UpdateConfigSpec,
     WorkerStatus,
 )
+from tests.factories import at, heartbeat
 
-T0 = datetime(2025, 1, 1, tzinfo=UTC)
 TICK = timedelta(microseconds=1)
 A, R, S, F, X = (
     AckState.ACCEPTED,
@@ -46,10 +44,6 @@ A, R, S, F, X = (
     AckState.FAILED,
     AckState.REJECTED,
 )
-
-
-def at(seconds: float) -> datetime:
-    return T0 + timedelta(seconds=seconds)
 
 
 # --------------------------------------------------------------------------- factories
@@ -120,54 +114,6 @@ def ack(
         ),
         attempt=attempt,
         sent_at=at(sent),
-    )
-
-
-def heartbeat(
-    worker_id: str,
-    sent: float,
-    *,
-    started: float = -100.0,
-    seq: int | None = None,
-    labels: dict[str, str] | None = None,
-    status: WorkerStatus = WorkerStatus.READY,
-    interval: float = 5.0,
-    version: str | None = "v1",
-    flight: tuple[str, float] | None = None,
-    degraded: bool = False,
-) -> Heartbeat:
-    return Heartbeat(
-        worker_id=worker_id,
-        labels=labels if labels is not None else {"model": "llama"},
-        runner="torch",
-        device="cpu",
-        status=status,
-        weights_version=version,
-        in_flight=(
-            InFlight(
-                command_id=flight[0],
-                rollout_id="r1",
-                kind=CommandKind.RELOAD_WEIGHTS,
-                since=at(flight[1]),
-            )
-            if flight is not None
-            else None
-        ),
-        degraded=(
-            Degraded(
-                code="WEIGHTS_CORRUPTED",
-                message="x",
-                from_version="v1",
-                to_version="v2",
-                since=at(0),
-            )
-            if degraded
-            else None
-        ),
-        seq=seq if seq is not None else max(0, round((sent - started) * 1000)),
-        sent_at=at(sent),
-        started_at=at(started),
-        interval_s=interval,
     )
 
 

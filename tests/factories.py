@@ -1,0 +1,249 @@
+"""Shared test factories: times, wire messages, worker argv, a running agent, free ports.
+
+Imported by both environments (``tests/vllm`` runs in ``.venv-vllm``): only the standard
+library, pydantic and the project here, nothing heavy at module level.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.wire.protocol import (
+    Ack,
+    AckState,
+    CommandKind,
+    Degraded,
+    Heartbeat,
+    InFlight,
+    Timings,
+    WorkerStatus,
+    utcnow,
+)
+
+if TYPE_CHECKING:
+    from controlplane.kafka.broker import LocalCluster
+    from workers.agent.loop import Agent
+
+#: The fold tests' origin: ``at(s)`` is ``s`` seconds after it.
+T0 = datetime(2025, 1, 1, tzinfo=UTC)
+
+
+def at(seconds: float, t0: datetime = T0) -> datetime:
+    return t0 + timedelta(seconds=seconds)
+
+
+def free_port() -> int:
+    """A port nothing listens on now (bound and released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# --------------------------------------------------------------------------- wire messages
+
+
+def heartbeat(
+    worker_id: str = "w1",
+    sent: float = 0.0,
+    *,
+    t0: datetime = T0,
+    started: float = -100.0,
+    seq: int | None = None,
+    labels: dict[str, str] | None = None,
+    status: WorkerStatus = WorkerStatus.READY,
+    interval: float = 5.0,
+    version: str | None = "v1",
+    in_flight: InFlight | None = None,
+    flight: tuple[str, float] | None = None,
+    degraded: bool = False,
+    incarnation: int = 0,
+) -> Heartbeat:
+    """A torch worker's heartbeat ``sent`` seconds after ``t0``, as the fold tests feed it.
+
+    ``flight``: (command_id, since) of a reload of rollout r1 in flight (or ``in_flight`` itself);
+    ``degraded``: a corrupted v1 -> v2 reload since 0; ``seq`` defaults to the milliseconds
+    since ``started``.
+    """
+    if flight is not None:
+        in_flight = InFlight(
+            command_id=flight[0],
+            rollout_id="r1",
+            kind=CommandKind.RELOAD_WEIGHTS,
+            since=at(flight[1], t0),
+        )
+    return Heartbeat(
+        worker_id=worker_id,
+        labels=labels if labels is not None else {"model": "llama"},
+        runner="torch",
+        device="cpu",
+        status=status,
+        weights_version=version,
+        in_flight=in_flight,
+        degraded=(
+            Degraded(
+                code="WEIGHTS_CORRUPTED",
+                message="x",
+                from_version="v1",
+                to_version="v2",
+                since=at(0, t0),
+            )
+            if degraded
+            else None
+        ),
+        seq=seq if seq is not None else max(0, round((sent - started) * 1000)),
+        sent_at=at(sent, t0),
+        started_at=at(started, t0),
+        interval_s=interval,
+        incarnation=incarnation,
+    )
+
+
+def fake_heartbeat(
+    worker_id: str,
+    sent_at: datetime,
+    *,
+    interval_s: float,
+    started_at: datetime | None = None,
+    seq: int = 1,
+    **fields: Any,
+) -> Heartbeat:
+    """A ready fake worker's heartbeat (started when sent unless told)."""
+    return Heartbeat(
+        worker_id=worker_id,
+        runner="fake",
+        device="cpu",
+        status=WorkerStatus.READY,
+        seq=seq,
+        sent_at=sent_at,
+        started_at=sent_at if started_at is None else started_at,
+        interval_s=interval_s,
+        **fields,
+    )
+
+
+def succeeded_acks(
+    worker_id: str,
+    rollout_id: str,
+    command_id: str,
+    kind: CommandKind = CommandKind.UPDATE_CONFIG,
+) -> list[Ack]:
+    """Accepted, running, succeeded: what a worker that applied the command writes, now."""
+    now = utcnow()
+    return [
+        Ack(
+            command_id=command_id,
+            rollout_id=rollout_id,
+            worker_id=worker_id,
+            kind=kind,
+            state=state,
+            timings=Timings(received_at=now, started_at=now, finished_at=now),
+            sent_at=utcnow(),
+        )
+        for state in (AckState.ACCEPTED, AckState.RUNNING, AckState.SUCCEEDED)
+    ]
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def base_env() -> dict[str, str]:
+    """Our environment without any FLEET_* setting of the person running the tests."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+    env.update(
+        PJRT_DEVICE="CPU",  # torch_xla on the CPU
+        OMP_NUM_THREADS="1",  # several processes on a few cores: no oversubscription
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of a log (or why it cannot be read)."""
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError as exc:
+        return f"<{exc}>"
+    return "\n".join(text[-lines:])
+
+
+def worker_argv(
+    worker_id: str,
+    *,
+    bootstrap: str,
+    prefix: str,
+    state_dir: Path,
+    runner: str = "fake",
+    options: dict[str, Any] | None = None,
+    allow_root: Path | None = None,
+    heartbeat_s: float | str | None = None,
+    labels: dict[str, str] | None = None,
+) -> list[str]:
+    """``python -m workers run`` for one worker (``--runner-options`` only when given)."""
+    argv = [sys.executable, "-m", "workers", "run", "--id", worker_id, "--runner", runner]
+    if options is not None:
+        argv += ["--runner-options", json.dumps(options)]
+    argv += ["--bootstrap", bootstrap, "--topic-prefix", prefix]
+    if allow_root is not None:
+        argv += ["--allow-root", str(allow_root)]
+    argv += ["--state-dir", str(state_dir)]
+    if heartbeat_s is not None:
+        argv += ["--heartbeat-s", str(heartbeat_s)]
+    for key, value in (labels or {}).items():
+        argv += ["--label", f"{key}={value}"]
+    return argv
+
+
+def weights_dir(tmp_path: Path) -> Path:
+    """``tmp_path/ckpts`` holding a 64-byte model.safetensors (the agent tests' allowed root)."""
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    (root / "model.safetensors").write_bytes(b"\0" * 64)
+    return root
+
+
+@asynccontextmanager
+async def running_agent(
+    kafka: KafkaSettings, tmp_path: Path, runner: Any, *, ready_s: float = 30.0, **kw: Any
+) -> AsyncIterator[Agent]:
+    """An in-process agent (worker w1, model=tiny, ckpts under ``tmp_path``) until the block ends.
+
+    ``kw``: more WorkerSettings (or other worker_id, labels, heartbeat_interval_s, roots).
+    """
+    from workers.agent.loop import Agent  # the agent only where one runs
+    from workers.agent.settings import WorkerSettings
+
+    settings = WorkerSettings(
+        worker_id=kw.pop("worker_id", "w1"),
+        labels=kw.pop("labels", {"model": "tiny"}),
+        kafka=kafka,
+        allowed_roots=kw.pop("allowed_roots", [tmp_path / "ckpts"]),
+        state_dir=tmp_path / "state",
+        heartbeat_interval_s=kw.pop("heartbeat_interval_s", 0.5),
+        **kw,
+    )
+    agent = Agent(settings, runner)
+    task = asyncio.create_task(agent.run())
+    try:
+        await asyncio.wait_for(agent.ready.wait(), ready_s)
+        yield agent
+    finally:
+        agent.request_stop()
+        await asyncio.wait_for(task, 60)
+
+
+def heal(cluster: LocalCluster, nodes: int) -> None:
+    """Whatever a test crashed comes back (before the next test)."""
+    for node_id in range(1, nodes + 1):
+        if not cluster.node(node_id).status().running:
+            cluster.start_node(node_id, timeout=180)
+    cluster.wait_for_brokers(nodes, timeout=180)
