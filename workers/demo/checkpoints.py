@@ -89,7 +89,7 @@ def write_safetensors(
     """Stream ``tensors`` into ``file`` in the safetensors format (atomically, no full-size buffer)."""
     import torch
 
-    from workers.weights.loaders import TORCH_TO_SAFETENSORS
+    from workers.weights.checks import TORCH_TO_SAFETENSORS
 
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0

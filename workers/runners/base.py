@@ -5,6 +5,7 @@ No torch here: the agent imports this on any machine; runner modules are importe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
 from controlplane.wire.errors import ErrorCode, RunnerError
 from controlplane.wire.protocol import ReloadWeightsSpec
+from workers.weights.stats import LoadStats
 
 #: Runner name -> "module:class", imported only when that runner is created.
 RUNNERS: Final[Mapping[str, str]] = {
@@ -57,17 +59,12 @@ class RunnerDescription:
 
 
 @dataclass(frozen=True)
-class ReloadResult:
+class ReloadResult(LoadStats):
     """Facts about one successful reload (they go into the ack's ``result``)."""
 
-    version: str
-    files: int
-    tensors: int
-    bytes: int
-    validate_s: float
-    copy_s: float
-    duration_s: float
-    gbps: float
+    @classmethod
+    def of(cls, stats: LoadStats) -> ReloadResult:
+        return cls(**dataclasses.asdict(stats))
 
     def as_dict(self) -> dict[str, JsonValue]:
         return {

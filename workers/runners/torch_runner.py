@@ -207,7 +207,7 @@ class TorchRunner:
             from_version = self._version
             self._set_phase("validating", (0, 0))
             try:
-                result = load_checkpoint(
+                stats = load_checkpoint(
                     path,
                     self._copy_targets(self._targets),
                     version=spec.version,
@@ -233,6 +233,7 @@ class TorchRunner:
                 raise
             finally:
                 self._set_phase("idle", (0, 0))
+            result = ReloadResult.of(stats)
             with self._state:
                 self._version = spec.version
                 self._degraded = None

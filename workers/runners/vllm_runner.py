@@ -45,14 +45,8 @@ from workers.runners.vllm_config import (
     translate_config_error,
 )
 from workers.runners.vllm_sidecar import SidecarClient, SidecarEngine, is_loopback_url
-from workers.weights.loaders import (
-    DTYPES,
-    OpenCheckpoint,
-    TensorEntry,
-    open_checkpoint,
-    plan_copy,
-    verify_sha256,
-)
+from workers.weights.checks import DTYPES, OpenCheckpoint, TensorEntry, plan_copy, verify_sha256
+from workers.weights.loaders import open_checkpoint
 from workers.weights.paths import checkpoint_files
 
 #: The index name vLLM's default loader honours; with none it reads every *.safetensors file.

@@ -116,9 +116,7 @@ def checkpoint_files(path: Path, roots: Sequence[Path] | None = None) -> Checkpo
             indexes = sorted(path.glob(f"*{SAFETENSORS_SUFFIX}{INDEX_SUFFIX}"))
             if len(indexes) > 1:
                 names = [p.name for p in indexes]
-                raise _unreadable(
-                    f"directory {str(path)!r} holds several indexes {names}; name one"
-                )
+                raise unreadable(f"directory {str(path)!r} holds several indexes {names}; name one")
             if indexes:
                 return _from_index(indexes[0], within)
             members: dict[Path, Member] = {}
@@ -127,7 +125,7 @@ def checkpoint_files(path: Path, roots: Sequence[Path] | None = None) -> Checkpo
                 if member is not None:
                     members[candidate] = member
             if not members:
-                raise _unreadable(f"directory {str(path)!r} holds no *{SAFETENSORS_SUFFIX} file")
+                raise unreadable(f"directory {str(path)!r} holds no *{SAFETENSORS_SUFFIX} file")
             return CheckpointFiles(
                 base_dir=path, files=list(members), members=members, within=within
             )
@@ -136,15 +134,15 @@ def checkpoint_files(path: Path, roots: Sequence[Path] | None = None) -> Checkpo
         member = check_member(path, within)
         if member is not None:
             if path.suffix != SAFETENSORS_SUFFIX:
-                raise _unreadable(
+                raise unreadable(
                     f"{str(path)!r} is neither a {SAFETENSORS_SUFFIX} file nor an index"
                 )
             return CheckpointFiles(
                 base_dir=path.parent, files=[path], members={path: member}, within=within
             )
-        raise _unreadable(f"checkpoint {str(path)!r} does not exist or is not a regular file")
+        raise unreadable(f"checkpoint {str(path)!r} does not exist or is not a regular file")
     except OSError as exc:
-        raise _unreadable(f"cannot list checkpoint {str(path)!r}: {exc}") from None
+        raise unreadable(f"cannot list checkpoint {str(path)!r}: {exc}") from None
 
 
 def _containment(path: Path, roots: Sequence[Path] | None) -> tuple[Path, ...]:
@@ -198,7 +196,7 @@ def open_member(name: Path, member: Member, within: Sequence[Path]) -> int:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise _swapped(name, "it is a symlink now") from None
-        raise _unreadable(f"cannot open {name.name!r}: {exc}") from None
+        raise unreadable(f"cannot open {name.name!r}: {exc}") from None
     try:
         st = os.fstat(fd)
         if (st.st_dev, st.st_ino) != (member.dev, member.ino) or not stat.S_ISREG(st.st_mode):
@@ -248,33 +246,33 @@ def relative_member(base_dir: Path, name: str, what: str) -> Path:
 def _from_index(index: Path, within: tuple[Path, ...]) -> CheckpointFiles:
     member = check_member(index, within)
     if member is None:
-        raise _unreadable(f"index {str(index)!r} does not exist or is not a regular file")
+        raise unreadable(f"index {str(index)!r} does not exist or is not a regular file")
     try:
         fd = open_member(index, member, within)
         try:
             if os.fstat(fd).st_size > MAX_INDEX_BYTES:
-                raise _unreadable(f"index {str(index)!r} is larger than {MAX_INDEX_BYTES} bytes")
+                raise unreadable(f"index {str(index)!r} is larger than {MAX_INDEX_BYTES} bytes")
             with os.fdopen(os.dup(fd), "rb") as fh:
                 data = fh.read(MAX_INDEX_BYTES + 1)
         finally:
             os.close(fd)
         raw = json.loads(data)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise _unreadable(f"cannot read index {str(index)!r}: {exc}") from None
+        raise unreadable(f"cannot read index {str(index)!r}: {exc}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("weight_map"), dict):
-        raise _unreadable(f"index {str(index)!r} has no 'weight_map' object")
+        raise unreadable(f"index {str(index)!r} has no 'weight_map' object")
     metadata = raw.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
-        raise _unreadable(f"index {str(index)!r}: 'metadata' must be an object")
+        raise unreadable(f"index {str(index)!r}: 'metadata' must be an object")
     base = index.parent
     weight_map: dict[str, Path] = {}
     for tensor, file in raw["weight_map"].items():
         if not isinstance(file, str):
-            raise _unreadable(f"index {str(index)!r}: file of tensor {tensor!r} is not a string")
+            raise unreadable(f"index {str(index)!r}: file of tensor {tensor!r} is not a string")
         weight_map[tensor] = relative_member(base, file, "index file name")
     files = sorted(set(weight_map.values()))
     if not files:
-        raise _unreadable(f"index {str(index)!r} maps no tensor")
+        raise unreadable(f"index {str(index)!r} maps no tensor")
     members: dict[Path, Member] = {}
     missing: list[str] = []
     for file in files:
@@ -284,7 +282,7 @@ def _from_index(index: Path, within: tuple[Path, ...]) -> CheckpointFiles:
         else:
             members[file] = found
     if missing:
-        raise _unreadable(f"index {str(index)!r} names missing shard(s) {missing[:5]}")
+        raise unreadable(f"index {str(index)!r} names missing shard(s) {missing[:5]}")
     return CheckpointFiles(
         base_dir=base,
         files=files,
@@ -296,5 +294,5 @@ def _from_index(index: Path, within: tuple[Path, ...]) -> CheckpointFiles:
     )
 
 
-def _unreadable(message: str) -> RunnerError:
+def unreadable(message: str) -> RunnerError:
     return RunnerError(message, code=ErrorCode.WEIGHTS_UNREADABLE)

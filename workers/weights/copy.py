@@ -1,0 +1,300 @@
+"""The copy engine: a checked plan of tensors, read from open files into their destinations.
+
+No second copy of the model is ever held: host-memory destinations are read straight into,
+device ones through a bounded ring of staging slots or one host tensor at a time.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Final
+
+import torch
+
+from controlplane.wire.errors import ErrorCode, RunnerError, WeightsCorrupted
+from workers.weights.checks import OpenCheckpoint, TensorEntry, failure_reason
+
+#: Host-memory destinations are read in chunks of this size, from ``read_threads`` threads.
+DEFAULT_READ_CHUNK_BYTES = 8 * 1024 * 1024
+MAX_READ_THREADS = 4
+#: Chunks each reader may have queued ahead: enough that none idles between tensors.
+READ_WINDOW_CHUNKS_PER_THREAD = 4
+
+#: Called with (tensors copied, tensors to copy): once when copying begins, then after each tensor.
+Progress = Callable[[int, int], None]
+
+
+def default_read_threads() -> int:
+    """Readers per reload: torch's intra-op threads, at most ``MAX_READ_THREADS``.
+
+    From the page cache, one ``preadv`` copies on one core; chunks read from several threads
+    (``preadv`` releases the GIL) use every core, as torch's own ``copy_`` does. From a disk that
+    must seek, concurrent readers cost throughput (about 17 % with two on the benchmark's ext4
+    disk, docs/benchmarks.md section 3): pass ``read_threads=1`` where checkpoints are usually
+    read cold.
+    """
+    return max(1, min(torch.get_num_threads(), MAX_READ_THREADS))
+
+
+class _ShortRead(OSError):
+    pass
+
+
+def _completed() -> Future[None]:
+    future: Future[None] = Future()
+    future.set_result(None)
+    return future
+
+
+#: Stands in the window for a tensor copied synchronously behind chunks still in flight.
+_DONE: Final = _completed()
+#: A read in the copier's window: the read, tensors it completes, what to do once it is in.
+_Read = tuple[Future[None], int, Callable[[], None] | None]
+#: The smallest staging slot (a smaller ``staging_bytes`` still gets two slots of this size).
+_MIN_SLOT_BYTES: Final = 512 * 1024
+
+
+def copy_plan(
+    ckpt: OpenCheckpoint,
+    plan: list[tuple[TensorEntry, torch.Tensor]],
+    copier: Copier,
+    version: str,
+    from_version: str | None,
+    cancel: threading.Event | None,
+    progress: Progress | None,
+    sync: Callable[[], None] | None,
+) -> None:
+    reported = 0
+
+    def report() -> None:
+        # One call per tensor, in plan order, once every byte of it is in.
+        nonlocal reported
+        if progress is None:
+            reported = copier.done
+            return
+        while reported < copier.done:
+            reported += 1
+            progress(reported, len(plan))
+
+    try:
+        if progress is not None:
+            progress(0, len(plan))
+        with torch.no_grad():
+            for entry, dst in plan:
+                if cancel is not None and cancel.is_set():
+                    raise RunnerError("cancelled", code=ErrorCode.COMMAND_TIMEOUT)
+                copier.copy(ckpt.fds[entry.file], entry, dst)
+                report()
+            copier.finish()
+            report()
+            if sync is not None:
+                sync()
+    except Exception as exc:
+        copier.abandon()  # every reader has stopped before the failure is reported
+        reason = failure_reason(exc)
+        raise WeightsCorrupted(
+            f"reload to {version!r} failed after {copier.done} of {len(plan)} tensors were "
+            f"written ({reason}); the model mixes {from_version!r} and {version!r}",
+            from_version=from_version,
+            to_version=version,
+        ) from exc
+    finally:
+        copier.close()  # no reader thread outlives the reload, nor writes after it returns
+
+
+class Copier:
+    """Moves tensors' bytes from a file into their destinations without a second model copy.
+
+    Reads go to a pool of readers, chunk by chunk, with a window of chunks in flight across
+    tensor boundaries, so that no reader idles at the end of a tensor waiting for the next one:
+
+    * host-memory destinations (CPU tensors, host aliases of device buffers) are read straight
+      into, in ``read_chunk`` chunks;
+    * CUDA destinations are read into a ring of pinned staging slots (``staging_bytes`` in all),
+      and each slot is copied to the device asynchronously as soon as its read is in, then reused
+      once that copy has finished: reads overlap each other and the host-to-device copies;
+    * anything else (XLA's own path, strided tensors) goes through one host tensor at a time.
+
+    ``done`` counts the tensors, in plan order, whose every byte has been read (and, for CUDA,
+    whose copies have been issued; :meth:`finish` waits for those).
+    """
+
+    def __init__(
+        self,
+        staging_bytes: int,
+        flush: Callable[[], None] | None = None,
+        *,
+        threads: int = 1,
+        read_chunk: int = DEFAULT_READ_CHUNK_BYTES,
+    ) -> None:
+        self._threads = threads
+        self._read_chunk = read_chunk
+        self._pool: ThreadPoolExecutor | None = None  # started by the first pooled read
+        #: Reads submitted and not yet collected, in submission order: the read, the number of
+        #: tensors complete once it is in (1 for a tensor's last chunk, else 0), and what the
+        #: calling thread does with it then (issue a staged chunk's device copy), if anything.
+        self._in_flight: collections.deque[_Read] = collections.deque()
+        self._window = READ_WINDOW_CHUNKS_PER_THREAD * threads
+        self.done = 0
+        self._budget = staging_bytes
+        self._flush = flush
+        self._pending = 0
+        self._slot_bytes = min(read_chunk, max(_MIN_SLOT_BYTES, staging_bytes // 2))
+        self._slot_count = max(2, staging_bytes // self._slot_bytes)
+        self._slots: list[torch.Tensor] = []  # free staging slots
+        self._slots_made = 0
+        #: Slots whose device copy was issued, oldest first, with the event that marks its end.
+        self._copying: collections.deque[tuple[torch.Tensor, torch.cuda.Event | None]] = (
+            collections.deque()
+        )
+
+    def copy(self, fd: int, entry: TensorEntry, dst: torch.Tensor) -> None:
+        """Copy one tensor, or submit its chunks to the readers and return."""
+        if entry.nbytes == 0:
+            pass
+        elif dst.device.type == "cpu" and dst.is_contiguous():
+            # Page cache -> parameter memory: no mmap, no temporary; chunks from several threads.
+            if self._threads > 1:
+                self._submit_direct(fd, byte_view(dst.detach()), entry)
+                return
+            read_exact(fd, byte_view(dst.detach()), entry)
+        elif dst.device.type == "cuda" and dst.is_contiguous():
+            self.copy_staged(fd, entry, dst)
+            return
+        else:
+            # XLA and other devices (or strided tensors): one host tensor at a time.
+            host = torch.empty(entry.shape, dtype=dst.dtype)
+            read_exact(fd, byte_view(host), entry)
+            dst.copy_(host)
+            # A lazy device (XLA) may hold each host tensor until it syncs: flush every
+            # staging budget so host memory stays bounded, not a second copy of the model.
+            self._pending += entry.nbytes
+            if self._flush is not None and self._pending >= self._budget:
+                self._flush()
+                self._pending = 0
+        self._count_done()
+
+    def copy_staged(self, fd: int, entry: TensorEntry, dst: torch.Tensor) -> None:
+        """Read ``entry`` through the staging slots into ``dst`` (CUDA; any contiguous tensor)."""
+        if entry.nbytes == 0:
+            self._count_done()
+            return
+        pool = self._readers()
+        dst_bytes = dst.detach().reshape(-1).view(torch.uint8)
+        size = self._slot_bytes
+        for start in range(0, entry.nbytes, size):
+            n = min(size, entry.nbytes - start)
+            slot = self._free_slot(pinned=dst.device.type == "cuda")
+            read = pool.submit(read_exact, fd, slot.numpy().data[:n], entry, start)
+            target = dst_bytes[start : start + n]
+            self._in_flight.append(
+                (read, 1 if start + n >= entry.nbytes else 0, self._device_copy(slot, target))
+            )
+
+    def _count_done(self) -> None:
+        """A tensor copied synchronously: counted after those still in flight, in plan order."""
+        if not self._in_flight:
+            self.done += 1
+        else:
+            self._in_flight.append((_DONE, 1, None))
+
+    def _readers(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="reload-pread")
+        return self._pool
+
+    def _submit_direct(self, fd: int, buf: memoryview, entry: TensorEntry) -> None:
+        pool = self._readers()
+        chunk = self._read_chunk
+        for start in range(0, entry.nbytes, chunk):
+            while len(self._in_flight) >= self._window:
+                self._collect_oldest()
+            read = pool.submit(read_exact, fd, buf[start : start + chunk], entry, start)
+            self._in_flight.append((read, 1 if start + chunk >= entry.nbytes else 0, None))
+        while self._in_flight and self._in_flight[0][0].done():
+            self._collect_oldest()
+
+    def _collect_oldest(self) -> None:
+        read, completes, then = self._in_flight.popleft()
+        read.result()  # the first error in plan (= file) order; the caller abandons the rest
+        if then is not None:
+            then()
+        self.done += completes
+
+    def _free_slot(self, *, pinned: bool) -> torch.Tensor:
+        """A staging slot nobody reads into or copies from, waiting for one if need be."""
+        while not self._slots:
+            if self._slots_made < self._slot_count:
+                self._slots_made += 1
+                return torch.empty(self._slot_bytes, dtype=torch.uint8, pin_memory=pinned)
+            if self._copying:
+                slot, event = self._copying.popleft()
+                if event is not None:
+                    event.synchronize()  # its device copy has finished: the slot is free
+                self._slots.append(slot)
+            else:
+                self._collect_oldest()  # a read into a slot is in: its copy is issued
+        return self._slots.pop()
+
+    def _device_copy(self, slot: torch.Tensor, target: torch.Tensor) -> Callable[[], None]:
+        def issue() -> None:
+            n = target.numel()
+            if target.device.type != "cuda":  # a synchronous copy: the slot is free again
+                target.copy_(slot[:n])
+                self._slots.append(slot)
+                return
+            target.copy_(slot[:n], non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(target.device))  # type: ignore[no-untyped-call]
+            self._copying.append((slot, event))
+
+        return issue
+
+    def finish(self) -> None:
+        """Wait until every byte is in place (raising the first read error)."""
+        while self._in_flight:
+            self._collect_oldest()
+        self._wait_for_copies()
+
+    def abandon(self) -> None:
+        """After a failure: wait for every read and device copy still in flight, so that none
+        writes after the failure is reported."""
+        wait_futures([read for read, _, _ in self._in_flight])
+        self._in_flight.clear()
+        self._wait_for_copies()
+
+    def _wait_for_copies(self) -> None:
+        while self._copying:
+            slot, event = self._copying.popleft()
+            if event is not None:
+                event.synchronize()
+            self._slots.append(slot)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._wait_for_copies()  # no device copy may still read a slot that is freed
+        self._slots.clear()
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
+
+
+def read_exact(fd: int, buf: memoryview, entry: TensorEntry, start: int = 0) -> None:
+    done = 0
+    size = len(buf)
+    while done < size:
+        n = os.preadv(fd, [buf[done:]], entry.offset + start + done)
+        if n == 0:
+            raise _ShortRead(
+                f"{entry.file.name!r} ended inside tensor {entry.name!r} "
+                f"({start + done} of {entry.nbytes} bytes read)"
+            )
+        done += n
