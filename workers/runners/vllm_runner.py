@@ -1,31 +1,25 @@
 """A runner that drives a real vLLM engine's reload_weights and update_config RPCs.
 
 Two shapes: a ``vllm.LLM`` in this process, or a ``vllm serve`` sidecar on loopback (HTTP, see
-vllm_sidecar.py). Every checkpoint is checked against the loaded one's manifest (loaders.py)
-before vLLM sees it, and the prefix cache is reset after a reload. Never imports ``vllm._C``.
+vllm_sidecar.py; the in-process engine and the options are in vllm_engine.py). Every checkpoint is
+checked against the loaded one's manifest (weights/checks.py) and copied to a private snapshot
+(weights/snapshot.py) before vLLM sees it, and the prefix cache is reset after a reload. Never
+imports ``vllm._C``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import errno
-import hashlib
 import importlib.util
-import json
-import os
-import shutil
-import stat
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
+from pydantic import JsonValue
 
 from controlplane.wire.errors import ErrorCode, RunnerError, WeightsCorrupted
 from controlplane.wire.protocol import ReloadWeightsSpec
@@ -44,139 +38,14 @@ from workers.runners.vllm_config import (
     normalize_overrides,
     translate_config_error,
 )
-from workers.runners.vllm_sidecar import SidecarClient, SidecarEngine, is_loopback_url
-from workers.weights.checks import DTYPES, OpenCheckpoint, TensorEntry, plan_copy, verify_sha256
+from workers.runners.vllm_engine import Engine, InProcessEngine, VllmRunnerOptions
+from workers.runners.vllm_sidecar import SidecarClient, SidecarEngine
+from workers.weights.checks import DTYPES, TensorEntry, plan_copy, verify_sha256
 from workers.weights.loaders import open_checkpoint
 from workers.weights.paths import checkpoint_files
+from workers.weights.snapshot import VLLM_INDEX_NAME, SnapshotRoot, snapshot_checkpoint
 
-#: The index name vLLM's default loader honours; with none it reads every *.safetensors file.
-VLLM_INDEX_NAME = "model.safetensors.index.json"
-#: Set (unless already set) before an in-process engine imports vllm.
-IN_PROCESS_ENV: dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
 _RESET_TRIES = 5
-#: Snapshot directories inside the snapshot root are named with this prefix (and only they are
-#: ever removed from a root the operator named).
-SNAPSHOT_PREFIX = "v-"
-_COPY_CHUNK = 8 * 1024 * 1024
-
-
-class VllmRunnerOptions(BaseModel):
-    """How to reach the engine; fixed for the runner's life (from CLI flags or env JSON)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    mode: Literal["in_process", "sidecar"] = "in_process"
-    model: str = Field(min_length=1, description="Checkpoint directory the engine starts from.")
-    initial_version: str = Field(default="init", min_length=1, max_length=128)
-    engine_args: dict[str, JsonValue] = Field(
-        default_factory=dict, description="in_process: keyword arguments of vllm.LLM."
-    )
-    env: dict[str, str] = Field(
-        default_factory=dict, description="in_process: environment set before vllm is imported."
-    )
-    base_url: str = Field(default="http://127.0.0.1:8000", pattern=r"^https?://")
-    served_model_name: str | None = None
-    api_key: str | None = None
-    allow_remote: bool = Field(
-        default=False, description="Allow a non-loopback base_url (its dev endpoints are open)."
-    )
-    pause_mode: Literal["wait", "abort"] = "wait"
-    connect_timeout_s: float = Field(default=5.0, gt=0)
-    request_timeout_s: float = Field(default=60.0, gt=0)
-    reload_timeout_s: float = Field(default=600.0, gt=0)
-    startup_timeout_s: float = Field(default=600.0, gt=0)
-    snapshot_dir: str | None = Field(
-        default=None,
-        description="Directory this runner owns for the private, verified copies of the "
-        "checkpoints vLLM loads (default: a new private directory under the system temp dir). "
-        "A sidecar must be able to read it at the same path.",
-    )
-
-    @model_validator(mode="after")
-    def _loopback(self) -> VllmRunnerOptions:
-        if self.mode == "sidecar" and not self.allow_remote and not is_loopback_url(self.base_url):
-            raise ValueError(
-                f"base_url {self.base_url!r} is not loopback: vLLM's dev endpoints are "
-                "unauthenticated; bind vllm serve to 127.0.0.1 (or set allow_remote)"
-            )
-        return self
-
-
-class InProcessEngine:
-    """A ``vllm.LLM`` in this process; the runner's lock serializes generation and reloads."""
-
-    def __init__(self, options: VllmRunnerOptions) -> None:
-        self.options = options
-        self.vllm_version = "unknown"
-        self.device = "unknown"
-        self.dtype = "unknown"
-        self._llm: Any = None
-
-    def start(self) -> bool:
-        for key, value in IN_PROCESS_ENV.items():
-            os.environ.setdefault(key, value)
-        os.environ.update(self.options.env)
-        import vllm
-        from vllm.platforms import current_platform
-
-        self._llm = vllm.LLM(model=self.options.model, **self.options.engine_args)
-        self.vllm_version = str(vllm.__version__)
-        self.device = str(current_platform.device_type)
-        self.dtype = str(self._vllm_config().model_config.dtype).removeprefix("torch.")
-        return False
-
-    def _vllm_config(self) -> Any:
-        return self._llm.llm_engine.vllm_config
-
-    def config_fields(self) -> dict[str, dict[str, Any]]:
-        config = self._vllm_config()
-        out: dict[str, dict[str, Any]] = {}
-        for section in CONFIG_SECTIONS:
-            current = getattr(config, section)
-            out[section] = {
-                f.name: getattr(current, f.name, None) for f in dataclasses.fields(current)
-            }
-        return out
-
-    def dry_run_config(self, overrides: dict[str, dict[str, Any]]) -> None:
-        """vLLM's own (pure) override function on the live configs: raises what the worker would."""
-        from vllm.config.utils import update_config
-
-        config = self._vllm_config()
-        for section, values in overrides.items():
-            update_config(getattr(config, section), values)
-
-    def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
-        self._llm.collective_rpc("update_config", args=(overrides,))
-
-    def pause(self) -> None:
-        pass  # generation runs only under the runner's lock
-
-    def resume(self) -> None:
-        pass
-
-    def reload(self, weights_dir: str) -> None:
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_dir})
-
-    def reset_prefix_cache(self) -> bool:
-        return bool(self._llm.reset_prefix_cache())
-
-    def generate(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
-        from vllm import SamplingParams
-
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        outputs = self._llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)
-        return [int(t) for t in outputs[0].outputs[0].token_ids]
-
-    def close(self) -> None:
-        llm, self._llm = self._llm, None
-        if llm is not None:
-            with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
-            del llm
-
-
-Engine = InProcessEngine | SidecarEngine  # one interface: start, reload, reset_prefix_cache, ...
 
 
 class VllmRunner:
@@ -573,154 +442,3 @@ def _layout(
 ) -> dict[str, tuple[str, str, tuple[int, ...], int, int]]:
     """What a header says, per tensor, independent of where the file is."""
     return {n: (e.file.name, e.dtype, e.shape, e.offset, e.nbytes) for n, e in entries.items()}
-
-
-class SnapshotRoot:
-    """The directory where this runner keeps the private copies vLLM loads.
-
-    Created private (0700) when the runner makes it; one the operator names must be owned by
-    this user and writable by nobody else. Snapshots inside it get the root's read permissions
-    (so a sidecar running as another user of the root's group can read them), never write ones.
-    """
-
-    def __init__(self, root: Path, *, owned: bool) -> None:
-        self.root = root
-        self._owned = owned  # made by us: removed whole at close
-        mode = stat.S_IMODE(os.stat(root).st_mode)
-        self._dir_mode = mode & 0o755
-        self._file_mode = mode & 0o444
-
-    @classmethod
-    def create(cls, configured: str | None) -> SnapshotRoot:
-        if configured is None:
-            return cls(Path(tempfile.mkdtemp(prefix="fleet-vllm-snapshots-")), owned=True)
-        root = Path(configured)
-        try:
-            root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            st = os.stat(root, follow_symlinks=False)
-        except OSError as exc:
-            raise RunnerError(f"snapshot_dir {configured!r}: {exc}") from None
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-            raise RunnerError(
-                f"snapshot_dir {configured!r} must be a directory owned by this user and "
-                "writable by no one else (the copies vLLM loads live there)"
-            )
-        made = cls(root.resolve(), owned=False)
-        for leftover in root.glob(f"{SNAPSHOT_PREFIX}*"):  # from an earlier run of this runner
-            made.remove(leftover)
-        return made
-
-    def new(self) -> Path:
-        path = Path(tempfile.mkdtemp(prefix=SNAPSHOT_PREFIX, dir=self.root))
-        os.chmod(path, self._dir_mode)
-        return path
-
-    def remove(self, path: Path) -> None:
-        if path.parent != self.root or not path.name.startswith(SNAPSHOT_PREFIX):
-            return  # not one of ours (the model the engine started from)
-        shutil.rmtree(path, ignore_errors=True)
-
-    def close(self) -> None:
-        if self._owned:
-            shutil.rmtree(self.root, ignore_errors=True)
-        else:
-            for leftover in self.root.glob(f"{SNAPSHOT_PREFIX}*"):
-                self.remove(leftover)
-
-    @property
-    def file_mode(self) -> int:
-        return self._file_mode
-
-
-def snapshot_checkpoint(
-    ckpt: OpenCheckpoint,
-    dest: Path,
-    *,
-    hash_files: bool,
-    cancel: threading.Event | None = None,
-    file_mode: int = 0o400,
-) -> dict[Path, str]:
-    """Copy every data file of ``ckpt`` from its open descriptor into ``dest`` (new files,
-    ``file_mode``), and an index when it has one; return each file's sha256 when ``hash_files``
-    (taken of the bytes written, so what is checked is what the copy holds).
-
-    Without hashing the kernel copies (``copy_file_range``: a reflink where the filesystem
-    can). Raises RunnerError (WEIGHTS_UNREADABLE; COMMAND_TIMEOUT when cancelled).
-    """
-    base = ckpt.files.base_dir
-    digests: dict[Path, str] = {}
-    for file in ckpt.files.files:
-        relative = file.relative_to(base)
-        if len(relative.parts) != 1:
-            raise RunnerError(
-                f"vLLM reads only the files directly in a checkpoint's directory, not {str(relative)!r}",
-                code=ErrorCode.WEIGHTS_UNREADABLE,
-            )
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-        try:
-            out = os.open(dest / relative, flags, file_mode)
-        except OSError as exc:
-            raise RunnerError(
-                f"cannot create the snapshot of {file.name!r} in {str(dest)!r}: {exc}"
-            ) from None
-        try:
-            digest = _copy_fd(ckpt.fds[file], out, hash_files, cancel, file.name)
-        finally:
-            os.close(out)
-        if digest is not None:
-            digests[file] = digest
-    if ckpt.files.weight_map is not None:
-        weight_map = {t: f.relative_to(base).as_posix() for t, f in ckpt.files.weight_map.items()}
-        body: dict[str, object] = {"weight_map": weight_map}
-        if ckpt.files.metadata is not None:
-            body["metadata"] = ckpt.files.metadata
-        index = dest / VLLM_INDEX_NAME
-        index.write_text(json.dumps(body))
-        os.chmod(index, file_mode)
-    return digests
-
-
-def _copy_fd(
-    src: int, dst: int, hash_files: bool, cancel: threading.Event | None, name: str
-) -> str | None:
-    def cancelled() -> None:
-        if cancel is not None and cancel.is_set():
-            raise RunnerError("reload cancelled while copying", code=ErrorCode.COMMAND_TIMEOUT)
-
-    offset = 0
-    if not hash_files:
-        try:
-            while n := os.copy_file_range(src, dst, _COPY_CHUNK, offset, offset):
-                offset += n
-                cancelled()
-            return None
-        except OSError as exc:
-            if exc.errno not in (
-                errno.EXDEV,
-                errno.EINVAL,
-                errno.ENOSYS,
-                errno.EOPNOTSUPP,
-                errno.EPERM,
-            ):
-                raise RunnerError(
-                    f"cannot copy {name!r}: {exc}", code=ErrorCode.WEIGHTS_UNREADABLE
-                ) from None
-            # Not supported between these files: copy the rest through memory.
-    digest = hashlib.sha256() if hash_files else None
-    buf = bytearray(_COPY_CHUNK)
-    view = memoryview(buf)
-    try:
-        while n := os.preadv(src, [view], offset):
-            cancelled()
-            chunk = view[:n]
-            if digest is not None:
-                digest.update(chunk)
-            written = 0
-            while written < n:
-                written += os.pwrite(dst, chunk[written:], offset + written)
-            offset += n
-    except OSError as exc:
-        raise RunnerError(
-            f"cannot copy {name!r}: {exc}", code=ErrorCode.WEIGHTS_UNREADABLE
-        ) from None
-    return digest.hexdigest() if digest is not None else None

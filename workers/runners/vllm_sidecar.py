@@ -233,7 +233,7 @@ def _error_text(response: httpx.Response) -> str:
 
 
 class SidecarEngine:
-    """The runner's engine interface over a sidecar's HTTP endpoints (see vllm_runner.Engine)."""
+    """The runner's engine interface over a sidecar's HTTP endpoints (see vllm_engine.Engine)."""
 
     def __init__(
         self,
