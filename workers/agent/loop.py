@@ -33,12 +33,11 @@ still in the journal: the next start publishes them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -72,11 +71,10 @@ from controlplane.wire.protocol import (
 from controlplane.wire.topics import worker_key
 from workers.agent import failpoints
 from workers.agent.journal import WorkerState
+from workers.agent.session import AgentLog, StopSignal, WorkerView
 from workers.agent.settings import WorkerSettings
 from workers.runners.base import ReloadResult, Runner, RunnerDescription
 from workers.weights.paths import resolve_weights_path
-
-log = logging.getLogger("workers.agent.loop")
 
 AGENT_VERSION = "0.1.0"
 #: After a runner ignores cancellation this long past its deadline, we stop waiting for it.
@@ -120,10 +118,9 @@ class Agent:
         self.worker_id = settings.worker_id
         self.ready = asyncio.Event()
         self.outcomes: Counter[str] = Counter()
-        self._stop = asyncio.Event()
-        #: Why this worker cannot serve as it should, beyond what its runner says (its model
-        #: failed to load, its journal cannot be written); reported in every heartbeat.
-        self._degraded: Degraded | None = None
+        self._stop = StopSignal(settings.drain_timeout_s)
+        self._view = WorkerView()
+        self._log = AgentLog(self.worker_id)
         #: The coded error run() raises once it has stopped (a journal that cannot be written).
         self._failed: ControlPlaneError | None = None
         #: Since when the command loop cannot fetch (logged once, and once when it can again).
@@ -136,12 +133,9 @@ class Agent:
         #: Since when acks go unconfirmed (the publish that first failed began), None while
         #: they go through: said once when it starts and once when it ends.
         self._acks_failing_since: datetime | None = None
-        self._stopped_at: float | None = None
         self._hb_wakeup = asyncio.Event()
+        self._stop.add_wakeup(self._hb_wakeup)
         self._hb_done = asyncio.Event()
-        self._status = WorkerStatus.STARTING
-        self._in_flight: InFlight | None = None
-        self._describe: RunnerDescription | None = None
         self._started_at = self.clock()
         self._seq = 0
         self._last_beat = 0.0  # time.monotonic() of the last heartbeat built
@@ -162,10 +156,7 @@ class Agent:
 
     def request_stop(self) -> None:
         """Stop taking commands; the one in flight may finish within ``drain_timeout_s``."""
-        if not self._stop.is_set():
-            self._stopped_at = time.monotonic()
-            self._stop.set()
-            self._hb_wakeup.set()
+        self._stop.request()
 
     async def run(self) -> None:
         """Run until stopped. Drains on stop: in-flight command acked, last heartbeat sent.
@@ -219,17 +210,17 @@ class Agent:
                 await self._publish_pending_acks()
                 await self._load_runner()
                 self.ready.set()
-                if self._degraded is not None:
+                if self._view.degraded is not None:
                     self._log(
                         logging.WARNING,
                         "running degraded (%s): runner %s on %s",
-                        self._degraded.code,
+                        self._view.degraded.code,
                         self.runner.name,
-                        self._device(),
+                        self._view.device,
                     )
                 else:
                     self._log(
-                        logging.INFO, "ready: runner %s on %s", self.runner.name, self._device()
+                        logging.INFO, "ready: runner %s on %s", self.runner.name, self._view.device
                     )
                 await self._command_loop()
             except ControlPlaneError as exc:
@@ -248,7 +239,7 @@ class Agent:
                     left,
                 )
             finally:
-                self._status = WorkerStatus.STOPPED
+                self._view.status = WorkerStatus.STOPPED
                 self._hb_done.set()
                 self._hb_wakeup.set()
                 if self._progress is not None:  # only if the command loop was cancelled
@@ -329,7 +320,7 @@ class Agent:
             message = exc.message if isinstance(exc, ControlPlaneError) else f"{exc}"
             message = f"{type(exc).__name__}: {message}"
             self._log(logging.ERROR, "runner failed to load its model: %s", message)
-            self._degraded = Degraded(
+            self._view.degraded = Degraded(
                 code=ErrorCode.RUNNER_LOAD_FAILED.value,
                 message=message[:4096],
                 since=self.clock(),
@@ -337,8 +328,8 @@ class Agent:
         else:
             if self.settings.restore_on_start:
                 await self._restore()
-        await self._refresh()
-        self._status = self._idle_status()
+        await self._view.refresh(self.runner, self._log)
+        self._view.status = self._view.idle_status(self._stop.is_set())
 
     async def _restore(self) -> None:
         """Re-apply what this worker had applied before a restart (level, not events)."""
@@ -369,7 +360,7 @@ class Agent:
                 records = await self._consumer.fetch(timeout_s=0.5, max_records=16)
             except BusError as exc:
                 self._fetch_failed(exc)
-                await self._sleep_unless_stopped(1.0)
+                await self._stop.sleep(1.0)
                 continue
             if self._unreachable_since is not None:
                 self._log(
@@ -433,13 +424,13 @@ class Agent:
             return True
         path = rejected
         started = self.clock()
-        self._in_flight = InFlight(
+        self._view.in_flight = InFlight(
             command_id=command.command_id,
             rollout_id=command.rollout_id,
             kind=command.kind,
             since=started,
         )
-        self._status = WorkerStatus.BUSY
+        self._view.status = WorkerStatus.BUSY
         self._held = (
             self._ack(
                 command.command_id, command.rollout_id, command.kind, AckState.ACCEPTED, received
@@ -471,12 +462,12 @@ class Agent:
         finally:
             grace.cancel()
         outcome.started_at = started
-        self._in_flight = None
+        self._view.in_flight = None
         if outcome.description is not None:
-            self._describe = outcome.description
+            self._view.describe = outcome.description
         else:
-            await self._refresh()
-        self._status = self._idle_status()
+            await self._view.refresh(self.runner, self._log)
+        self._view.status = self._view.idle_status(self._stop.is_set())
         await self._finish(command.command_id, command.rollout_id, command.kind, received, outcome)
         return True
 
@@ -602,8 +593,9 @@ class Agent:
         reason: ErrorCode | None = None
         while not task.done():
             limit = deadline
-            if self._stopped_at is not None:
-                limit = min(limit, self._stopped_at + self.settings.drain_timeout_s)
+            drain = self._stop.drain_deadline()
+            if drain is not None:
+                limit = min(limit, drain)
             if time.monotonic() >= limit:
                 reason = (
                     ErrorCode.WORKER_SHUTTING_DOWN
@@ -724,7 +716,7 @@ class Agent:
         error: AckError | None = None,
         result: dict[str, Any] | None = None,
     ) -> Ack:
-        desc = self._describe
+        desc = self._view.describe
         return Ack(
             command_id=command_id,
             rollout_id=rollout_id,
@@ -799,7 +791,7 @@ class Agent:
                             await producer.submit(topic, value, key=key, timeout_s=limit)
                         )
                     queued = True
-                    if await self._unless_stopped(deliveries[0].wait(limit)) is None:
+                    if await self._stop.unless_stopped(deliveries[0].wait(limit)) is None:
                         continue  # a stop came: its deadline bounds the waits from now on
                 except BusError as exc:
                     self._publish_failed(exc, began, timed_out=limit)
@@ -906,38 +898,18 @@ class Agent:
         return min(limit, left)
 
     def _stop_deadline(self, began: float) -> float | None:
-        if self._stopped_at is None:
-            return None
         assert self._producer is not None
-        least = min(_STOP_PUBLISH_MIN_S, self._producer.delivery_timeout_s)
-        return max(
-            self._stopped_at + self.settings.drain_timeout_s,
-            max(began, self._stopped_at) + least,
+        return self._stop.deadline(
+            began, min(_STOP_PUBLISH_MIN_S, self._producer.delivery_timeout_s)
         )
 
     async def _backoff(self, seconds: float, began: float) -> None:
         """Sleep before publishing again; a stop's deadline cuts it short."""
         deadline = self._stop_deadline(began)
         if deadline is None:
-            await self._sleep_unless_stopped(seconds)
+            await self._stop.sleep(seconds)
         else:
             await asyncio.sleep(max(0.0, min(seconds, deadline - time.monotonic())))
-
-    async def _unless_stopped(self, call: Coroutine[Any, Any, R]) -> R | None:
-        """``call``'s result, or None when a stop comes first (``call`` is cancelled).
-        After a stop, just ``call``."""
-        if self._stop.is_set():
-            return await call
-        task = asyncio.ensure_future(call)
-        stop = asyncio.ensure_future(self._stop.wait())
-        try:
-            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-            if not task.done():
-                task.cancel()
-        await asyncio.wait({task})  # when cancelled above: until it has unwound
-        return None if task.cancelled() else task.result()
 
     # ------------------------------------------------------------------ heartbeats
 
@@ -947,9 +919,9 @@ class Agent:
             self._hb_wakeup.clear()  # before reading the state: a wake-up from now on counts
             final = self._hb_done.is_set()
             if final:
-                self._status = WorkerStatus.STOPPED
+                self._view.status = WorkerStatus.STOPPED
             elif self._stop.is_set():
-                self._status = WorkerStatus.STOPPING
+                self._view.status = WorkerStatus.STOPPING
             await self._beat()
             if final:
                 return
@@ -1012,8 +984,8 @@ class Agent:
             self._beats_failing_since = None
 
     def _heartbeat(self) -> Heartbeat:
-        desc = self._describe
-        degraded = self._degraded
+        desc = self._view.describe
+        degraded = self._view.degraded
         if degraded is None and desc is not None and desc.degraded is not None:
             d = desc.degraded
             degraded = Degraded(
@@ -1029,10 +1001,10 @@ class Agent:
             labels=self.settings.labels,
             runner=self.runner.name,
             device=desc.device if desc else "unknown",
-            status=self._status,
+            status=self._view.status,
             weights_version=desc.weights_version if desc else None,
             config_digest=desc.config_digest if desc else None,
-            in_flight=self._in_flight,
+            in_flight=self._view.in_flight,
             degraded=degraded,
             seq=self._seq,
             sent_at=self.clock(),
@@ -1068,48 +1040,11 @@ class Agent:
         if self._failed is None:
             self._failed = error
             self._log(logging.ERROR, "stopping: %s", error)
-        self._degraded = Degraded(
+        self._view.degraded = Degraded(
             code=error.code.value, message=error.message[:4096], since=self.clock()
         )
-        self._status = WorkerStatus.DEGRADED
+        self._view.status = WorkerStatus.DEGRADED
         return self._failed
-
-    async def _refresh(self) -> None:
-        try:
-            self._describe = await asyncio.to_thread(self.runner.describe)
-        except Exception as exc:
-            self._log(logging.ERROR, "runner.describe() failed: %s", exc)
-
-    def _idle_status(self) -> WorkerStatus:
-        if self._degraded is not None or (
-            self._describe is not None and self._describe.degraded is not None
-        ):
-            return WorkerStatus.DEGRADED
-        return WorkerStatus.STOPPING if self._stop.is_set() else WorkerStatus.READY
-
-    def _device(self) -> str:
-        return self._describe.device if self._describe else "unknown"
-
-    async def _sleep_unless_stopped(self, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), seconds)
-
-    def _log(
-        self,
-        level: int,
-        msg: str,
-        *args: Any,
-        command_id: str | None = None,
-        rollout_id: str | None = None,
-    ) -> None:
-        if not log.isEnabledFor(level):
-            return
-        ctx = f"worker={self.worker_id}"
-        if command_id:
-            ctx += f" command={command_id}"
-        if rollout_id:
-            ctx += f" rollout={rollout_id}"
-        log.log(level, f"[{ctx}] {msg}", *args)
 
 
 def _ack_error(exc: ControlPlaneError) -> AckError:
