@@ -3,7 +3,7 @@
 Entry point only: settings from environment and flags, signals, asyncio.run. No logic here.
 
 `fleet-worker run` ends with one line, ``error: CODE: message``, and an exit code per cause
-(:data:`EXIT_CODES`, documented in README.md), never a traceback.
+(:data:`controlplane.wire.exits.WORKER_EXITS`, documented in README.md), never a traceback.
 """
 
 from __future__ import annotations
@@ -19,38 +19,26 @@ from typing import Annotated, Any
 import typer
 
 from controlplane.wire.errors import ControlPlaneError, ErrorCode
+from controlplane.wire.exits import APP_SETTINGS, WORKER_EXITS, WorkerExit, error_line, worker_exit
 
 app = typer.Typer(
-    name="fleet-worker",
-    help="Worker agent of the fleet control plane.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=False,
+    name="fleet-worker", help="Worker agent of the fleet control plane.", **APP_SETTINGS
 )
 
-#: Exit codes of `fleet-worker run` by the code of the error that stopped it (0: stopped by
-#: SIGTERM/SIGINT after draining).
-EXIT_ERROR = 1  # any other coded error
-EXIT_SETTINGS = 3
-EXIT_KAFKA = 4
-EXIT_STATE_DIR_LOCKED = 5
-EXIT_JOURNAL = 6
-EXIT_RUNNER = 7
-EXIT_CODES: dict[ErrorCode, int] = {
-    ErrorCode.SETTINGS_INVALID: EXIT_SETTINGS,
-    ErrorCode.BROKER_UNAVAILABLE: EXIT_KAFKA,
-    ErrorCode.KAFKA_ERROR: EXIT_KAFKA,
-    ErrorCode.TOPIC_MISMATCH: EXIT_KAFKA,
-    ErrorCode.STATE_DIR_LOCKED: EXIT_STATE_DIR_LOCKED,
-    ErrorCode.JOURNAL_WRITE_FAILED: EXIT_JOURNAL,
-    ErrorCode.RUNNER_LOAD_FAILED: EXIT_RUNNER,
-}
+#: Exit codes of `fleet-worker run` (controlplane.wire.exits), under their older names.
+EXIT_ERROR = WorkerExit.ERROR
+EXIT_SETTINGS = WorkerExit.SETTINGS
+EXIT_KAFKA = WorkerExit.KAFKA
+EXIT_STATE_DIR_LOCKED = WorkerExit.STATE_DIR_LOCKED
+EXIT_JOURNAL = WorkerExit.JOURNAL
+EXIT_RUNNER = WorkerExit.RUNNER
+EXIT_CODES = WORKER_EXITS
 
 
 def _fail(exc: ControlPlaneError) -> typer.Exit:
     """Print the error as one coded line; the exit that goes with its code."""
-    typer.echo(f"error: {exc.code}: {exc.message}", err=True)
-    return typer.Exit(EXIT_CODES.get(exc.code, EXIT_ERROR))
+    typer.echo(error_line(exc), err=True)
+    return typer.Exit(worker_exit(exc))
 
 
 try:  # the checkpoint tool needs torch; the agent itself does not

@@ -8,35 +8,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from enum import IntEnum
 from typing import Annotated, Any, TypeVar
 
 import typer
 
 from controlplane.kafka.settings import KafkaSettings
-from controlplane.wire.errors import BusError, ControlPlaneError, ErrorCode
+from controlplane.wire.errors import ControlPlaneError
+from controlplane.wire.exits import APP_SETTINGS, CliExit, cli_exit, error_line, internal_line
 
 T = TypeVar("T")
 
-
-class Exit(IntEnum):
-    """Process exit codes, stable for CI."""
-
-    OK = 0
-    FAILED = 1
-    TIMED_OUT = 2
-    INVALID = 3
-    UNREACHABLE = 4  # Kafka unreachable; a publish that fails so was certainly not published
-    INTERNAL = 5
-    UNKNOWN = 6  # a publish not confirmed in time: it may be in the log (check status)
-
+#: The exit codes (controlplane.wire.exits), under the name the commands know them by.
+Exit = CliExit
 
 app = typer.Typer(
-    name="controlplane",
-    help="Kafka-driven control plane for model-serving fleets.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=False,
+    name="controlplane", help="Kafka-driven control plane for model-serving fleets.", **APP_SETTINGS
 )
 
 BootstrapOpt = Annotated[
@@ -51,22 +37,9 @@ PrefixOpt = Annotated[
 
 
 def fail(error: ControlPlaneError) -> typer.Exit:
-    """Print one readable error line and pick the exit code for its class."""
-    typer.echo(f"error: {error.code}: {error.message}", err=True)
-    if isinstance(error, BusError) and error.code is ErrorCode.BROKER_UNAVAILABLE:
-        return typer.Exit(Exit.UNREACHABLE)
-    if error.code is ErrorCode.PUBLISH_OUTCOME_UNKNOWN:
-        return typer.Exit(Exit.UNKNOWN)
-    if error.code in (
-        ErrorCode.SCHEMA_INVALID,
-        ErrorCode.PATH_NOT_ALLOWED,
-        ErrorCode.NO_MATCHING_WORKERS,
-        ErrorCode.TTL_TOO_LONG,
-        ErrorCode.ROLLOUT_EXISTS,
-        ErrorCode.SETTINGS_INVALID,
-    ):
-        return typer.Exit(Exit.INVALID)
-    return typer.Exit(Exit.FAILED)
+    """Print one readable error line; the exit code for its code (``CLI_EXITS``)."""
+    typer.echo(error_line(error), err=True)
+    return typer.Exit(cli_exit(error))
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -79,8 +52,8 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     except (typer.Exit, typer.Abort, KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # a bug, or a library's stray CancelledError
-        typer.echo(f"error: {ErrorCode.INTERNAL}: {type(exc).__name__}: {exc}", err=True)
-        raise typer.Exit(Exit.INTERNAL) from None
+        typer.echo(internal_line(exc), err=True)
+        raise typer.Exit(CliExit.INTERNAL) from None
 
 
 def kafka_settings(

@@ -25,12 +25,20 @@ import json
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from pydantic import JsonValue
 
-from controlplane.cli.common import BootstrapOpt, Exit, PrefixOpt, app, kafka_settings, run
+from controlplane.cli.common import (
+    BootstrapOpt,
+    Exit,
+    PrefixOpt,
+    app,
+    fail,
+    kafka_settings,
+    run,
+)
 from controlplane.cli.render import (
     console,
     progress_line,
@@ -50,7 +58,8 @@ from controlplane.coordinator.publisher import (
 from controlplane.kafka.bus import Producer, health
 from controlplane.kafka.settings import DEFAULT_BOOTSTRAP, KafkaSettings
 from controlplane.rollout.models import RolloutStatus
-from controlplane.wire.errors import BusError, CommandRejected, ErrorCode
+from controlplane.wire.errors import BusError, CommandRejected, ControlPlaneError, ErrorCode
+from controlplane.wire.exits import PHASE_EXITS
 from controlplane.wire.protocol import (
     Command,
     CommandSpec,
@@ -410,8 +419,7 @@ def _finish(status: RolloutStatus, as_json: bool, *, waited_out: bool = False) -
             out.print(f"gave up waiting: the rollout is still {status.phase.value}")
     if waited_out:
         return Exit.TIMED_OUT
-    code = status.exit_code
-    return Exit.INTERNAL if code is None else code
+    return PHASE_EXITS.get(status.phase.value, Exit.INTERNAL)
 
 
 def _run_exit(coro: Any) -> None:
@@ -528,9 +536,9 @@ def update_config(
     )
 
 
-def _invalid(exc: Exception) -> None:
-    typer.echo(f"error: {ErrorCode.SCHEMA_INVALID}: {exc}", err=True)
-    raise typer.Exit(Exit.INVALID)
+def _invalid(exc: Exception) -> NoReturn:
+    """A spec the model refuses: SCHEMA_INVALID, exit 3."""
+    raise fail(ControlPlaneError(str(exc), code=ErrorCode.SCHEMA_INVALID))
 
 
 def _check_ttl(ttl: float) -> None:
@@ -538,8 +546,7 @@ def _check_ttl(ttl: float) -> None:
     try:
         check_ttl(ttl)
     except CommandRejected as exc:
-        typer.echo(f"error: {exc.code}: {exc.message}", err=True)
-        raise typer.Exit(Exit.INVALID) from None
+        raise fail(exc) from None
 
 
 @app.command("status")

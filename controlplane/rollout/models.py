@@ -11,6 +11,7 @@ from enum import StrEnum
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, JsonValue, computed_field
 
+from controlplane.wire.exits import PHASE_EXITS
 from controlplane.wire.protocol import AckError, CommandKind, Selector
 
 
@@ -28,16 +29,10 @@ class RolloutPhase(StrEnum):
 
     @property
     def exit_code(self) -> int | None:
-        """What ``controlplane ... --wait`` exits with: 0 succeeded, 1 failed or aborted, 2 timed out."""
-        return _EXIT_CODES.get(self)
-
-
-_EXIT_CODES = {
-    RolloutPhase.SUCCEEDED: 0,
-    RolloutPhase.FAILED: 1,
-    RolloutPhase.ABORTED: 1,
-    RolloutPhase.TIMED_OUT: 2,
-}
+        """What ``controlplane ... --wait`` exits with: 0 succeeded, 1 failed or aborted, 2 timed
+        out (``PHASE_EXITS``); None while the rollout runs."""
+        code = PHASE_EXITS.get(self.value)
+        return None if code is None else int(code)
 
 
 class RolloutReason(StrEnum):

@@ -1,0 +1,114 @@
+"""The exit codes of the two command lines, by the code of the error that ended them.
+
+Two tables, not one set of numbers: `controlplane` (:class:`CliExit`) and `fleet-worker run`
+(:class:`WorkerExit`) give 5 and 6 different meanings, and both sets are documented in
+README.md, stable for CI. A rollout's verdict maps to an exit too (:data:`PHASE_EXITS`, what
+``--wait`` and ``status`` exit with). Stdlib and ``wire.errors`` only: the workers import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import IntEnum
+from types import MappingProxyType
+from typing import TypedDict
+
+from controlplane.wire.errors import ControlPlaneError, ErrorCode
+
+
+class CliExit(IntEnum):
+    """Exit codes of `controlplane`, stable for CI."""
+
+    OK = 0
+    FAILED = 1
+    TIMED_OUT = 2
+    INVALID = 3
+    UNREACHABLE = 4  # Kafka unreachable; a publish that fails so was certainly not published
+    INTERNAL = 5
+    UNKNOWN = 6  # a publish not confirmed in time: it may be in the log (check status)
+
+
+class WorkerExit(IntEnum):
+    """Exit codes of `fleet-worker run` (0: stopped by SIGTERM/SIGINT after draining)."""
+
+    OK = 0
+    ERROR = 1  # any other coded error
+    SETTINGS = 3
+    KAFKA = 4
+    STATE_DIR_LOCKED = 5
+    JOURNAL = 6
+    RUNNER = 7
+
+
+#: `controlplane`: an error whose code is not here exits :attr:`CliExit.FAILED`.
+CLI_EXITS: Mapping[ErrorCode, CliExit] = MappingProxyType(
+    {
+        ErrorCode.BROKER_UNAVAILABLE: CliExit.UNREACHABLE,
+        ErrorCode.PUBLISH_OUTCOME_UNKNOWN: CliExit.UNKNOWN,
+        ErrorCode.SCHEMA_INVALID: CliExit.INVALID,
+        ErrorCode.PATH_NOT_ALLOWED: CliExit.INVALID,
+        ErrorCode.NO_MATCHING_WORKERS: CliExit.INVALID,
+        ErrorCode.TTL_TOO_LONG: CliExit.INVALID,
+        ErrorCode.ROLLOUT_EXISTS: CliExit.INVALID,
+        ErrorCode.SETTINGS_INVALID: CliExit.INVALID,
+    }
+)
+
+#: `fleet-worker run`: an error whose code is not here exits :attr:`WorkerExit.ERROR`.
+WORKER_EXITS: Mapping[ErrorCode, WorkerExit] = MappingProxyType(
+    {
+        ErrorCode.SETTINGS_INVALID: WorkerExit.SETTINGS,
+        ErrorCode.BROKER_UNAVAILABLE: WorkerExit.KAFKA,
+        ErrorCode.KAFKA_ERROR: WorkerExit.KAFKA,
+        ErrorCode.TOPIC_MISMATCH: WorkerExit.KAFKA,
+        ErrorCode.STATE_DIR_LOCKED: WorkerExit.STATE_DIR_LOCKED,
+        ErrorCode.JOURNAL_WRITE_FAILED: WorkerExit.JOURNAL,
+        ErrorCode.RUNNER_LOAD_FAILED: WorkerExit.RUNNER,
+    }
+)
+
+#: What ``controlplane ... --wait`` (and ``status`` of an ended rollout) exits with, by the
+#: rollout's phase value: 0 succeeded, 1 failed or aborted, 2 timed out; a phase not here has
+#: not ended.
+PHASE_EXITS: Mapping[str, CliExit] = MappingProxyType(
+    {
+        "succeeded": CliExit.OK,
+        "failed": CliExit.FAILED,
+        "aborted": CliExit.FAILED,
+        "timed_out": CliExit.TIMED_OUT,
+    }
+)
+
+
+def cli_exit(error: ControlPlaneError) -> CliExit:
+    """The `controlplane` exit for an error."""
+    return CLI_EXITS.get(error.code, CliExit.FAILED)
+
+
+def worker_exit(error: ControlPlaneError) -> WorkerExit:
+    """The `fleet-worker run` exit for an error."""
+    return WORKER_EXITS.get(error.code, WorkerExit.ERROR)
+
+
+def error_line(error: ControlPlaneError) -> str:
+    """The one line both command lines end with on a coded error."""
+    return f"error: {error.code}: {error.message}"
+
+
+def internal_line(exc: BaseException) -> str:
+    """The one line for anything unexpected (a bug): still no traceback."""
+    return f"error: {ErrorCode.INTERNAL}: {type(exc).__name__}: {exc}"
+
+
+class AppSettings(TypedDict):
+    """What both command lines' ``typer.Typer(...)`` share: no traceback ever reaches a user
+    (errors end as :func:`error_line`), and no completion commands."""
+
+    no_args_is_help: bool
+    pretty_exceptions_enable: bool
+    add_completion: bool
+
+
+APP_SETTINGS = AppSettings(
+    no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False
+)
