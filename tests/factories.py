@@ -33,6 +33,7 @@ from controlplane.wire.protocol import (
 if TYPE_CHECKING:
     from controlplane.kafka.broker import LocalCluster
     from workers.agent.loop import Agent
+    from workers.agent.settings import WorkerSettings
 
 #: The fold tests' origin: ``at(s)`` is ``s`` seconds after it.
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
@@ -211,34 +212,49 @@ def weights_dir(tmp_path: Path) -> Path:
     return root
 
 
-@asynccontextmanager
-async def running_agent(
-    kafka: KafkaSettings, tmp_path: Path, runner: Any, *, ready_s: float = 30.0, **kw: Any
-) -> AsyncIterator[Agent]:
-    """An in-process agent (worker w1, model=tiny, ckpts under ``tmp_path``) until the block ends.
-
-    ``kw``: more WorkerSettings (or other worker_id, labels, heartbeat_interval_s, roots).
-    """
-    from workers.agent.loop import Agent  # the agent only where one runs
+def agent_settings(kafka: KafkaSettings, tmp_path: Path, /, **kw: Any) -> WorkerSettings:
+    """Worker w1, model=tiny, weights only from ``tmp_path/ckpts``, journal in ``tmp_path/state``,
+    a heartbeat every 0.5 s; ``kw`` overrides any of those or sets more."""
     from workers.agent.settings import WorkerSettings
 
-    settings = WorkerSettings(
-        worker_id=kw.pop("worker_id", "w1"),
-        labels=kw.pop("labels", {"model": "tiny"}),
-        kafka=kafka,
-        allowed_roots=kw.pop("allowed_roots", [tmp_path / "ckpts"]),
-        state_dir=tmp_path / "state",
-        heartbeat_interval_s=kw.pop("heartbeat_interval_s", 0.5),
-        **kw,
-    )
+    values: dict[str, Any] = {
+        "worker_id": "w1",
+        "labels": {"model": "tiny"},
+        "allowed_roots": [tmp_path / "ckpts"],
+        "state_dir": tmp_path / "state",
+        "heartbeat_interval_s": 0.5,
+    }
+    values.update(kw)
+    return WorkerSettings(kafka=kafka, **values)
+
+
+@asynccontextmanager
+async def agent_running(
+    settings: WorkerSettings, runner: Any, *, ready_s: float = 30.0, stop_s: float = 60.0
+) -> AsyncIterator[tuple[Agent, asyncio.Task[None]]]:
+    """An in-process agent and its run task, ready; stopped (and waited for) when the block ends."""
+    from workers.agent.loop import Agent  # the agent only where one runs
+
     agent = Agent(settings, runner)
     task = asyncio.create_task(agent.run())
     try:
         await asyncio.wait_for(agent.ready.wait(), ready_s)
-        yield agent
+        yield agent, task
     finally:
         agent.request_stop()
-        await asyncio.wait_for(task, 60)
+        await asyncio.wait_for(task, stop_s)
+
+
+@asynccontextmanager
+async def running_agent(
+    kafka: KafkaSettings, tmp_path: Path, runner: Any, /, *, ready_s: float = 30.0, **kw: Any
+) -> AsyncIterator[Agent]:
+    """``agent_running`` with ``agent_settings(kafka, tmp_path, **kw)``: the agent alone."""
+    async with agent_running(agent_settings(kafka, tmp_path, **kw), runner, ready_s=ready_s) as (
+        agent,
+        _,
+    ):
+        yield agent
 
 
 def heal(cluster: LocalCluster, nodes: int) -> None:

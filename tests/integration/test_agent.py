@@ -7,8 +7,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from controlplane.wire.protocol import (
     decode_ack,
     utcnow,
 )
+from tests.factories import running_agent, weights_dir
 from tests.fleet import (
     acks_tail,
     has_terminal,
@@ -124,33 +124,7 @@ class RecordingRunner:
 
 @pytest.fixture
 def weights(tmp_path: Path) -> Path:
-    root = tmp_path / "ckpts"
-    root.mkdir()
-    (root / "model.safetensors").write_bytes(b"\0" * 64)
-    return root
-
-
-@asynccontextmanager
-async def running_agent(
-    kafka: KafkaSettings, tmp_path: Path, runner: Any, **kw: Any
-) -> AsyncIterator[Agent]:
-    settings = WorkerSettings(
-        worker_id=kw.pop("worker_id", "w1"),
-        labels=kw.pop("labels", {"model": "tiny"}),
-        kafka=kafka,
-        allowed_roots=[tmp_path / "ckpts"],
-        state_dir=tmp_path / "state",
-        heartbeat_interval_s=kw.pop("heartbeat_interval_s", 0.5),
-        **kw,
-    )
-    agent = Agent(settings, runner)
-    task = asyncio.create_task(agent.run())
-    try:
-        await asyncio.wait_for(agent.ready.wait(), 30)
-        yield agent
-    finally:
-        agent.request_stop()
-        await asyncio.wait_for(task, 60)
+    return weights_dir(tmp_path)
 
 
 async def acks_on_the_topic(kafka: KafkaSettings) -> list[Ack]:

@@ -21,10 +21,9 @@ from controlplane.kafka.broker import BrokerConfig, LocalBroker
 from controlplane.kafka.bus import Admin, Consumer
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.protocol import AckState, ReloadWeightsSpec
-from tests.conftest import free_port
+from tests.factories import agent_running, agent_settings, free_port, weights_dir
 from tests.fleet import acks_tail, has_terminal, make_command, publish, terminal
 from tests.integration.test_agent import RecordingRunner
-from workers.agent.loop import Agent
 from workers.agent.settings import WorkerSettings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -63,21 +62,10 @@ async def test_an_outage_is_logged_once_and_commands_flow_after_it(
     )
     async with Admin(kafka) as admin:
         await admin.ensure_topics(kafka.topics)
-    ckpts = tmp_path / "ckpts"
-    ckpts.mkdir()
-    (ckpts / "model.safetensors").write_bytes(b"\0" * 64)
-    settings = WorkerSettings(
-        worker_id="w1",
-        kafka=kafka,
-        allowed_roots=[ckpts],
-        state_dir=tmp_path / "state",
-        heartbeat_interval_s=0.5,
-    )
+    ckpts = weights_dir(tmp_path)
     runner = RecordingRunner()
-    agent = Agent(settings, runner)
-    task = asyncio.create_task(agent.run())
-    try:
-        await asyncio.wait_for(agent.ready.wait(), 60)
+    settings = agent_settings(kafka, tmp_path, labels={})
+    async with agent_running(settings, runner, ready_s=60, stop_s=120) as (_, task):
         await asyncio.to_thread(broker.stop)
         # A heartbeat waits for Kafka at most three periods: each one fails, said once.
         await _until(lambda: len(_records(caplog, "heartbeat failed")) >= 3, "heartbeats fail")
@@ -88,9 +76,6 @@ async def test_an_outage_is_logged_once_and_commands_flow_after_it(
             await acks.until(has_terminal(cmd.command_id), timeout=120)
         await _until(lambda: bool(_records(caplog, "heartbeats sent again")), "heartbeats again")
         assert not task.done()
-    finally:
-        agent.request_stop()
-        await asyncio.wait_for(task, 120)
     assert terminal(acks.items, cmd.command_id)[0].state is AckState.SUCCEEDED
     assert runner.applied == ["v2"]
     loud = [
@@ -118,15 +103,9 @@ async def test_a_stop_during_an_outage_does_not_wait_for_kafka(
         worker_id="w1", kafka=kafka, state_dir=tmp_path / "state", heartbeat_interval_s=0.5
     )
     runner = RecordingRunner()
-    agent = Agent(settings, runner)
-    task = asyncio.create_task(agent.run())
-    try:
-        await asyncio.wait_for(agent.ready.wait(), 60)
+    async with agent_running(settings, runner, ready_s=60):
         await asyncio.to_thread(broker.stop)
         await _until(lambda: bool(_records(caplog, "heartbeat failed")), "a heartbeat fails")
-    finally:
-        agent.request_stop()
-        await asyncio.wait_for(task, 60)
     assert runner.closed
 
 
@@ -145,39 +124,26 @@ async def test_an_ack_kafka_cannot_take_is_said_once_and_published_once_when_it_
     )
     async with Admin(kafka) as admin:
         await admin.ensure_topics(kafka.topics)
-    ckpts = tmp_path / "ckpts"
-    ckpts.mkdir()
-    (ckpts / "model.safetensors").write_bytes(b"\0" * 64)
-    settings = WorkerSettings(
-        worker_id="w1",
-        kafka=kafka,
-        allowed_roots=[ckpts],
-        state_dir=tmp_path / "state",
-        heartbeat_interval_s=0.5,
-        progress_grace_s=0,
-    )
+    ckpts = weights_dir(tmp_path)
+    settings = agent_settings(kafka, tmp_path, labels={}, progress_grace_s=0)
     gate = threading.Event()
     runner = RecordingRunner(gate=gate)
-    agent = Agent(settings, runner)
     cmd = make_command(ReloadWeightsSpec(path=str(ckpts / "model.safetensors"), version="v2"))
-    task = asyncio.create_task(agent.run())
-    try:
-        await asyncio.wait_for(agent.ready.wait(), 60)
-        async with acks_tail(kafka) as acks:
-            await publish(kafka, cmd)
-            await acks.until(lambda items: AckState.RUNNING in [a.state for a in items])
-        await asyncio.to_thread(broker.stop)
-        gate.set()
-        await _until(lambda: bool(_records(caplog, "cannot publish to Kafka")), "said")
-        await _until(lambda: bool(_records(caplog, "heartbeat failed")), "heartbeats fail")
-        await asyncio.to_thread(broker.start, timeout=120)
-        await _until(lambda: bool(_records(caplog, "acks published again")), "published")
-        await _committed(kafka, 1)
-        assert not task.done()
-    finally:
-        gate.set()
-        agent.request_stop()
-        await asyncio.wait_for(task, 120)
+    async with agent_running(settings, runner, ready_s=60, stop_s=120) as (_, task):
+        try:
+            async with acks_tail(kafka) as acks:
+                await publish(kafka, cmd)
+                await acks.until(lambda items: AckState.RUNNING in [a.state for a in items])
+            await asyncio.to_thread(broker.stop)
+            gate.set()
+            await _until(lambda: bool(_records(caplog, "cannot publish to Kafka")), "said")
+            await _until(lambda: bool(_records(caplog, "heartbeat failed")), "heartbeats fail")
+            await asyncio.to_thread(broker.start, timeout=120)
+            await _until(lambda: bool(_records(caplog, "acks published again")), "published")
+            await _committed(kafka, 1)
+            assert not task.done()
+        finally:
+            gate.set()
     async with acks_tail(kafka) as acks:
         await acks.until(has_terminal(cmd.command_id))
         await acks.drain(1.0)

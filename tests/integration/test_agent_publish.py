@@ -15,8 +15,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, cast
 
@@ -29,12 +29,13 @@ from controlplane.kafka.bus import Consumer, Delivery, Producer
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.errors import BusError, ErrorCode
 from controlplane.wire.protocol import AckState, Heartbeat, ReloadWeightsSpec, decode_ack
+from tests import factories
+from tests.factories import weights_dir
 from tests.fleet import acks_tail, heartbeats_tail, latest, make_command, publish, terminal
 from tests.integration.test_agent import RecordingRunner, acks_on_the_topic
 from workers.agent import loop as agent_module
 from workers.agent.journal import WorkerState
 from workers.agent.loop import Agent
-from workers.agent.settings import WorkerSettings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -136,33 +137,17 @@ def lines(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
 
 @pytest.fixture
 def weights(tmp_path: Path) -> Path:
-    root = tmp_path / "ckpts"
-    root.mkdir()
-    (root / "model.safetensors").write_bytes(b"\0" * 64)
-    return root
+    return weights_dir(tmp_path)
 
 
-@asynccontextmanager
-async def agent_running(
+def agent_running(
     kafka: KafkaSettings, tmp_path: Path, runner: RecordingRunner, **kw: Any
-) -> AsyncIterator[tuple[Agent, asyncio.Task[None]]]:
+) -> AbstractAsyncContextManager[tuple[Agent, asyncio.Task[None]]]:
     """An agent whose publishes are unconfirmed after 1 s (the delivery timeout)."""
-    settings = WorkerSettings(
-        worker_id="w1",
-        kafka=kafka.model_copy(update={"delivery_timeout_ms": 1000}),
-        allowed_roots=[tmp_path / "ckpts"],
-        state_dir=tmp_path / "state",
-        heartbeat_interval_s=0.5,
-        **kw,
+    slow = kafka.model_copy(update={"delivery_timeout_ms": 1000})
+    return factories.agent_running(
+        factories.agent_settings(slow, tmp_path, labels={}, **kw), runner, ready_s=60
     )
-    agent = Agent(settings, runner)
-    task = asyncio.create_task(agent.run())
-    try:
-        await asyncio.wait_for(agent.ready.wait(), 60)
-        yield agent, task
-    finally:
-        agent.request_stop()
-        await asyncio.wait_for(task, 60)
 
 
 def reporting(heartbeats: list[Heartbeat]) -> Heartbeat | None:
