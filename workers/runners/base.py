@@ -13,13 +13,13 @@ import json
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
-from controlplane.wire.errors import ErrorCode, RunnerError
+from controlplane.wire.errors import ErrorCode, RunnerError, WeightsCorrupted
 from controlplane.wire.protocol import ReloadWeightsSpec
 from workers.weights.stats import LoadStats
 
@@ -41,6 +41,17 @@ class DegradedInfo:
     from_version: str | None
     to_version: str
     since: datetime
+
+    @classmethod
+    def of(cls, error: WeightsCorrupted) -> DegradedInfo:
+        """The state ``error`` leaves a runner in, from now on."""
+        return cls(
+            code=error.code.value,
+            message=error.message,
+            from_version=error.from_version,
+            to_version=error.to_version,
+            since=datetime.now(UTC),
+        )
 
 
 @dataclass(frozen=True)

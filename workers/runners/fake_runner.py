@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -107,28 +106,20 @@ class FakeRunner:
                     from_version=self._version,
                     to_version=spec.version,
                 )
-                self._degraded = DegradedInfo(
-                    code=error.code.value,
-                    message=error.message,
-                    from_version=self._version,
-                    to_version=spec.version,
-                    since=datetime.now(UTC),
-                )
+                self._degraded = DegradedInfo.of(error)
                 raise error
             self._version = spec.version
             self._degraded = None
             self.history.append(spec.version)
         size = sum(f.stat().st_size for f in files)
-        duration = time.perf_counter() - started
-        return ReloadResult(
-            version=spec.version,
+        return ReloadResult.measured(
+            spec.version,
             files=len(files),
             tensors=0,
-            bytes=size,
-            validate_s=0.0,
-            copy_s=duration,
-            duration_s=duration,
-            gbps=size / duration / 1e9 if duration > 0 else 0.0,
+            nbytes=size,
+            started=started,
+            copy_started=started,  # nothing is checked: all of it counts as the copy
+            finished=time.perf_counter(),
         )
 
     def update_config(self, overrides: dict[str, JsonValue]) -> RunnerDescription:

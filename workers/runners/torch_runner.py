@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -223,13 +222,7 @@ class TorchRunner:
                 )
             except WeightsCorrupted as exc:
                 with self._state:
-                    self._degraded = DegradedInfo(
-                        code=exc.code.value,
-                        message=exc.message,
-                        from_version=exc.from_version,
-                        to_version=exc.to_version,
-                        since=datetime.now(UTC),
-                    )
+                    self._degraded = DegradedInfo.of(exc)
                 raise
             finally:
                 self._set_phase("idle", (0, 0))

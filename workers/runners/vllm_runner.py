@@ -14,7 +14,6 @@ import importlib.util
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ from workers.runners.vllm_config import (
 )
 from workers.runners.vllm_engine import Engine, InProcessEngine, VllmRunnerOptions
 from workers.runners.vllm_sidecar import SidecarClient, SidecarEngine
-from workers.weights.checks import DTYPES, TensorEntry, plan_copy, verify_sha256
+from workers.weights.checks import DTYPES, TensorEntry, failure_reason, plan_copy, verify_sha256
 from workers.weights.loaders import open_checkpoint
 from workers.weights.paths import checkpoint_files
 from workers.weights.snapshot import VLLM_INDEX_NAME, SnapshotRoot, snapshot_checkpoint
@@ -126,12 +125,13 @@ class VllmRunner:
                 self._snapshots, self._loaded_dir = snapshots, weights_dir
                 self._started_s = time.perf_counter() - started
                 if was_paused:
-                    self._degraded = self._degraded_info(
+                    paused = WeightsCorrupted(
                         "the sidecar was found paused: an earlier reload did not finish; "
                         "reload a version to recover",
-                        self._version,
-                        self._version,
+                        from_version=self._version,
+                        to_version=self._version,
                     )
+                    self._degraded = DegradedInfo.of(paused)
 
     def close(self) -> None:
         with self._lock, self._state:
@@ -175,17 +175,14 @@ class VllmRunner:
             finally:
                 self._set_phase("idle")
             finished = time.perf_counter()
-            nbytes = sum(e.nbytes for e in entries.values())
-            rpc_s = finished - rpc_started
-            result = ReloadResult(
-                version=spec.version,
+            result = ReloadResult.measured(
+                spec.version,
                 files=files,
                 tensors=len(entries),
-                bytes=nbytes,
-                validate_s=rpc_started - started,
-                copy_s=rpc_s,
-                duration_s=finished - started,
-                gbps=nbytes / rpc_s / 1e9 if rpc_s > 0 else 0.0,
+                nbytes=sum(e.nbytes for e in entries.values()),
+                started=started,
+                copy_started=rpc_started,  # vLLM's own load counts as the copy
+                finished=finished,
             )
             with self._state:
                 self._reference, self._weights_dir = _manifest(entries), weights_dir
@@ -258,7 +255,7 @@ class VllmRunner:
         try:
             engine.reload(str(weights_dir))
         except Exception as exc:
-            reason = _reason(exc)
+            reason = failure_reason(exc)
             if from_dir is not None and self._restore(engine, from_dir):
                 raise RunnerError(
                     f"vLLM failed to reload {version!r} ({reason}); restored {from_version!r}",
@@ -281,7 +278,7 @@ class VllmRunner:
             engine.resume()
         except Exception as exc:
             raise self._corrupted(
-                f"reloaded {version!r} but could not resume serving ({_reason(exc)}); "
+                f"reloaded {version!r} but could not resume serving ({failure_reason(exc)}); "
                 "reload again to recover",
                 from_version,
                 version,
@@ -308,20 +305,11 @@ class VllmRunner:
         return False
 
     def _corrupted(self, message: str, from_version: str | None, to_version: str) -> RunnerError:
-        info = self._degraded_info(message, from_version, to_version)
+        error = WeightsCorrupted(message, from_version=from_version, to_version=to_version)
+        info = DegradedInfo.of(error)
         with self._state:
             self._degraded = info
-        return WeightsCorrupted(message, from_version=from_version, to_version=to_version)
-
-    @staticmethod
-    def _degraded_info(message: str, from_version: str | None, to_version: str) -> DegradedInfo:
-        return DegradedInfo(
-            code=ErrorCode.WEIGHTS_CORRUPTED.value,
-            message=message,
-            from_version=from_version,
-            to_version=to_version,
-            since=datetime.now(UTC),
-        )
+        return error
 
     # ------------------------------------------------------------------ config
 
@@ -429,12 +417,6 @@ def _files_vllm_reads(weights_dir: Path, within: Sequence[Path]) -> list[Path]:
     if index.is_file():
         return checkpoint_files(index, within).files
     return sorted(p for p in weights_dir.glob("*.safetensors") if p.is_file())
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, RunnerError):
-        return exc.message
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _layout(
