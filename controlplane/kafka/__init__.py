@@ -1,2 +1,2 @@
-"""Kafka: the bus (the only aiokafka importer), the local broker and cluster launcher, Kafka
-settings, the service lifecycle."""
+"""Kafka: the bus (producer, consumer, admin, health over one client base: the only aiokafka
+importers), the local broker and cluster launcher, Kafka settings, the service lifecycle."""

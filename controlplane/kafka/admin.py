@@ -1,0 +1,305 @@
+"""Topic administration (create, check against what this version needs) and the cluster probe."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.errors import KafkaError, for_code
+
+from controlplane.kafka.client import ClientLifecycle, client_options, translate
+from controlplane.kafka.health import health
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.wire.errors import BusError, ErrorCode, TopicMismatch
+from controlplane.wire.topics import Topics, TopicSpec
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class EnsureReport:
+    created: list[str]
+    existing: list[str]
+    #: What the created topics got and the existing ones were checked against.
+    replication_factor: int | None = None
+    min_insync_replicas: int | None = None
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    bootstrap: str
+    brokers: int
+    controller_id: int | None
+    cluster_id: str | None
+
+
+class Admin(ClientLifecycle):
+    def __init__(self, settings: KafkaSettings) -> None:
+        self._admin = AIOKafkaAdminClient(**client_options(settings))
+        #: How long a request is tried again while a broker is unavailable.
+        self._retry_s = settings.request_timeout_ms / 1000
+
+    async def _start(self) -> None:
+        with translate("connecting the admin client"):
+            await self._admin.start()
+        health.succeeded()
+
+    async def _stop(self) -> None:
+        await self._admin.close()
+
+    async def _retrying(self, what: str, call: Callable[[], Awaitable[R]]) -> R:
+        """``call()``, tried again for up to the request timeout while Kafka is unavailable.
+
+        A broker that died stays in the cluster's metadata until the cluster fences it (about
+        9 s), and aiokafka sends an admin request to a random broker, or to the cached
+        controller, where it waits for a connection for the whole request timeout: one dead node
+        of three must not fail ``topics ensure``. So each attempt has at most a few seconds, and
+        each retry refreshes the metadata first. (A create that timed out after it was sent is
+        answered TOPIC_ALREADY_EXISTS when tried again.)
+        """
+        deadline = time.monotonic() + self._retry_s
+        attempt_s = min(5.0, self._retry_s)
+        failed = False
+        while True:
+            try:
+                with translate(what):
+                    async with asyncio.timeout(attempt_s):
+                        result = await call()
+            except BusError as exc:
+                if exc.code is not ErrorCode.BROKER_UNAVAILABLE or time.monotonic() >= deadline:
+                    raise
+                failed = True
+            else:
+                if failed:
+                    health.succeeded()
+                return result
+            with contextlib.suppress(KafkaError, OSError, TimeoutError):
+                await self._admin._client.force_metadata_update()
+            await asyncio.sleep(0.25)
+
+    async def ensure_topics(self, topics: Topics) -> EnsureReport:
+        """Create missing topics; verify existing ones. Idempotent; raises TopicMismatch.
+
+        A replication factor of None is the cluster's ``default.replication.factor`` (read from
+        a broker); the topics are created with it and existing ones are checked against it, as
+        are their partitions and configs (``min.insync.replicas`` included). A factor the
+        cluster cannot give (more replicas than brokers) is a :class:`BusError` with the
+        broker's own words.
+        """
+        if topics.replication_factor is None:
+            topics = topics.resolved(await self._default_replication_factor())
+        rf = topics.replication_factor
+        assert rf is not None  # resolved above
+        min_isr = topics.effective_min_insync_replicas
+        if min_isr is not None and min_isr > rf:
+            raise BusError(
+                f"min.insync.replicas {min_isr} exceeds the replication factor {rf}: "
+                "no write to these topics could ever be acknowledged",
+                code=ErrorCode.SETTINGS_INVALID,
+            )
+        specs = topics.all()
+        existing = set(await self._retrying("listing topics", self._admin.list_topics))
+        missing = [s for s in specs if s.name not in existing]
+        if missing:
+            new_topics = [
+                NewTopic(
+                    s.name,
+                    num_partitions=s.partitions,
+                    replication_factor=rf,
+                    topic_configs=dict(s.config),
+                )
+                for s in missing
+            ]
+            # Tried again only when it was not answered: then a topic it did create comes
+            # back as TOPIC_ALREADY_EXISTS and is checked like any existing one.
+            resp = await self._retrying(
+                "creating topics", lambda: self._admin.create_topics(new_topics)
+            )
+            failures: list[str] = []
+            for name, code, message in _topic_errors(resp):
+                if code == 36:  # TOPIC_ALREADY_EXISTS: listed late, or a concurrent creator won
+                    existing.add(name)
+                elif code != 0:
+                    failures.append(f"{name}: {_kafka_error_name(code)}: {message or ''}".strip())
+            if failures:
+                # INVALID_REPLICATION_FACTOR (38, e.g. more replicas than brokers) and
+                # INVALID_CONFIG (40) are settings the cluster cannot honour.
+                raise BusError(
+                    f"creating topics with replication factor {rf} failed:\n  "
+                    + "\n  ".join(failures),
+                    code=ErrorCode.SETTINGS_INVALID
+                    if {c for _, c, _ in _topic_errors(resp)} & {38, 40}
+                    else ErrorCode.KAFKA_ERROR,
+                )
+        # Whatever we did not create ourselves is checked against what we need.
+        present = [s for s in specs if s.name in existing]
+        missing = [s for s in missing if s.name not in existing]
+        differences = await self._differences(present) if present else []
+        if differences:
+            hints = []
+            if any("=" in d for d in differences):
+                hints.append(
+                    "a config can be changed in place: kafka-configs.sh --bootstrap-server "
+                    "HOST:PORT --alter --entity-type topics --entity-name TOPIC "
+                    "--add-config KEY=VALUE"
+                )
+            if any("replication factor" in d for d in differences):
+                hints.append(
+                    "a replication factor is changed by reassigning the partitions "
+                    "(kafka-reassign-partitions.sh --bootstrap-server HOST:PORT "
+                    "--reassignment-json-file FILE --execute), or by recreating the topic"
+                )
+            raise TopicMismatch(
+                "existing topics differ from what this version needs:\n  "
+                + "\n  ".join(differences)
+                + "".join(f"\n  {h}" for h in hints),
+                differences=differences,
+            )
+        return EnsureReport(
+            created=[s.name for s in missing],
+            existing=[s.name for s in present],
+            replication_factor=rf,
+            min_insync_replicas=min_isr,
+        )
+
+    async def _default_replication_factor(self) -> int:
+        """The cluster's ``default.replication.factor``, as one of its brokers reports it."""
+        key = "default.replication.factor"
+        attempt = 0
+
+        async def ask() -> list[Any]:
+            nonlocal attempt
+            cluster = await self._admin.describe_cluster()
+            brokers = sorted(b["node_id"] for b in cluster.get("brokers", []))
+            if not brokers:
+                raise BusError("the cluster reports no brokers", code=ErrorCode.BROKER_UNAVAILABLE)
+            # Another broker on each attempt: the one asked may be dead and not fenced yet.
+            broker = brokers[attempt % len(brokers)]
+            attempt += 1
+            resource = ConfigResource(ConfigResourceType.BROKER, str(broker), {key: None})
+            return list(await self._admin.describe_configs([resource]))
+
+        configs = await self._retrying("reading the cluster's default replication factor", ask)
+        for resp in configs:
+            for resource in resp.resources:
+                error_code, error_message, name, entries = (
+                    resource[0],
+                    resource[1],
+                    resource[3],
+                    resource[4],
+                )
+                if error_code != 0:
+                    raise BusError(
+                        f"reading {key} of broker {name}: "
+                        f"{_kafka_error_name(error_code)}: {error_message or ''}".strip()
+                        + "; a replication factor set explicitly needs no such read"
+                    )
+                for entry in entries or []:
+                    if entry[0] == key and entry[1] is not None:
+                        return int(entry[1])
+        raise BusError(f"the cluster did not report {key}")
+
+    async def _differences(self, specs: list[TopicSpec]) -> list[str]:
+        # A topic created a moment ago (by someone else) may not be described yet: no partitions,
+        # no configs. Wait for it briefly rather than report a mismatch that is not there.
+        for _ in range(40):
+            partitions, actual_cfg = await self._describe(specs)
+            if all(partitions.get(s.name) and s.name in actual_cfg for s in specs):
+                break
+            await asyncio.sleep(0.25)
+        diffs: list[str] = []
+        for s in specs:
+            replicas = partitions.get(s.name)
+            if replicas and len(replicas) != s.partitions:
+                diffs.append(f"{s.name}: {len(replicas)} partitions, expected {s.partitions}")
+            if replicas and s.replication_factor is not None:
+                # The weakest partition is what a broker's loss can cost.
+                have_rf = min(replicas)
+                if have_rf != s.replication_factor or max(replicas) != s.replication_factor:
+                    have = (
+                        str(have_rf)
+                        if have_rf == max(replicas)
+                        else f"{have_rf} to {max(replicas)}"
+                    )
+                    diffs.append(
+                        f"{s.name}: replication factor {have}, expected {s.replication_factor}"
+                    )
+            for key, want in s.config.items():
+                got = actual_cfg.get(s.name, {}).get(key)
+                if got != want:
+                    diffs.append(f"{s.name}: {key}={got}, expected {want}")
+        return diffs
+
+    async def _describe(
+        self, specs: list[TopicSpec]
+    ) -> tuple[dict[str, list[int]], dict[str, dict[str, str]]]:
+        """Per topic: the replica count of each of its partitions, and its configs."""
+        names = [s.name for s in specs]
+        described = await self._retrying(
+            "describing topics", lambda: self._admin.describe_topics(names)
+        )
+        configs = await self._retrying(
+            "describing topic configs",
+            lambda: self._admin.describe_configs(
+                [ConfigResource(ConfigResourceType.TOPIC, name) for name in names]
+            ),
+        )
+        partitions = {d["topic"]: [len(p["replicas"]) for p in d["partitions"]] for d in described}
+        actual_cfg: dict[str, dict[str, str]] = {}
+        for resp in configs:
+            for resource in resp.resources:
+                # (error_code, error_message, resource_type, resource_name, config_entries)
+                error_code, name, entries = resource[0], resource[3], resource[4]
+                if error_code == 0 and entries:
+                    actual_cfg[name] = {e[0]: e[1] for e in entries}
+        return partitions, actual_cfg
+
+
+def _kafka_error_name(code: int) -> str:
+    """``INVALID_REPLICATION_FACTOR (38)``: the protocol's name of an error code, and the code."""
+    name = getattr(for_code(code), "message", None)
+    return f"{name} ({code})" if isinstance(name, str) and name else f"error {code}"
+
+
+def _topic_errors(resp: Any) -> list[tuple[str, int, str | None]]:
+    out = []
+    for item in resp.topic_errors:
+        name, code = item[0], item[1]
+        message = item[2] if len(item) > 2 else None
+        out.append((name, code, message))
+    return out
+
+
+async def probe(bootstrap: str, *, timeout: float = 10.0) -> ClusterInfo:
+    """Ask the cluster for its metadata: proof that it is up and serving."""
+    settings = KafkaSettings(
+        bootstrap_servers=bootstrap, request_timeout_ms=max(1000, int(timeout * 1000))
+    )
+    admin = Admin(settings)
+    try:
+        async with asyncio.timeout(timeout):
+            await admin.start()
+            with translate("describing the cluster"):
+                info = await admin._admin.describe_cluster()
+    except TimeoutError:
+        raise BusError(
+            f"no metadata from {bootstrap} within {timeout}s", code=ErrorCode.BROKER_UNAVAILABLE
+        ) from None
+    finally:
+        await admin.stop()
+    return ClusterInfo(
+        bootstrap=bootstrap,
+        brokers=len(info.get("brokers", [])),
+        controller_id=info.get("controller_id"),
+        cluster_id=info.get("cluster_id"),
+    )
+
+
+def probe_sync(bootstrap: str, *, timeout: float = 10.0) -> ClusterInfo:
+    return asyncio.run(probe(bootstrap, timeout=timeout))
