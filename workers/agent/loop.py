@@ -70,6 +70,7 @@ from controlplane.wire.protocol import (
 )
 from controlplane.wire.topics import worker_key
 from workers.agent import failpoints
+from workers.agent.durable import Applied, ConfigApplied, Journal
 from workers.agent.journal import WorkerState
 from workers.agent.session import AgentLog, StopSignal, WorkerView
 from workers.agent.settings import WorkerSettings
@@ -99,6 +100,17 @@ class _Outcome:
     started_at: datetime | None = None
     #: The runner's description after the command, when the runner returned one.
     description: RunnerDescription | None = None
+    #: What the command applied, for the journal (phase 1) to re-apply after a restart.
+    applied: Applied | None = None
+
+
+@dataclass(frozen=True)
+class Handled:
+    """How one record ended: with a terminal ack published (now or before), and the id of a
+    journaled ack published just now (phase 2 marks it published)."""
+
+    acked: bool
+    published: str | None = None
 
 
 class Agent:
@@ -141,7 +153,7 @@ class Agent:
         self._last_beat = 0.0  # time.monotonic() of the last heartbeat built
         self._producer: Producer | None = None
         self._consumer: Consumer | None = None
-        self._state: WorkerState | None = None
+        self._journal: Journal | None = None
         #: The command in hand's accepted and running acks, until the grace or its end.
         self._held: tuple[Ack, ...] = ()
         #: Those acks once released at the grace, on their way (see _release_progress).
@@ -167,7 +179,10 @@ class Agent:
         closing is logged and never hides the one that stopped the worker.
         """
         try:
-            self._state = WorkerState.open(self.settings.worker_state_dir)
+            directory = self.settings.worker_state_dir
+            self._journal = Journal(
+                WorkerState.open(directory), directory, on_failure=self._journal_failed
+            )
             async with (
                 Producer(self.settings.kafka) as producer,
                 Consumer(
@@ -228,8 +243,8 @@ class Agent:
                     raise
                 await self._beat()  # the degraded heartbeat, best effort; then stop
             except _AcksLeftUnpublished:
-                assert self._state is not None
-                left = sum(1 for o in self._state.outcomes.values() if not o.published)
+                assert self._journal is not None
+                left = len(self._journal.unpublished())
                 self._log(
                     logging.WARNING,
                     "stopping: Kafka has not confirmed acks within the drain timeout"
@@ -249,8 +264,8 @@ class Agent:
         """Close the journal, then the runner (always); errors are logged, never raised over
         the one that stopped the worker. A journal that cannot be closed when nothing else
         failed is the error run() raises."""
-        if self._state is not None:
-            error = self._state.close()  # never raises: returns what it could not write
+        if self._journal is not None:
+            error = self._journal.close()  # never raises: returns what it could not write
             if error is not None:
                 self._log(logging.ERROR, "the journal could not be closed: %s", error)
                 if self._failed is None:
@@ -270,7 +285,7 @@ class Agent:
         position is fixed before the first heartbeat, so a command published after a worker
         is visible as live is always seen by it.
         """
-        assert self._consumer is not None and self._state is not None
+        assert self._consumer is not None and self._journal is not None
         topic = self.topics.commands.name
         await self._consumer.assign(topic, [0])
         committed = await self._consumer.committed(topic, 0)
@@ -278,8 +293,8 @@ class Agent:
         end = (await self._consumer.end_offsets(topic))[0]
         if committed is not None:
             start, source = committed, "committed offset"
-        elif self._state.next_offset is not None:
-            start, source = self._state.next_offset, "local state (committed offset expired)"
+        elif self._journal.next_offset is not None:
+            start, source = self._journal.next_offset, "local state (committed offset expired)"
         else:
             start, source = end, "head of the log (new worker)"
         if start < begin:
@@ -289,15 +304,14 @@ class Agent:
             start = begin
         self._consumer.seek(topic, 0, start)
         # Remember where this incarnation starts, so a crash before its first commit resumes here.
-        self._state.set_offset(start)
-        await self._sync()
+        await self._journal.commit_published((), start)
         self._log(logging.INFO, "reading %s from offset %d (%s)", topic, start, source)
 
     async def _publish_pending_acks(self) -> None:
         """Terminal acks recorded but not known to be published (a crash, or a stop while the
         cluster did not take them): publish them, together, then mark them published."""
-        assert self._state is not None
-        pending = [o.ack for o in self._state.outcomes.values() if not o.published]
+        assert self._journal is not None
+        pending = self._journal.unpublished()
         if not pending:
             return
         self._log(
@@ -306,14 +320,11 @@ class Agent:
             len(pending),
         )
         await self._publish_acks([self._replayed(ack) for ack in pending])
-        for ack in pending:
-            self._state.mark_published(ack.command_id)
-        await self._sync()
+        await self._journal.commit_published([ack.command_id for ack in pending])
 
     async def _load_runner(self) -> None:
         """Load the model. If that fails the worker keeps running, degraded (RUNNER_LOAD_FAILED
         in its heartbeats), and the runner refuses reloads with MODEL_NOT_LOADED."""
-        assert self._state is not None
         try:
             await asyncio.to_thread(self.runner.load)
         except Exception as exc:
@@ -333,15 +344,15 @@ class Agent:
 
     async def _restore(self) -> None:
         """Re-apply what this worker had applied before a restart (level, not events)."""
-        assert self._state is not None
-        if self._state.config_overrides:
+        assert self._journal is not None
+        if self._journal.config_overrides:
             try:
                 await asyncio.to_thread(
-                    self.runner.update_config, dict(self._state.config_overrides)
+                    self.runner.update_config, dict(self._journal.config_overrides)
                 )
             except Exception as exc:
                 self._log(logging.ERROR, "could not restore config overrides: %s", exc)
-        spec = self._state.weights
+        spec = self._journal.weights
         if spec is not None:
             try:
                 path = resolve_weights_path(spec.path, self.settings.allowed_roots)
@@ -372,8 +383,8 @@ class Agent:
             for record in records:
                 if self._stop.is_set():
                     break  # not committed: seen again after a restart
-                acked = await self._handle(record)
-                await self._commit(topic, record.offset + 1, acked=acked)
+                handled = await self._handle(record)
+                await self._commit(topic, record.offset + 1, handled)
 
     def _fetch_failed(self, exc: BusError) -> None:
         """Log an outage once when it starts (and once when it ends), not at every retry."""
@@ -388,30 +399,31 @@ class Agent:
         else:
             self._log(logging.DEBUG, "fetch failed, retrying: %s", exc)
 
-    async def _commit(self, topic: str, next_offset: int, *, acked: bool) -> None:
-        """Journal phase 2, then Kafka: the next offset (with the "published" mark of the ack
-        just sent, staged by _finish or _replay_outcome) in one fsync, then the commit."""
-        assert self._consumer is not None and self._state is not None
-        self._state.set_offset(next_offset)
-        await self._sync()
-        if acked:
+    async def _commit(self, topic: str, next_offset: int, handled: Handled) -> None:
+        """Journal phase 2, then Kafka: the "published" mark of the ack just sent (if any) and
+        the next offset, in one fsync, then the commit."""
+        assert self._consumer is not None and self._journal is not None
+        published = () if handled.published is None else (handled.published,)
+        await self._journal.commit_published(published, next_offset)
+        if handled.acked:
             failpoints.hit("after_ack")
         try:
             await self._consumer.commit(topic, 0, next_offset)
         except BusError as exc:  # the local state still has it; Kafka catches up at the next one
             self._log(logging.WARNING, "commit of offset %d failed: %s", next_offset, exc)
 
-    async def _handle(self, record: Record) -> bool:
-        """Handle one record. True if it ended with a terminal ack published (now or before)."""
+    async def _handle(self, record: Record) -> Handled:
+        """Handle one record: whether it ended with a terminal ack published (now or before)."""
         received = self.clock()
         try:
             command = decode_command(record.value or b"", max_bytes=self.settings.max_message_bytes)
         except ProtocolError as exc:
             return await self._handle_garbage(record, exc, received)
         if not command.selector.matches(self.worker_id, self.settings.labels):
-            return False
-        if await self._replay_outcome(command.command_id):
-            return True
+            return Handled(acked=False)
+        replay = await self._replay_outcome(command.command_id)
+        if replay is not None:
+            return replay
         rejected = self._precheck(command, received)
         if isinstance(rejected, ControlPlaneError):
             await self._finish(
@@ -421,7 +433,7 @@ class Agent:
                 received,
                 _Outcome(AckState.REJECTED, _ack_error(rejected)),
             )
-            return True
+            return Handled(acked=True, published=command.command_id)
         path = rejected
         started = self.clock()
         self._view.in_flight = InFlight(
@@ -469,9 +481,11 @@ class Agent:
             await self._view.refresh(self.runner, self._log)
         self._view.status = self._view.idle_status(self._stop.is_set())
         await self._finish(command.command_id, command.rollout_id, command.kind, received, outcome)
-        return True
+        return Handled(acked=True, published=command.command_id)
 
-    async def _handle_garbage(self, record: Record, exc: ProtocolError, received: datetime) -> bool:
+    async def _handle_garbage(
+        self, record: Record, exc: ProtocolError, received: datetime
+    ) -> Handled:
         """NACK a record that did not decode, where its command id can be read.
 
         The NACK is published but never journaled: an id read from bytes that are not a command
@@ -480,9 +494,10 @@ class Agent:
         """
         self._log(logging.WARNING, "unreadable command at offset %d: %s", record.offset, exc)
         if exc.command_id is None:
-            return False
-        if await self._replay_outcome(exc.command_id):
-            return True
+            return Handled(acked=False)
+        replay = await self._replay_outcome(exc.command_id)
+        if replay is not None:
+            return replay
         nack = self._ack(
             exc.command_id,
             exc.rollout_id or "unknown",
@@ -502,7 +517,7 @@ class Agent:
             command_id=exc.command_id,
             rollout_id=exc.rollout_id,
         )
-        return True
+        return Handled(acked=True)  # not journaled: nothing to mark published
 
     def _precheck(self, command: Command, now: datetime) -> Path | ControlPlaneError | None:
         """Checks before anything is touched: expiry, issue time, TTL and weights path.
@@ -534,15 +549,15 @@ class Agent:
                 return exc
         return None
 
-    async def _replay_outcome(self, command_id: str) -> bool:
+    async def _replay_outcome(self, command_id: str) -> Handled | None:
         """Already ended here (redelivery after a crash)? Then re-publish its ack if needed.
 
-        The "published" mark is staged; the caller syncs it (with the next offset, or at start).
+        None if not; the caller marks a re-published ack published (with the next offset).
         """
-        assert self._state is not None
-        prior = self._state.outcome(command_id)
+        assert self._journal is not None
+        prior = self._journal.outcome(command_id)
         if prior is None:
-            return False
+            return None
         if not prior.published:
             ack = self._replayed(prior.ack)
             self._log(
@@ -553,7 +568,7 @@ class Agent:
                 rollout_id=ack.rollout_id,
             )
             await self._publish_acks((ack,))
-            self._state.mark_published(command_id)
+            return Handled(acked=True, published=command_id)
         else:
             self._log(
                 logging.INFO,
@@ -562,7 +577,7 @@ class Agent:
                 command_id=command_id,
                 rollout_id=prior.ack.rollout_id,
             )
-        return True
+        return Handled(acked=True)
 
     def _replayed(self, ack: Ack) -> Ack:
         """A journaled terminal ack, to publish again."""
@@ -576,7 +591,6 @@ class Agent:
 
     async def _execute(self, command: Command, path: Path | None) -> _Outcome:
         """Run the command in a thread under its timeout and the drain deadline."""
-        assert self._state is not None
         spec = command.spec
         cancel = threading.Event()
         call: Callable[[], ReloadResult | RunnerDescription]
@@ -642,14 +656,13 @@ class Agent:
                 AckError(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}"),
             )
         if isinstance(spec, ReloadWeightsSpec) and isinstance(value, ReloadResult):
-            self._state.set_weights(spec)
-            return _Outcome(AckState.SUCCEEDED, result=value.as_dict())
+            return _Outcome(AckState.SUCCEEDED, result=value.as_dict(), applied=spec)
         if isinstance(spec, UpdateConfigSpec) and isinstance(value, RunnerDescription):
-            self._state.add_config(dict(spec.overrides))
             return _Outcome(
                 AckState.SUCCEEDED,
                 result={"overrides": sorted(spec.overrides)},
                 description=value,  # the runner's state after the update: no describe() call
+                applied=ConfigApplied(spec.overrides),
             )
         return _Outcome(  # pragma: no cover - a runner returned the wrong type
             AckState.FAILED,
@@ -664,15 +677,15 @@ class Agent:
         received: datetime,
         outcome: _Outcome,
     ) -> None:
-        """Record the terminal ack durably, publish it, then mark it published (staged).
+        """Record the terminal ack durably, then publish it.
 
-        Journal phase 1 is the outcome plus what _execute staged (weights or config): one fsync,
+        Journal phase 1 is the outcome plus what _execute applied (weights or config): one fsync,
         off the loop, done before the ack can be seen. The ack follows the accepted and running
         acks (released ones awaited first, held ones in the same request), and the heartbeat
         reporting the result goes beside it. The "published" mark goes to disk with the next
-        offset in _commit.
+        offset in _commit (phase 2).
         """
-        assert self._state is not None
+        assert self._journal is not None
         ack = self._ack(
             command_id,
             rollout_id,
@@ -684,14 +697,12 @@ class Agent:
             error=outcome.error,
             result=outcome.result,
         )
-        self._state.record(ack, published=False)
-        await self._sync()
+        await self._journal.commit_outcome(ack, outcome.applied)
         failpoints.hit("after_apply")
         await self._settle_progress()
         held, self._held = self._held, ()
         self._beat_soon()  # appended right after the acks below: one request for both
         await self._publish_acks((*held, ack))
-        self._state.mark_published(command_id)
         self.outcomes[outcome.error.code if outcome.error else "OK"] += 1
         level = logging.INFO if outcome.state is AckState.SUCCEEDED else logging.WARNING
         self._log(
@@ -1009,7 +1020,7 @@ class Agent:
             seq=self._seq,
             sent_at=self.clock(),
             started_at=self._started_at,
-            incarnation=self._state.incarnation if self._state is not None else 0,
+            incarnation=self._journal.incarnation if self._journal is not None else 0,
             interval_s=self.settings.heartbeat_interval_s,
             lease_s=self.settings.effective_lease_s,
             # Acks on their way for milliseconds are not news: counted while publishes fail.
@@ -1023,20 +1034,8 @@ class Agent:
 
     # ------------------------------------------------------------------ helpers
 
-    async def _sync(self) -> None:
-        """Make the journal's staged mutations durable: one fsync, off the loop (heartbeats go on)."""
-        assert self._state is not None
-        if not self._state.dirty:
-            return
-        try:
-            failpoints.hit("journal_sync")
-            await asyncio.to_thread(self._state.sync)
-        except Exception as exc:
-            raise self._journal_failed(exc) from exc
-
-    def _journal_failed(self, exc: Exception) -> ControlPlaneError:
+    def _journal_failed(self, error: ControlPlaneError) -> ControlPlaneError:
         """The journal cannot be written: stop taking commands, degraded with the code."""
-        error = _journal_error(exc, self.settings.worker_state_dir)
         if self._failed is None:
             self._failed = error
             self._log(logging.ERROR, "stopping: %s", error)
@@ -1049,13 +1048,3 @@ class Agent:
 
 def _ack_error(exc: ControlPlaneError) -> AckError:
     return AckError(code=exc.code.value, message=exc.message[:4096], retryable=exc.retryable)
-
-
-def _journal_error(exc: Exception, directory: Path) -> ControlPlaneError:
-    """``exc`` as JOURNAL_WRITE_FAILED (WorkerState raises it so; anything else is wrapped)."""
-    if isinstance(exc, ControlPlaneError) and exc.code is ErrorCode.JOURNAL_WRITE_FAILED:
-        return exc
-    return ControlPlaneError(
-        f"cannot write the journal in {directory}: {type(exc).__name__}: {exc}",
-        code=ErrorCode.JOURNAL_WRITE_FAILED,
-    )
