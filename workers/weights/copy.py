@@ -34,9 +34,8 @@ def default_read_threads() -> int:
 
     From the page cache, one ``preadv`` copies on one core; chunks read from several threads
     (``preadv`` releases the GIL) use every core, as torch's own ``copy_`` does. From a disk that
-    must seek, concurrent readers cost throughput (about 17 % with two on the benchmark's ext4
-    disk, docs/benchmarks.md section 3): pass ``read_threads=1`` where checkpoints are usually
-    read cold.
+    must seek, concurrent readers can cost throughput (docs/benchmarks.md, section 3, "CPU
+    cold"): pass ``read_threads=1`` where checkpoints are usually read cold.
     """
     return max(1, min(torch.get_num_threads(), MAX_READ_THREADS))
 
