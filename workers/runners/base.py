@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
 from controlplane.wire.errors import ErrorCode, RunnerError, WeightsCorrupted
 from controlplane.wire.protocol import ReloadWeightsSpec
+from controlplane.wire.validation import summarize
 from workers.weights.stats import LoadStats
 
 #: Runner name -> "module:class", imported only when that runner is created.
@@ -186,13 +187,8 @@ def parse_options(model: type[OptionsT], options: Mapping[str, Any], runner: str
 
 
 def summarize_validation(exc: ValidationError, limit: int = 5) -> str:
-    parts = []
-    for error in exc.errors(include_url=False)[:limit]:
-        loc = ".".join(str(p) for p in error["loc"]) or "<root>"
-        parts.append(f"{loc}: {error['msg']} (got {error.get('input')!r})")
-    if exc.error_count() > limit:
-        parts.append(f"... and {exc.error_count() - limit} more")
-    return "; ".join(parts)
+    """The first ``limit`` errors, each with the input it refused."""
+    return summarize(exc, limit=limit, show_input=True)
 
 
 # --------------------------------------------------------------------------- registry
