@@ -13,7 +13,7 @@ import contextlib
 import importlib.util
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +39,20 @@ from workers.runners.vllm_config import (
 )
 from workers.runners.vllm_engine import Engine, InProcessEngine, VllmRunnerOptions
 from workers.runners.vllm_sidecar import SidecarClient, SidecarEngine
-from workers.weights.checks import DTYPES, TensorEntry, failure_reason, plan_copy, verify_sha256
+from workers.weights.checks import (
+    TensorEntry,
+    failure_reason,
+    plan_copy,
+    stand_ins,
+    verify_sha256,
+)
 from workers.weights.loaders import open_checkpoint
-from workers.weights.paths import checkpoint_files
-from workers.weights.snapshot import VLLM_INDEX_NAME, SnapshotRoot, snapshot_checkpoint
+from workers.weights.snapshot import (
+    SnapshotRoot,
+    files_vllm_reads,
+    layout,
+    snapshot_checkpoint,
+)
 
 _RESET_TRIES = 5
 
@@ -102,7 +112,7 @@ class VllmRunner:
             weights_dir = Path(self.options.model).resolve()
             # The operator's own path (vLLM loads it by name at start): contained nowhere.
             with open_checkpoint(weights_dir, roots=[Path("/")]) as ckpt:
-                reference = _manifest(ckpt.entries)
+                reference = stand_ins(ckpt.entries)
             snapshots = SnapshotRoot.create(self.options.snapshot_dir)
             started = time.perf_counter()
             engine = self._make_engine()
@@ -185,7 +195,7 @@ class VllmRunner:
                 finished=finished,
             )
             with self._state:
-                self._reference, self._weights_dir = _manifest(entries), weights_dir
+                self._reference, self._weights_dir = stand_ins(entries), weights_dir
                 self._version, self._degraded, self._last_reload = spec.version, None, result
                 previous, self._loaded_dir = self._loaded_dir, snapshot
             if previous is not None and previous != snapshot:
@@ -209,7 +219,7 @@ class VllmRunner:
         weights_dir = path if path.is_dir() else path.parent
         with open_checkpoint(path) as ckpt:
             ours = {f.resolve() for f in ckpt.files.files}
-            theirs = {f.resolve() for f in _files_vllm_reads(weights_dir, ckpt.files.within)}
+            theirs = {f.resolve() for f in files_vllm_reads(weights_dir, ckpt.files.within)}
             if ours != theirs:
                 raise RunnerError(
                     f"vLLM loads whole directories: {str(weights_dir)!r} holds "
@@ -231,7 +241,7 @@ class VllmRunner:
                 if spec.sha256:
                     verify_sha256(ckpt, spec.sha256, cancel, digests=digests)
                 with open_checkpoint(snapshot) as copy:
-                    if _layout(copy.entries) != _layout(ckpt.entries):
+                    if layout(copy.entries) != layout(ckpt.entries):
                         raise RunnerError(
                             f"checkpoint {str(path)!r} changed while it was being copied; "
                             "write new versions to new directories",
@@ -397,30 +407,3 @@ class VllmRunner:
     def _set_phase(self, phase: str) -> None:
         with self._state:
             self._phase = phase
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _manifest(entries: Mapping[str, TensorEntry]) -> dict[str, torch.Tensor]:
-    """Shape-and-dtype stand-ins (meta tensors, no memory) for plan_copy's comparison."""
-    return {
-        name: torch.empty(
-            e.shape, dtype=getattr(torch, DTYPES[e.dtype][0], torch.uint8), device="meta"
-        )
-        for name, e in entries.items()
-    }
-
-
-def _files_vllm_reads(weights_dir: Path, within: Sequence[Path]) -> list[Path]:
-    index = weights_dir / VLLM_INDEX_NAME
-    if index.is_file():
-        return checkpoint_files(index, within).files
-    return sorted(p for p in weights_dir.glob("*.safetensors") if p.is_file())
-
-
-def _layout(
-    entries: Mapping[str, TensorEntry],
-) -> dict[str, tuple[str, str, tuple[int, ...], int, int]]:
-    """What a header says, per tensor, independent of where the file is."""
-    return {n: (e.file.name, e.dtype, e.shape, e.offset, e.nbytes) for n, e in entries.items()}

@@ -215,6 +215,16 @@ def plan_copy(
     return plan
 
 
+def stand_ins(entries: Mapping[str, TensorEntry]) -> dict[str, torch.Tensor]:
+    """Shape-and-dtype stand-ins (meta tensors, no memory) for plan_copy's comparison."""
+    return {
+        name: torch.empty(
+            e.shape, dtype=getattr(torch, DTYPES[e.dtype][0], torch.uint8), device="meta"
+        )
+        for name, e in entries.items()
+    }
+
+
 def verify_sha256(
     ckpt: OpenCheckpoint,
     expected: Mapping[str, str],

@@ -14,10 +14,12 @@ import shutil
 import stat
 import tempfile
 import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from controlplane.wire.errors import ErrorCode, RunnerError
-from workers.weights.checks import OpenCheckpoint
+from workers.weights.checks import OpenCheckpoint, TensorEntry
+from workers.weights.paths import checkpoint_files
 
 #: The index name vLLM's default loader honours; with none it reads every *.safetensors file.
 VLLM_INDEX_NAME = "model.safetensors.index.json"
@@ -25,6 +27,22 @@ VLLM_INDEX_NAME = "model.safetensors.index.json"
 #: ever removed from a root the operator named).
 SNAPSHOT_PREFIX = "v-"
 _COPY_CHUNK = 8 * 1024 * 1024
+
+
+def files_vllm_reads(weights_dir: Path, within: Sequence[Path]) -> list[Path]:
+    """The data files vLLM loads from ``weights_dir``: the index's shards, else every
+    ``*.safetensors`` file in it."""
+    index = weights_dir / VLLM_INDEX_NAME
+    if index.is_file():
+        return checkpoint_files(index, within).files
+    return sorted(p for p in weights_dir.glob("*.safetensors") if p.is_file())
+
+
+def layout(
+    entries: Mapping[str, TensorEntry],
+) -> dict[str, tuple[str, str, tuple[int, ...], int, int]]:
+    """What a header says, per tensor, independent of where the file is."""
+    return {n: (e.file.name, e.dtype, e.shape, e.offset, e.nbytes) for n, e in entries.items()}
 
 
 class SnapshotRoot:
