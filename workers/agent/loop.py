@@ -15,7 +15,7 @@ Per command, in this order (acks are keyed by worker id: one partition, kept in 
    ``after_apply``);
 3. acks released at the grace are awaited; then the terminal ack is published, after any acks
    still held, in one request, and awaited until the cluster confirms it (see
-   :meth:`Agent._publish_acks`); the heartbeat reporting the result goes out beside it;
+   :meth:`AckOutbox.publish`); the heartbeat reporting the result goes out beside it;
 4. journal phase 2: "published" and the next offset, one ``fsync`` off the loop (failpoint
    ``after_ack``); then the offset is committed to Kafka.
 
@@ -37,13 +37,13 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar, assert_never
 
-from controlplane.kafka.bus import Consumer, Delivery, Producer, Record
+from controlplane.kafka.bus import Consumer, Producer, Record
 from controlplane.wire.errors import (
     BusError,
     CommandRejected,
@@ -72,6 +72,8 @@ from controlplane.wire.topics import worker_key
 from workers.agent import failpoints
 from workers.agent.durable import Applied, ConfigApplied, Journal
 from workers.agent.journal import WorkerState
+from workers.agent.outbox import AckOutbox, AcksLeftUnpublished
+from workers.agent.producer import ProducerLink, PublishHealth
 from workers.agent.session import AgentLog, StopSignal, WorkerView
 from workers.agent.settings import WorkerSettings
 from workers.runners.base import ReloadResult, Runner, RunnerDescription
@@ -80,16 +82,7 @@ from workers.weights.paths import resolve_weights_path
 AGENT_VERSION = "0.1.0"
 #: After a runner ignores cancellation this long past its deadline, we stop waiting for it.
 _CANCEL_GRACE_S = 30.0
-#: After a stop, a publish that starts once the drain timeout is over still gets this long
-#: (at most the delivery timeout): a healthy cluster confirms in milliseconds.
-_STOP_PUBLISH_MIN_S = 5.0
-
 R = TypeVar("R")
-
-
-class _AcksLeftUnpublished(Exception):
-    """A stop's deadline passed while acks were not confirmed: the agent stops without them
-    (terminal ones stay in the journal, published at the next start; offset not committed)."""
 
 
 @dataclass
@@ -137,32 +130,19 @@ class Agent:
         self._failed: ControlPlaneError | None = None
         #: Since when the command loop cannot fetch (logged once, and once when it can again).
         self._unreachable_since: datetime | None = None
-        #: Since when heartbeats fail (the first failed one was built), None while they go out.
-        self._beats_failing_since: datetime | None = None
-        #: Acks handed to _publish_acks and not confirmed by the cluster yet (heartbeats report
-        #: them while publishing fails).
-        self._acks_unconfirmed = 0
-        #: Since when acks go unconfirmed (the publish that first failed began), None while
-        #: they go through: said once when it starts and once when it ends.
-        self._acks_failing_since: datetime | None = None
+        self._health = PublishHealth()
         self._hb_wakeup = asyncio.Event()
         self._stop.add_wakeup(self._hb_wakeup)
         self._hb_done = asyncio.Event()
         self._started_at = self.clock()
         self._seq = 0
         self._last_beat = 0.0  # time.monotonic() of the last heartbeat built
-        self._producer: Producer | None = None
+        self._link: ProducerLink | None = None
+        self._outbox: AckOutbox | None = None
         self._consumer: Consumer | None = None
         self._journal: Journal | None = None
-        #: The command in hand's accepted and running acks, until the grace or its end.
-        self._held: tuple[Ack, ...] = ()
-        #: Those acks once released at the grace, on their way (see _release_progress).
-        self._progress: asyncio.Task[None] | None = None
         #: Heartbeats sent beside the command path (see _beat_soon), until sent.
         self._beats: set[asyncio.Task[None]] = set()
-        #: Producers replaced after they gave up on a record (see _renew_producer), stopping.
-        self._retired: set[asyncio.Task[None]] = set()
-        self._renewing = asyncio.Lock()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -194,7 +174,23 @@ class Agent:
                     fetch_max_wait_ms=3000,
                 ) as consumer,
             ):
-                self._producer, self._consumer = producer, consumer
+                self._consumer = consumer
+                link = ProducerLink(
+                    producer,
+                    lambda: Producer(self.settings.kafka),  # loop.Producer, as tests patch it
+                    health=self._health,
+                    log=self._log,
+                )
+                self._link = link
+                self._outbox = AckOutbox(
+                    link=link,
+                    health=self._health,
+                    topic=self.topics.acks.name,
+                    key=worker_key(self.worker_id),
+                    stop=self._stop,
+                    clock=self.clock,
+                    log=self._log,
+                )
                 try:
                     try:
                         await self._establish_position()
@@ -206,9 +202,7 @@ class Agent:
                         await self._serve()
                     await asyncio.gather(*self._beats, return_exceptions=True)
                 finally:
-                    if self._producer is not producer:  # renewed (see _renew_producer)
-                        await self._producer.stop()
-                    await asyncio.gather(*self._retired, return_exceptions=True)
+                    await link.close()
         finally:
             await self._close()
         if self._failed is not None:
@@ -242,7 +236,7 @@ class Agent:
                 if exc is not self._failed:
                     raise
                 await self._beat()  # the degraded heartbeat, best effort; then stop
-            except _AcksLeftUnpublished:
+            except AcksLeftUnpublished:
                 assert self._journal is not None
                 left = len(self._journal.unpublished())
                 self._log(
@@ -257,8 +251,8 @@ class Agent:
                 self._view.status = WorkerStatus.STOPPED
                 self._hb_done.set()
                 self._hb_wakeup.set()
-                if self._progress is not None:  # only if the command loop was cancelled
-                    self._progress.cancel()
+                assert self._outbox is not None
+                self._outbox.cancel()  # only if the command loop was cancelled
 
     async def _close(self) -> None:
         """Close the journal, then the runner (always); errors are logged, never raised over
@@ -319,7 +313,8 @@ class Agent:
             "re-publishing %d ack(s) of applied commands, from the journal",
             len(pending),
         )
-        await self._publish_acks([self._replayed(ack) for ack in pending])
+        assert self._outbox is not None
+        await self._outbox.publish([self._replayed(ack) for ack in pending])
         await self._journal.commit_published([ack.command_id for ack in pending])
 
     async def _load_runner(self) -> None:
@@ -443,7 +438,8 @@ class Agent:
             since=started,
         )
         self._view.status = WorkerStatus.BUSY
-        self._held = (
+        assert self._outbox is not None
+        self._outbox.hold(
             self._ack(
                 command.command_id, command.rollout_id, command.kind, AckState.ACCEPTED, received
             ),
@@ -507,7 +503,8 @@ class Agent:
             finished_at=self.clock(),
             error=_ack_error(exc),
         )
-        await self._publish_acks((nack,))
+        assert self._outbox is not None
+        await self._outbox.publish((nack,))
         self.outcomes[exc.code.value] += 1
         self._log(
             logging.WARNING,
@@ -567,7 +564,8 @@ class Agent:
                 command_id=command_id,
                 rollout_id=ack.rollout_id,
             )
-            await self._publish_acks((ack,))
+            assert self._outbox is not None
+            await self._outbox.publish((ack,))
             return Handled(acked=True, published=command_id)
         else:
             self._log(
@@ -699,10 +697,11 @@ class Agent:
         )
         await self._journal.commit_outcome(ack, outcome.applied)
         failpoints.hit("after_apply")
-        await self._settle_progress()
-        held, self._held = self._held, ()
+        assert self._outbox is not None
+        await self._outbox.settle()
+        held = self._outbox.take_held()
         self._beat_soon()  # appended right after the acks below: one request for both
-        await self._publish_acks((*held, ack))
+        await self._outbox.publish((*held, ack))
         self.outcomes[outcome.error.code if outcome.error else "OK"] += 1
         level = logging.INFO if outcome.state is AckState.SUCCEEDED else logging.WARNING
         self._log(
@@ -744,183 +743,9 @@ class Agent:
 
     def _grace_over(self) -> None:
         """The command in hand still runs after the grace: say so, acks and heartbeat, now."""
-        self._release_progress()
+        assert self._outbox is not None
+        self._outbox.release_held()
         self._beat_soon()
-
-    def _release_progress(self) -> None:
-        """Hand the held accepted and running acks to the producer without waiting for them.
-
-        One task, one ``send_many``: appended in this order, they go out in one request, and the
-        idempotent producer keeps them in order within the worker's partition.
-        :meth:`_settle_progress` waits for them before the terminal ack is published.
-        """
-        acks, self._held = self._held, ()
-        if acks:
-            assert self._progress is None, "the previous command's acks were not settled"
-            self._progress = asyncio.create_task(self._publish_acks(acks))
-
-    async def _settle_progress(self) -> None:
-        """Wait until the released acks are published (before the terminal one follows)."""
-        task, self._progress = self._progress, None
-        if task is not None:
-            await task
-
-    async def _publish_acks(self, acks: Sequence[Ack]) -> None:
-        """Publish acks in this order (one request when they fit) and wait until the cluster
-        has confirmed them all.
-
-        Nothing is dropped, non-terminal acks included: a coordinator shows "running" from them
-        while a long reload runs. Each ack is handed to the producer once and waited on in
-        delivery-timeout slices: a wait that times out (PUBLISH_OUTCOME_UNKNOWN: the idempotent
-        producer still retries the record) waits again on the same record, so a cluster that
-        takes it late gets it once. Only a record the producer could not queue, or gave up on
-        (then it was not written), is handed over again after a backoff, with every ack after
-        it, in order, so the log still reads accepted, running, terminal (a copy of one that
-        was written meanwhile is a duplicate, which readers expect: the earliest of each state
-        counts). Said once when acks go unconfirmed and once when they go through (see
-        :meth:`_publish_failed`). After a stop this gives up at the stop's deadline
-        (:meth:`_publish_limit`) with :class:`_AcksLeftUnpublished`.
-        """
-        assert self._producer is not None
-        topic, key = self.topics.acks.name, worker_key(self.worker_id)
-        pending = [(ack, encode(ack)) for ack in acks]
-        deliveries: list[Delivery] = []  # of pending's first ones, in order, by `producer`
-        producer = self._producer
-        began, began_mono = self.clock(), time.monotonic()
-        delay = 0.5
-        self._acks_unconfirmed += len(pending)
-        try:
-            while pending:
-                limit = self._publish_limit(began_mono)
-                if producer is not self._producer:  # renewed: the old one publishes no more
-                    producer, deliveries = self._producer, []
-                queued = False
-                try:
-                    while len(deliveries) < len(pending):
-                        value = pending[len(deliveries)][1]
-                        deliveries.append(
-                            await producer.submit(topic, value, key=key, timeout_s=limit)
-                        )
-                    queued = True
-                    if await self._stop.unless_stopped(deliveries[0].wait(limit)) is None:
-                        continue  # a stop came: its deadline bounds the waits from now on
-                except BusError as exc:
-                    self._publish_failed(exc, began, timed_out=limit)
-                    if exc.code is ErrorCode.PUBLISH_OUTCOME_UNKNOWN:
-                        continue  # still queued: wait on the same records
-                    if queued:  # the producer gave up on it: hand it over again, and all after
-                        deliveries.clear()
-                        await self._renew_producer(producer, exc)
-                    await self._backoff(delay, began_mono)
-                    delay = min(delay * 2, 10.0)
-                    continue
-                pending.pop(0)
-                deliveries.pop(0)
-                self._acks_unconfirmed -= 1
-                self._publish_recovered()
-        except _AcksLeftUnpublished:
-            if self._acks_failing_since is None:  # the last heartbeat reports them
-                self._acks_failing_since = began
-            raise
-        except BaseException:
-            self._acks_unconfirmed -= len(pending)
-            raise
-
-    async def _renew_producer(self, producer: Producer, exc: BusError) -> None:
-        """Replace ``producer`` after it gave up on a record (then it was not written).
-
-        The idempotent producer numbers the records of each partition; one it gave up on (a
-        batch that waited for a leader longer than the request timeout, or that the broker
-        refused for good) leaves a gap, and the broker refuses every later record of that
-        partition (OutOfOrderSequenceNumber) for as long as the producer lives: acks or
-        heartbeats would never go out again. A new producer (a new producer id) starts a new
-        sequence. If it cannot start (Kafka unreachable), the old one stays until the next
-        give-up. The old one is stopped in the background (its records are abandoned).
-        """
-        async with self._renewing:
-            if producer is not self._producer:
-                return  # already replaced
-            fresh = Producer(self.settings.kafka)
-            try:
-                async with asyncio.timeout(fresh.delivery_timeout_s):
-                    await fresh.start()
-            except (BusError, TimeoutError) as start_exc:
-                await fresh.stop()
-                self._log(logging.DEBUG, "no new producer yet: %s", start_exc)
-                return
-            except BaseException:  # cancelled while starting: never leave it open
-                await fresh.stop()
-                raise
-            self._producer = fresh
-        failing = self._acks_failing_since or self._beats_failing_since
-        self._log(
-            logging.DEBUG if failing else logging.INFO,
-            "the producer gave up on a record (%s: %s); publishing with a new one",
-            exc.code,
-            exc.message,
-        )
-        task = asyncio.create_task(producer.stop())
-        self._retired.add(task)
-        task.add_done_callback(self._retired.discard)
-
-    def _publish_failed(self, exc: BusError, began: datetime, *, timed_out: float) -> None:
-        """Said once when acks go unconfirmed (then at DEBUG), with how many and why."""
-        assert self._producer is not None
-        if (
-            exc.code is ErrorCode.PUBLISH_OUTCOME_UNKNOWN
-            and timed_out < self._producer.delivery_timeout_s
-        ):
-            return  # a wait cut short by a stop's deadline, not a failure
-        if self._acks_failing_since is not None:
-            self._log(logging.DEBUG, "acks still unconfirmed: %s", exc)
-            return
-        self._acks_failing_since = began
-        self._log(
-            logging.WARNING,
-            "cannot publish to Kafka since %s: %d ack(s) wait to be published (the outcomes are"
-            " in the journal); retrying until Kafka takes them (%s: %s)",
-            began.isoformat(timespec="seconds"),
-            self._acks_unconfirmed,
-            exc.code,
-            exc.message,
-        )
-
-    def _publish_recovered(self) -> None:
-        since, self._acks_failing_since = self._acks_failing_since, None
-        if since is not None:
-            self._log(
-                logging.WARNING,
-                "acks published again after %.0f s",
-                (self.clock() - since).total_seconds(),
-            )
-
-    def _publish_limit(self, began: float) -> float:
-        """How long the next attempt to publish acks may wait: the delivery timeout, or what is
-        left of a stop's deadline (the drain timeout after the stop; a publish that begins
-        later still gets a few seconds). :class:`_AcksLeftUnpublished` once it has passed."""
-        assert self._producer is not None
-        limit = self._producer.delivery_timeout_s
-        deadline = self._stop_deadline(began)
-        if deadline is None:
-            return limit
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise _AcksLeftUnpublished()
-        return min(limit, left)
-
-    def _stop_deadline(self, began: float) -> float | None:
-        assert self._producer is not None
-        return self._stop.deadline(
-            began, min(_STOP_PUBLISH_MIN_S, self._producer.delivery_timeout_s)
-        )
-
-    async def _backoff(self, seconds: float, began: float) -> None:
-        """Sleep before publishing again; a stop's deadline cuts it short."""
-        deadline = self._stop_deadline(began)
-        if deadline is None:
-            await self._stop.sleep(seconds)
-        else:
-            await asyncio.sleep(max(0.0, min(seconds, deadline - time.monotonic())))
 
     # ------------------------------------------------------------------ heartbeats
 
@@ -960,15 +785,15 @@ class Agent:
 
     async def _beat(self) -> None:
         """Build a heartbeat of the current state and send it (built when sent: seq in order)."""
-        assert self._producer is not None
+        assert self._link is not None
         hb = self._heartbeat()
         self._last_beat = time.monotonic()
         # While Kafka is down a send waits for it (the record stays queued and goes out when
         # Kafka is back): the loop, and a stop, do not wait longer than this for it.
         limit = max(
-            1.0, min(3 * self.settings.heartbeat_interval_s, self._producer.delivery_timeout_s)
+            1.0, min(3 * self.settings.heartbeat_interval_s, self._link.current.delivery_timeout_s)
         )
-        producer = self._producer
+        producer = self._link.current
         deadline = time.monotonic() + limit
         try:
             delivery = await producer.submit(
@@ -981,18 +806,18 @@ class Agent:
                 await delivery.wait(max(0.0, deadline - time.monotonic()))
             except BusError as exc:
                 if exc.code is not ErrorCode.PUBLISH_OUTCOME_UNKNOWN:  # gave up on it
-                    await self._renew_producer(producer, exc)
+                    await self._link.renew(producer, exc)
                 raise
         except BusError as exc:  # logged when they start failing, not each time
-            if self._beats_failing_since is None:
-                self._beats_failing_since = hb.sent_at
+            if self._health.beats_failing_since is None:
+                self._health.beats_failing_since = hb.sent_at
                 self._log(logging.WARNING, "heartbeat failed: %s", exc)
             else:
                 self._log(logging.DEBUG, "heartbeat failed: %s", exc)
         else:
-            if self._beats_failing_since is not None:
+            if self._health.beats_failing_since is not None:
                 self._log(logging.INFO, "heartbeats sent again")
-            self._beats_failing_since = None
+            self._health.beats_failing_since = None
 
     def _heartbeat(self) -> Heartbeat:
         desc = self._view.describe
@@ -1023,12 +848,8 @@ class Agent:
             incarnation=self._journal.incarnation if self._journal is not None else 0,
             interval_s=self.settings.heartbeat_interval_s,
             lease_s=self.settings.effective_lease_s,
-            # Acks on their way for milliseconds are not news: counted while publishes fail.
-            acks_unpublished=self._acks_unconfirmed if self._acks_failing_since else 0,
-            publish_failing_since=min(
-                (t for t in (self._acks_failing_since, self._beats_failing_since) if t),
-                default=None,
-            ),
+            acks_unpublished=self._health.acks_unpublished(),
+            publish_failing_since=self._health.failing_since(),
             agent_version=AGENT_VERSION,
         )
 
