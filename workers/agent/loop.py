@@ -58,19 +58,19 @@ from controlplane.wire.protocol import (
     Command,
     CommandKind,
     Degraded,
-    Heartbeat,
     InFlight,
     ReloadWeightsSpec,
     Timings,
     UpdateConfigSpec,
     WorkerStatus,
     decode_command,
-    encode,
     utcnow,
 )
 from controlplane.wire.topics import worker_key
 from workers.agent import failpoints
 from workers.agent.durable import Applied, ConfigApplied, Journal
+from workers.agent.heartbeat import AGENT_VERSION as AGENT_VERSION
+from workers.agent.heartbeat import Heartbeater
 from workers.agent.journal import WorkerState
 from workers.agent.outbox import AckOutbox, AcksLeftUnpublished
 from workers.agent.producer import ProducerLink, PublishHealth
@@ -79,7 +79,6 @@ from workers.agent.settings import WorkerSettings
 from workers.runners.base import ReloadResult, Runner, RunnerDescription
 from workers.weights.paths import resolve_weights_path
 
-AGENT_VERSION = "0.1.0"
 #: After a runner ignores cancellation this long past its deadline, we stop waiting for it.
 _CANCEL_GRACE_S = 30.0
 R = TypeVar("R")
@@ -131,18 +130,12 @@ class Agent:
         #: Since when the command loop cannot fetch (logged once, and once when it can again).
         self._unreachable_since: datetime | None = None
         self._health = PublishHealth()
-        self._hb_wakeup = asyncio.Event()
-        self._stop.add_wakeup(self._hb_wakeup)
-        self._hb_done = asyncio.Event()
         self._started_at = self.clock()
-        self._seq = 0
-        self._last_beat = 0.0  # time.monotonic() of the last heartbeat built
         self._link: ProducerLink | None = None
         self._outbox: AckOutbox | None = None
+        self._heart: Heartbeater | None = None
         self._consumer: Consumer | None = None
         self._journal: Journal | None = None
-        #: Heartbeats sent beside the command path (see _beat_soon), until sent.
-        self._beats: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -191,16 +184,30 @@ class Agent:
                     clock=self.clock,
                     log=self._log,
                 )
+                assert self._journal is not None
+                heart = Heartbeater(
+                    settings=self.settings,
+                    runner_name=self.runner.name,
+                    link=link,
+                    health=self._health,
+                    view=self._view,
+                    stop=self._stop,
+                    incarnation=self._journal.incarnation,
+                    started_at=self._started_at,
+                    clock=self.clock,
+                    log=self._log,
+                )
+                self._heart = heart
                 try:
                     try:
                         await self._establish_position()
                     except ControlPlaneError as exc:
                         if exc is not self._failed:
                             raise
-                        await self._beat()  # best effort: say why, then stop
+                        await heart.beat()  # best effort: say why, then stop
                     else:
                         await self._serve()
-                    await asyncio.gather(*self._beats, return_exceptions=True)
+                    await heart.drain()
                 finally:
                     await link.close()
         finally:
@@ -214,7 +221,8 @@ class Agent:
         Acks journaled and not published by the previous run go first (heartbeats already
         report them, should the cluster not take them yet)."""
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._heartbeat_loop())
+            assert self._heart is not None
+            tg.create_task(self._heart.run())
             try:
                 await self._publish_pending_acks()
                 await self._load_runner()
@@ -235,7 +243,7 @@ class Agent:
             except ControlPlaneError as exc:
                 if exc is not self._failed:
                     raise
-                await self._beat()  # the degraded heartbeat, best effort; then stop
+                await self._heart.beat()  # the degraded heartbeat, best effort; then stop
             except AcksLeftUnpublished:
                 assert self._journal is not None
                 left = len(self._journal.unpublished())
@@ -249,8 +257,7 @@ class Agent:
                 )
             finally:
                 self._view.status = WorkerStatus.STOPPED
-                self._hb_done.set()
-                self._hb_wakeup.set()
+                self._heart.finish()
                 assert self._outbox is not None
                 self._outbox.cancel()  # only if the command loop was cancelled
 
@@ -700,7 +707,8 @@ class Agent:
         assert self._outbox is not None
         await self._outbox.settle()
         held = self._outbox.take_held()
-        self._beat_soon()  # appended right after the acks below: one request for both
+        assert self._heart is not None
+        self._heart.beat_soon()  # appended right after the acks below: one request for both
         await self._outbox.publish((*held, ack))
         self.outcomes[outcome.error.code if outcome.error else "OK"] += 1
         level = logging.INFO if outcome.state is AckState.SUCCEEDED else logging.WARNING
@@ -745,113 +753,8 @@ class Agent:
         """The command in hand still runs after the grace: say so, acks and heartbeat, now."""
         assert self._outbox is not None
         self._outbox.release_held()
-        self._beat_soon()
-
-    # ------------------------------------------------------------------ heartbeats
-
-    async def _heartbeat_loop(self) -> None:
-        """Every interval, at start, at stop and when stopped; the command path adds its own."""
-        while True:
-            self._hb_wakeup.clear()  # before reading the state: a wake-up from now on counts
-            final = self._hb_done.is_set()
-            if final:
-                self._view.status = WorkerStatus.STOPPED
-            elif self._stop.is_set():
-                self._view.status = WorkerStatus.STOPPING
-            await self._beat()
-            if final:
-                return
-            # Until woken (stop, end), or an interval has passed since the last heartbeat,
-            # whoever sent it: one sent beside a command (_beat_soon) restarts the period.
-            while (
-                due := self._last_beat + self.settings.heartbeat_interval_s - time.monotonic()
-            ) > 0:
-                try:
-                    await asyncio.wait_for(self._hb_wakeup.wait(), due)
-                    break
-                except TimeoutError:
-                    pass
-
-    def _beat_soon(self) -> None:
-        """Send a heartbeat now, beside the command path (not awaited).
-
-        Its task appends it to the producer at the loop's next turn, before the producer's
-        sender runs, so it shares a request with what the command path appends just after
-        this call. Out of order with the loop's own beats is harmless: readers order by ``seq``.
-        """
-        task = asyncio.create_task(self._beat())
-        self._beats.add(task)
-        task.add_done_callback(self._beats.discard)
-
-    async def _beat(self) -> None:
-        """Build a heartbeat of the current state and send it (built when sent: seq in order)."""
-        assert self._link is not None
-        hb = self._heartbeat()
-        self._last_beat = time.monotonic()
-        # While Kafka is down a send waits for it (the record stays queued and goes out when
-        # Kafka is back): the loop, and a stop, do not wait longer than this for it.
-        limit = max(
-            1.0, min(3 * self.settings.heartbeat_interval_s, self._link.current.delivery_timeout_s)
-        )
-        producer = self._link.current
-        deadline = time.monotonic() + limit
-        try:
-            delivery = await producer.submit(
-                self.topics.workers.name,
-                encode(hb),
-                key=worker_key(self.worker_id),
-                timeout_s=limit,
-            )
-            try:
-                await delivery.wait(max(0.0, deadline - time.monotonic()))
-            except BusError as exc:
-                if exc.code is not ErrorCode.PUBLISH_OUTCOME_UNKNOWN:  # gave up on it
-                    await self._link.renew(producer, exc)
-                raise
-        except BusError as exc:  # logged when they start failing, not each time
-            if self._health.beats_failing_since is None:
-                self._health.beats_failing_since = hb.sent_at
-                self._log(logging.WARNING, "heartbeat failed: %s", exc)
-            else:
-                self._log(logging.DEBUG, "heartbeat failed: %s", exc)
-        else:
-            if self._health.beats_failing_since is not None:
-                self._log(logging.INFO, "heartbeats sent again")
-            self._health.beats_failing_since = None
-
-    def _heartbeat(self) -> Heartbeat:
-        desc = self._view.describe
-        degraded = self._view.degraded
-        if degraded is None and desc is not None and desc.degraded is not None:
-            d = desc.degraded
-            degraded = Degraded(
-                code=d.code,
-                message=d.message[:4096],
-                from_version=d.from_version,
-                to_version=d.to_version,
-                since=d.since,
-            )
-        self._seq += 1
-        return Heartbeat(
-            worker_id=self.worker_id,
-            labels=self.settings.labels,
-            runner=self.runner.name,
-            device=desc.device if desc else "unknown",
-            status=self._view.status,
-            weights_version=desc.weights_version if desc else None,
-            config_digest=desc.config_digest if desc else None,
-            in_flight=self._view.in_flight,
-            degraded=degraded,
-            seq=self._seq,
-            sent_at=self.clock(),
-            started_at=self._started_at,
-            incarnation=self._journal.incarnation if self._journal is not None else 0,
-            interval_s=self.settings.heartbeat_interval_s,
-            lease_s=self.settings.effective_lease_s,
-            acks_unpublished=self._health.acks_unpublished(),
-            publish_failing_since=self._health.failing_since(),
-            agent_version=AGENT_VERSION,
-        )
+        assert self._heart is not None
+        self._heart.beat_soon()
 
     # ------------------------------------------------------------------ helpers
 
