@@ -34,41 +34,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime, timedelta
-from pathlib import Path
-from typing import Any, TypeVar, assert_never
+from datetime import datetime
+from typing import TypeVar
 
-from controlplane.kafka.bus import Consumer, Producer, Record
+from controlplane.kafka.bus import Consumer, Producer
 from controlplane.wire.errors import (
     BusError,
-    CommandRejected,
     ControlPlaneError,
     ErrorCode,
-    ProtocolError,
 )
 from controlplane.wire.protocol import (
-    Ack,
-    AckError,
-    AckState,
-    Command,
-    CommandKind,
     Degraded,
-    InFlight,
-    ReloadWeightsSpec,
-    Timings,
-    UpdateConfigSpec,
     WorkerStatus,
-    decode_command,
     utcnow,
 )
 from controlplane.wire.topics import worker_key
 from workers.agent import failpoints
-from workers.agent.durable import Applied, ConfigApplied, Journal
+from workers.agent.commands import CommandPath, Handled, replayed
+from workers.agent.durable import Journal
 from workers.agent.heartbeat import AGENT_VERSION as AGENT_VERSION
 from workers.agent.heartbeat import Heartbeater
 from workers.agent.journal import WorkerState
@@ -76,33 +61,12 @@ from workers.agent.outbox import AckOutbox, AcksLeftUnpublished
 from workers.agent.producer import ProducerLink, PublishHealth
 from workers.agent.session import AgentLog, StopSignal, WorkerView
 from workers.agent.settings import WorkerSettings
-from workers.runners.base import ReloadResult, Runner, RunnerDescription
+from workers.runners.base import Runner
 from workers.weights.paths import resolve_weights_path
 
 #: After a runner ignores cancellation this long past its deadline, we stop waiting for it.
 _CANCEL_GRACE_S = 30.0
 R = TypeVar("R")
-
-
-@dataclass
-class _Outcome:
-    state: AckState
-    error: AckError | None = None
-    result: dict[str, Any] | None = None
-    started_at: datetime | None = None
-    #: The runner's description after the command, when the runner returned one.
-    description: RunnerDescription | None = None
-    #: What the command applied, for the journal (phase 1) to re-apply after a restart.
-    applied: Applied | None = None
-
-
-@dataclass(frozen=True)
-class Handled:
-    """How one record ended: with a terminal ack published (now or before), and the id of a
-    journaled ack published just now (phase 2 marks it published)."""
-
-    acked: bool
-    published: str | None = None
 
 
 class Agent:
@@ -134,6 +98,7 @@ class Agent:
         self._link: ProducerLink | None = None
         self._outbox: AckOutbox | None = None
         self._heart: Heartbeater | None = None
+        self._commands: CommandPath | None = None
         self._consumer: Consumer | None = None
         self._journal: Journal | None = None
 
@@ -198,6 +163,18 @@ class Agent:
                     log=self._log,
                 )
                 self._heart = heart
+                self._commands = CommandPath(
+                    settings=self.settings,
+                    runner=self.runner,
+                    journal=self._journal,
+                    outbox=self._outbox,
+                    heart=heart,
+                    view=self._view,
+                    stop=self._stop,
+                    clock=self.clock,
+                    log=self._log,
+                    outcomes=self.outcomes,
+                )
                 try:
                     try:
                         await self._establish_position()
@@ -321,7 +298,7 @@ class Agent:
             len(pending),
         )
         assert self._outbox is not None
-        await self._outbox.publish([self._replayed(ack) for ack in pending])
+        await self._outbox.publish([replayed(ack, self.clock()) for ack in pending])
         await self._journal.commit_published([ack.command_id for ack in pending])
 
     async def _load_runner(self) -> None:
@@ -366,7 +343,7 @@ class Agent:
     # ------------------------------------------------------------------ commands
 
     async def _command_loop(self) -> None:
-        assert self._consumer is not None
+        assert self._consumer is not None and self._commands is not None
         topic = self.topics.commands.name
         while not self._stop.is_set():
             try:
@@ -385,7 +362,7 @@ class Agent:
             for record in records:
                 if self._stop.is_set():
                     break  # not committed: seen again after a restart
-                handled = await self._handle(record)
+                handled = await self._commands.handle(record)
                 await self._commit(topic, record.offset + 1, handled)
 
     def _fetch_failed(self, exc: BusError) -> None:
@@ -414,348 +391,6 @@ class Agent:
         except BusError as exc:  # the local state still has it; Kafka catches up at the next one
             self._log(logging.WARNING, "commit of offset %d failed: %s", next_offset, exc)
 
-    async def _handle(self, record: Record) -> Handled:
-        """Handle one record: whether it ended with a terminal ack published (now or before)."""
-        received = self.clock()
-        try:
-            command = decode_command(record.value or b"", max_bytes=self.settings.max_message_bytes)
-        except ProtocolError as exc:
-            return await self._handle_garbage(record, exc, received)
-        if not command.selector.matches(self.worker_id, self.settings.labels):
-            return Handled(acked=False)
-        replay = await self._replay_outcome(command.command_id)
-        if replay is not None:
-            return replay
-        rejected = self._precheck(command, received)
-        if isinstance(rejected, ControlPlaneError):
-            await self._finish(
-                command.command_id,
-                command.rollout_id,
-                command.kind,
-                received,
-                _Outcome(AckState.REJECTED, _ack_error(rejected)),
-            )
-            return Handled(acked=True, published=command.command_id)
-        path = rejected
-        started = self.clock()
-        self._view.in_flight = InFlight(
-            command_id=command.command_id,
-            rollout_id=command.rollout_id,
-            kind=command.kind,
-            since=started,
-        )
-        self._view.status = WorkerStatus.BUSY
-        assert self._outbox is not None
-        self._outbox.hold(
-            self._ack(
-                command.command_id, command.rollout_id, command.kind, AckState.ACCEPTED, received
-            ),
-            self._ack(
-                command.command_id,
-                command.rollout_id,
-                command.kind,
-                AckState.RUNNING,
-                received,
-                started_at=started,
-            ),
-        )
-        self._log(
-            logging.INFO,
-            "applying %s",
-            command.kind.value,
-            command_id=command.command_id,
-            rollout_id=command.rollout_id,
-        )
-        grace = asyncio.get_running_loop().call_later(
-            # A command done within it sends its three acks in one request, and no busy
-            # heartbeat (its acks say as much; the heartbeat at its end reports the result).
-            min(self.settings.progress_grace_s, self.settings.heartbeat_interval_s),
-            self._grace_over,
-        )
-        try:
-            outcome = await self._execute(command, path)
-        finally:
-            grace.cancel()
-        outcome.started_at = started
-        self._view.in_flight = None
-        if outcome.description is not None:
-            self._view.describe = outcome.description
-        else:
-            await self._view.refresh(self.runner, self._log)
-        self._view.status = self._view.idle_status(self._stop.is_set())
-        await self._finish(command.command_id, command.rollout_id, command.kind, received, outcome)
-        return Handled(acked=True, published=command.command_id)
-
-    async def _handle_garbage(
-        self, record: Record, exc: ProtocolError, received: datetime
-    ) -> Handled:
-        """NACK a record that did not decode, where its command id can be read.
-
-        The NACK is published but never journaled: an id read from bytes that are not a command
-        proves nothing about the command of that id, which must still be applied when it comes
-        (anyone can write a record with a guessable id in front of the real one).
-        """
-        self._log(logging.WARNING, "unreadable command at offset %d: %s", record.offset, exc)
-        if exc.command_id is None:
-            return Handled(acked=False)
-        replay = await self._replay_outcome(exc.command_id)
-        if replay is not None:
-            return replay
-        nack = self._ack(
-            exc.command_id,
-            exc.rollout_id or "unknown",
-            None,
-            AckState.REJECTED,
-            received,
-            finished_at=self.clock(),
-            error=_ack_error(exc),
-        )
-        assert self._outbox is not None
-        await self._outbox.publish((nack,))
-        self.outcomes[exc.code.value] += 1
-        self._log(
-            logging.WARNING,
-            "rejected %s: %s (not remembered: the real command of this id is still applied)",
-            exc.code.value,
-            exc.message,
-            command_id=exc.command_id,
-            rollout_id=exc.rollout_id,
-        )
-        return Handled(acked=True)  # not journaled: nothing to mark published
-
-    def _precheck(self, command: Command, now: datetime) -> Path | ControlPlaneError | None:
-        """Checks before anything is touched: expiry, issue time, TTL and weights path.
-        Returns the resolved path."""
-        if command.is_expired(now):
-            return CommandRejected(
-                f"command expired at {command.expires_at.isoformat()} (worker clock {now.isoformat()})",
-                code=ErrorCode.EXPIRED,
-            )
-        skew = timedelta(seconds=self.settings.max_clock_skew_s)
-        if command.issued_at > now + skew:
-            return CommandRejected(
-                f"command issued at {command.issued_at.isoformat()}, in the future of the worker"
-                f" clock {now.isoformat()} by more than max_clock_skew_s"
-                f" ({self.settings.max_clock_skew_s:g}s)",
-                code=ErrorCode.ISSUED_IN_FUTURE,
-            )
-        ttl = (command.expires_at - command.issued_at).total_seconds()
-        if ttl > self.settings.max_ttl_s:
-            return CommandRejected(
-                f"command TTL of {ttl:.0f}s (issued_at to expires_at) exceeds max_ttl_s"
-                f" ({self.settings.max_ttl_s:g}s)",
-                code=ErrorCode.TTL_TOO_LONG,
-            )
-        if isinstance(command.spec, ReloadWeightsSpec):
-            try:
-                return resolve_weights_path(command.spec.path, self.settings.allowed_roots)
-            except ControlPlaneError as exc:
-                return exc
-        return None
-
-    async def _replay_outcome(self, command_id: str) -> Handled | None:
-        """Already ended here (redelivery after a crash)? Then re-publish its ack if needed.
-
-        None if not; the caller marks a re-published ack published (with the next offset).
-        """
-        assert self._journal is not None
-        prior = self._journal.outcome(command_id)
-        if prior is None:
-            return None
-        if not prior.published:
-            ack = self._replayed(prior.ack)
-            self._log(
-                logging.INFO,
-                "re-publishing the %s ack of an applied command",
-                ack.state.value,
-                command_id=command_id,
-                rollout_id=ack.rollout_id,
-            )
-            assert self._outbox is not None
-            await self._outbox.publish((ack,))
-            return Handled(acked=True, published=command_id)
-        else:
-            self._log(
-                logging.INFO,
-                "duplicate delivery ignored (already %s)",
-                prior.ack.state.value,
-                command_id=command_id,
-                rollout_id=prior.ack.rollout_id,
-            )
-        return Handled(acked=True)
-
-    def _replayed(self, ack: Ack) -> Ack:
-        """A journaled terminal ack, to publish again."""
-        return ack.model_copy(
-            update={
-                "attempt": ack.attempt + 1,
-                "sent_at": self.clock(),
-                "result": {**ack.result, "replayed": True},
-            }
-        )
-
-    async def _execute(self, command: Command, path: Path | None) -> _Outcome:
-        """Run the command in a thread under its timeout and the drain deadline."""
-        spec = command.spec
-        cancel = threading.Event()
-        call: Callable[[], ReloadResult | RunnerDescription]
-        if isinstance(spec, ReloadWeightsSpec):
-            assert path is not None
-            call = lambda: self.runner.reload_weights(spec, path, cancel=cancel)  # noqa: E731
-        elif isinstance(spec, UpdateConfigSpec):
-            call = lambda: self.runner.update_config(dict(spec.overrides))  # noqa: E731
-        else:  # pragma: no cover - the discriminated union has no other member
-            assert_never(spec)
-        timeout = command.timeout_s or self.settings.command_timeout_s
-        task = asyncio.ensure_future(asyncio.to_thread(call))
-        deadline = time.monotonic() + timeout
-        reason: ErrorCode | None = None
-        while not task.done():
-            limit = deadline
-            drain = self._stop.drain_deadline()
-            if drain is not None:
-                limit = min(limit, drain)
-            if time.monotonic() >= limit:
-                reason = (
-                    ErrorCode.WORKER_SHUTTING_DOWN
-                    if limit < deadline
-                    else ErrorCode.COMMAND_TIMEOUT
-                )
-                cancel.set()
-                self._log(
-                    logging.WARNING,
-                    "cancelling (%s)",
-                    reason.value,
-                    command_id=command.command_id,
-                    rollout_id=command.rollout_id,
-                )
-                await asyncio.wait({task}, timeout=_CANCEL_GRACE_S)
-                break
-            await asyncio.wait({task}, timeout=min(0.2, max(0.0, limit - time.monotonic())))
-        if not task.done():
-            return _Outcome(
-                AckState.FAILED,
-                AckError(
-                    code=reason or ErrorCode.COMMAND_TIMEOUT,
-                    retryable=True,
-                    message=f"runner did not stop within {_CANCEL_GRACE_S:.0f}s of cancellation",
-                ),
-            )
-        try:
-            value = task.result()
-        except ControlPlaneError as exc:
-            error = _ack_error(exc)
-            if reason is not None and exc.code is ErrorCode.COMMAND_TIMEOUT:
-                error = AckError(code=reason, message=exc.message, retryable=True)
-            elif reason is not None:
-                error = AckError(
-                    code=exc.code,
-                    retryable=exc.retryable,
-                    message=f"{exc.message} (after cancellation: {reason.value})",
-                )
-            return _Outcome(AckState.REJECTED if exc.is_rejection else AckState.FAILED, error)
-        except Exception as exc:  # a runner bug must not kill the agent
-            self._log(logging.ERROR, "runner raised %r", exc, command_id=command.command_id)
-            return _Outcome(
-                AckState.FAILED,
-                AckError(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}"),
-            )
-        if isinstance(spec, ReloadWeightsSpec) and isinstance(value, ReloadResult):
-            return _Outcome(AckState.SUCCEEDED, result=value.as_dict(), applied=spec)
-        if isinstance(spec, UpdateConfigSpec) and isinstance(value, RunnerDescription):
-            return _Outcome(
-                AckState.SUCCEEDED,
-                result={"overrides": sorted(spec.overrides)},
-                description=value,  # the runner's state after the update: no describe() call
-                applied=ConfigApplied(spec.overrides),
-            )
-        return _Outcome(  # pragma: no cover - a runner returned the wrong type
-            AckState.FAILED,
-            AckError(code=ErrorCode.INTERNAL, message=f"runner returned {type(value).__name__}"),
-        )
-
-    async def _finish(
-        self,
-        command_id: str,
-        rollout_id: str,
-        kind: CommandKind | None,
-        received: datetime,
-        outcome: _Outcome,
-    ) -> None:
-        """Record the terminal ack durably, then publish it.
-
-        Journal phase 1 is the outcome plus what _execute applied (weights or config): one fsync,
-        off the loop, done before the ack can be seen. The ack follows the accepted and running
-        acks (released ones awaited first, held ones in the same request), and the heartbeat
-        reporting the result goes beside it. The "published" mark goes to disk with the next
-        offset in _commit (phase 2).
-        """
-        assert self._journal is not None
-        ack = self._ack(
-            command_id,
-            rollout_id,
-            kind,
-            outcome.state,
-            received,
-            started_at=outcome.started_at,
-            finished_at=self.clock(),
-            error=outcome.error,
-            result=outcome.result,
-        )
-        await self._journal.commit_outcome(ack, outcome.applied)
-        failpoints.hit("after_apply")
-        assert self._outbox is not None
-        await self._outbox.settle()
-        held = self._outbox.take_held()
-        assert self._heart is not None
-        self._heart.beat_soon()  # appended right after the acks below: one request for both
-        await self._outbox.publish((*held, ack))
-        self.outcomes[outcome.error.code if outcome.error else "OK"] += 1
-        level = logging.INFO if outcome.state is AckState.SUCCEEDED else logging.WARNING
-        self._log(
-            level,
-            "%s%s",
-            outcome.state.value,
-            f" {outcome.error.code}: {outcome.error.message}" if outcome.error else "",
-            command_id=command_id,
-            rollout_id=rollout_id,
-        )
-
-    def _ack(
-        self,
-        command_id: str,
-        rollout_id: str,
-        kind: CommandKind | None,
-        state: AckState,
-        received: datetime,
-        *,
-        started_at: datetime | None = None,
-        finished_at: datetime | None = None,
-        error: AckError | None = None,
-        result: dict[str, Any] | None = None,
-    ) -> Ack:
-        desc = self._view.describe
-        return Ack(
-            command_id=command_id,
-            rollout_id=rollout_id,
-            worker_id=self.worker_id,
-            kind=kind,
-            state=state,
-            weights_version=desc.weights_version if desc else None,
-            config_digest=desc.config_digest if desc else None,
-            error=error,
-            timings=Timings(received_at=received, started_at=started_at, finished_at=finished_at),
-            sent_at=self.clock(),
-            result=result or {},
-        )
-
-    def _grace_over(self) -> None:
-        """The command in hand still runs after the grace: say so, acks and heartbeat, now."""
-        assert self._outbox is not None
-        self._outbox.release_held()
-        assert self._heart is not None
-        self._heart.beat_soon()
-
     # ------------------------------------------------------------------ helpers
 
     def _journal_failed(self, error: ControlPlaneError) -> ControlPlaneError:
@@ -768,7 +403,3 @@ class Agent:
         )
         self._view.status = WorkerStatus.DEGRADED
         return self._failed
-
-
-def _ack_error(exc: ControlPlaneError) -> AckError:
-    return AckError(code=exc.code.value, message=exc.message[:4096], retryable=exc.retryable)
