@@ -54,6 +54,8 @@ from workers.weights.snapshot import (
     snapshot_checkpoint,
 )
 
+__all__ = ["VllmRunner", "VllmRunnerOptions", "snapshot_checkpoint"]  # tests patch the last here
+
 _RESET_TRIES = 5
 
 

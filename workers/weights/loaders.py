@@ -36,6 +36,17 @@ from workers.weights.copy import (
 from workers.weights.paths import checkpoint_files, open_member, unreadable
 from workers.weights.stats import LoadStats
 
+__all__ = [  # what runners, tests and benchmarks import (or patch) here
+    "DEFAULT_STAGING_BYTES",
+    "_Copier",
+    "_byte_view",
+    "_read_exact",
+    "checkpoint_files",
+    "load_checkpoint",
+    "module_targets",
+    "open_checkpoint",
+]
+
 #: The names the copy engine had when it lived here (tests and bench/reload.py use them).
 _Copier = Copier
 _byte_view = byte_view
