@@ -5,7 +5,9 @@
   only ``wire``: no I/O;
 - no import circle between modules;
 - torch, torch_xla, safetensors and vllm are imported only by runner, weights and demo modules,
-  so the control plane imports anywhere.
+  so the control plane imports anywhere;
+- the agent's parts get what they need when they are built: no ``assert self._x ...`` on their
+  own state in ``workers.agent``.
 """
 
 from __future__ import annotations
@@ -153,6 +155,34 @@ def test_heavy_libraries_are_imported_only_by_runners_weights_and_demo() -> None
         if imported.split(".")[0] in HEAVY
     ]
     assert not broken, "\n".join(broken)
+
+
+def _asserts_on_self(path: Path) -> Iterator[int]:
+    """Lines of ``assert`` statements that read an attribute of ``self``."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Assert) and any(
+            isinstance(sub, ast.Attribute)
+            and isinstance(sub.value, ast.Name)
+            and sub.value.id == "self"
+            for sub in ast.walk(node.test)
+        ):
+            yield node.lineno
+
+
+def test_the_agent_asserts_nothing_about_its_own_state() -> None:
+    broken = [
+        f"{MODULES[name].relative_to(ROOT)}:{line}"
+        for name in MODULES
+        if _within(name, "workers.agent")
+        for line in _asserts_on_self(MODULES[name])
+    ]
+    assert not broken, "assert on self in the agent:\n" + "\n".join(broken)
+
+
+def test_the_assert_rule_catches_one(tmp_path: Path) -> None:
+    path = tmp_path / "probe.py"
+    path.write_text("class A:\n    def f(self):\n        assert self._x is not None\n")
+    assert list(_asserts_on_self(path)) == [3]
 
 
 def test_the_rules_catch_a_forbidden_import(tmp_path: Path) -> None:

@@ -223,15 +223,17 @@ class WorkerState:
         self._pending.append(json.dumps(entry, separators=(",", ":")))
 
     def _write_pending(self) -> None:  # under _io_lock
-        assert self._fd is not None
+        fd = self._fd
+        if fd is None:
+            raise RuntimeError("worker state is closed")
         with self._lock:
             lines, self._pending = self._pending, []
         if not lines:
             return
         try:
             data = ("\n" if self._torn else "") + "\n".join(lines) + "\n"
-            _write_all(self._fd, data.encode("utf-8"))
-            os.fsync(self._fd)
+            _write_all(fd, data.encode("utf-8"))
+            os.fsync(fd)
         except BaseException as exc:
             # Not durable: staged again, ahead of anything staged since (a line written twice
             # replays to the same state; a torn one is skipped).

@@ -1,9 +1,15 @@
 """The worker agent: consume commands, filter, dedupe, dispatch to the runner off the loop, ack, commit.
 
 One command at a time, in log order. The position is committed only after the terminal ack is
-published; application is idempotent by command id (journal in state.py). Heartbeats run beside
-the command loop and never wait for the runner or the disk. No signals or asyncio.run here (see
-cli.py).
+published; application is idempotent by command id (journal.py, written in two phases by
+durable.py). Heartbeats run beside the command loop and never wait for the runner or the disk.
+No signals or asyncio.run here (see workers/cli.py).
+
+This module is the lifecycle: it opens the journal, the producer and the consumer, builds the
+parts of a :class:`RunSession` over them, finds the position, fetches, and commits. One
+command's path is in commands.py (applied by apply.py); acks go through outbox.py, heartbeats
+through heartbeat.py, both over producer.py. Only this module builds a ``Producer`` or a
+``Consumer``.
 
 Per command, in this order (acks are keyed by worker id: one partition, kept in order):
 
@@ -36,8 +42,8 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
-from typing import TypeVar
 
 from controlplane.kafka.bus import Consumer, Producer
 from controlplane.wire.errors import (
@@ -64,9 +70,17 @@ from workers.agent.settings import WorkerSettings
 from workers.runners.base import Runner
 from workers.weights.paths import resolve_weights_path
 
-#: After a runner ignores cancellation this long past its deadline, we stop waiting for it.
-_CANCEL_GRACE_S = 30.0
-R = TypeVar("R")
+
+@dataclass(frozen=True)
+class RunSession:
+    """The parts of one run, over the journal, producer and consumer it opened."""
+
+    journal: Journal
+    consumer: Consumer
+    link: ProducerLink
+    outbox: AckOutbox
+    heart: Heartbeater
+    commands: CommandPath
 
 
 class Agent:
@@ -93,14 +107,7 @@ class Agent:
         self._failed: ControlPlaneError | None = None
         #: Since when the command loop cannot fetch (logged once, and once when it can again).
         self._unreachable_since: datetime | None = None
-        self._health = PublishHealth()
         self._started_at = self.clock()
-        self._link: ProducerLink | None = None
-        self._outbox: AckOutbox | None = None
-        self._heart: Heartbeater | None = None
-        self._commands: CommandPath | None = None
-        self._consumer: Consumer | None = None
-        self._journal: Journal | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -116,9 +123,10 @@ class Agent:
         once everything is closed. The runner is closed whatever happened; an error while
         closing is logged and never hides the one that stopped the worker.
         """
+        journal: Journal | None = None  # None only when it could not be opened
         try:
             directory = self.settings.worker_state_dir
-            self._journal = Journal(
+            journal = Journal(
                 WorkerState.open(directory), directory, on_failure=self._journal_failed
             )
             async with (
@@ -132,77 +140,78 @@ class Agent:
                     fetch_max_wait_ms=3000,
                 ) as consumer,
             ):
-                self._consumer = consumer
-                link = ProducerLink(
-                    producer,
-                    lambda: Producer(self.settings.kafka),  # loop.Producer, as tests patch it
-                    health=self._health,
-                    log=self._log,
-                )
-                self._link = link
-                self._outbox = AckOutbox(
-                    link=link,
-                    health=self._health,
-                    topic=self.topics.acks.name,
-                    key=worker_key(self.worker_id),
-                    stop=self._stop,
-                    clock=self.clock,
-                    log=self._log,
-                )
-                assert self._journal is not None
-                heart = Heartbeater(
-                    settings=self.settings,
-                    runner_name=self.runner.name,
-                    link=link,
-                    health=self._health,
-                    view=self._view,
-                    stop=self._stop,
-                    incarnation=self._journal.incarnation,
-                    started_at=self._started_at,
-                    clock=self.clock,
-                    log=self._log,
-                )
-                self._heart = heart
-                self._commands = CommandPath(
-                    settings=self.settings,
-                    runner=self.runner,
-                    journal=self._journal,
-                    outbox=self._outbox,
-                    heart=heart,
-                    view=self._view,
-                    stop=self._stop,
-                    clock=self.clock,
-                    log=self._log,
-                    outcomes=self.outcomes,
-                )
+                session = self._session(journal, producer, consumer)
                 try:
                     try:
-                        await self._establish_position()
+                        await self._establish_position(session)
                     except ControlPlaneError as exc:
                         if exc is not self._failed:
                             raise
-                        await heart.beat()  # best effort: say why, then stop
+                        await session.heart.beat()  # best effort: say why, then stop
                     else:
-                        await self._serve()
-                    await heart.drain()
+                        await self._serve(session)
+                    await session.heart.drain()
                 finally:
-                    await link.close()
+                    await session.link.close()  # a renewed producer, and the retired ones
         finally:
-            await self._close()
+            await self._close(journal)
         if self._failed is not None:
             raise self._failed
 
-    async def _serve(self) -> None:
+    def _session(self, journal: Journal, producer: Producer, consumer: Consumer) -> RunSession:
+        """The parts of this run, wired together (nothing started yet)."""
+        health = PublishHealth()
+        link = ProducerLink(
+            producer,
+            lambda: Producer(self.settings.kafka),  # loop.Producer, as tests patch it
+            health=health,
+            log=self._log,
+        )
+        outbox = AckOutbox(
+            link=link,
+            health=health,
+            topic=self.topics.acks.name,
+            key=worker_key(self.worker_id),
+            stop=self._stop,
+            clock=self.clock,
+            log=self._log,
+        )
+        heart = Heartbeater(
+            settings=self.settings,
+            runner_name=self.runner.name,
+            link=link,
+            health=health,
+            view=self._view,
+            stop=self._stop,
+            incarnation=journal.incarnation,
+            started_at=self._started_at,
+            clock=self.clock,
+            log=self._log,
+        )
+        commands = CommandPath(
+            settings=self.settings,
+            runner=self.runner,
+            journal=journal,
+            outbox=outbox,
+            heart=heart,
+            view=self._view,
+            stop=self._stop,
+            clock=self.clock,
+            log=self._log,
+            outcomes=self.outcomes,
+        )
+        return RunSession(journal, consumer, link, outbox, heart, commands)
+
+    async def _serve(self, session: RunSession) -> None:
         """Heartbeats beside the command loop, until stopped (or the journal fails).
 
         Acks journaled and not published by the previous run go first (heartbeats already
         report them, should the cluster not take them yet)."""
         async with asyncio.TaskGroup() as tg:
-            assert self._heart is not None
-            tg.create_task(self._heart.run())
+            tg.create_task(session.heart.run())
             try:
-                await self._publish_pending_acks()
-                await self._load_runner()
+                await self._publish_pending_acks(session)
+                await self._load_runner(session.journal)
                 self.ready.set()
                 if self._view.degraded is not None:
                     self._log(
@@ -216,14 +225,13 @@ class Agent:
                     self._log(
                         logging.INFO, "ready: runner %s on %s", self.runner.name, self._view.device
                     )
-                await self._command_loop()
+                await self._command_loop(session)
             except ControlPlaneError as exc:
                 if exc is not self._failed:
                     raise
-                await self._heart.beat()  # the degraded heartbeat, best effort; then stop
+                await session.heart.beat()  # the degraded heartbeat, best effort; then stop
             except AcksLeftUnpublished:
-                assert self._journal is not None
-                left = len(self._journal.unpublished())
+                left = len(session.journal.unpublished())
                 self._log(
                     logging.WARNING,
                     "stopping: Kafka has not confirmed acks within the drain timeout"
@@ -234,16 +242,15 @@ class Agent:
                 )
             finally:
                 self._view.status = WorkerStatus.STOPPED
-                self._heart.finish()
-                assert self._outbox is not None
-                self._outbox.cancel()  # only if the command loop was cancelled
+                session.heart.finish()
+                session.outbox.cancel()  # only if the command loop was cancelled
 
-    async def _close(self) -> None:
+    async def _close(self, journal: Journal | None) -> None:
         """Close the journal, then the runner (always); errors are logged, never raised over
         the one that stopped the worker. A journal that cannot be closed when nothing else
         failed is the error run() raises."""
-        if self._journal is not None:
-            error = self._journal.close()  # never raises: returns what it could not write
+        if journal is not None:
+            error = journal.close()  # never raises: returns what it could not write
             if error is not None:
                 self._log(logging.ERROR, "the journal could not be closed: %s", error)
                 if self._failed is None:
@@ -256,23 +263,23 @@ class Agent:
 
     # ------------------------------------------------------------------ start-up
 
-    async def _establish_position(self) -> None:
+    async def _establish_position(self, session: RunSession) -> None:
         """Where to read from: Kafka's committed offset, else ours, else the head of the log.
 
         A worker never seen before starts at the head: history is not replayed onto it. The
         position is fixed before the first heartbeat, so a command published after a worker
         is visible as live is always seen by it.
         """
-        assert self._consumer is not None and self._journal is not None
+        consumer, journal = session.consumer, session.journal
         topic = self.topics.commands.name
-        await self._consumer.assign(topic, [0])
-        committed = await self._consumer.committed(topic, 0)
-        begin = (await self._consumer.beginning_offsets(topic))[0]
-        end = (await self._consumer.end_offsets(topic))[0]
+        await consumer.assign(topic, [0])
+        committed = await consumer.committed(topic, 0)
+        begin = (await consumer.beginning_offsets(topic))[0]
+        end = (await consumer.end_offsets(topic))[0]
         if committed is not None:
             start, source = committed, "committed offset"
-        elif self._journal.next_offset is not None:
-            start, source = self._journal.next_offset, "local state (committed offset expired)"
+        elif journal.next_offset is not None:
+            start, source = journal.next_offset, "local state (committed offset expired)"
         else:
             start, source = end, "head of the log (new worker)"
         if start < begin:
@@ -280,16 +287,15 @@ class Agent:
                 logging.WARNING, "offset %d was deleted by retention; reading from %d", start, begin
             )
             start = begin
-        self._consumer.seek(topic, 0, start)
+        consumer.seek(topic, 0, start)
         # Remember where this incarnation starts, so a crash before its first commit resumes here.
-        await self._journal.commit_published((), start)
+        await journal.commit_published((), start)
         self._log(logging.INFO, "reading %s from offset %d (%s)", topic, start, source)
 
-    async def _publish_pending_acks(self) -> None:
+    async def _publish_pending_acks(self, session: RunSession) -> None:
         """Terminal acks recorded but not known to be published (a crash, or a stop while the
         cluster did not take them): publish them, together, then mark them published."""
-        assert self._journal is not None
-        pending = self._journal.unpublished()
+        pending = session.journal.unpublished()
         if not pending:
             return
         self._log(
@@ -297,11 +303,10 @@ class Agent:
             "re-publishing %d ack(s) of applied commands, from the journal",
             len(pending),
         )
-        assert self._outbox is not None
-        await self._outbox.publish([replayed(ack, self.clock()) for ack in pending])
-        await self._journal.commit_published([ack.command_id for ack in pending])
+        await session.outbox.publish([replayed(ack, self.clock()) for ack in pending])
+        await session.journal.commit_published([ack.command_id for ack in pending])
 
-    async def _load_runner(self) -> None:
+    async def _load_runner(self, journal: Journal) -> None:
         """Load the model. If that fails the worker keeps running, degraded (RUNNER_LOAD_FAILED
         in its heartbeats), and the runner refuses reloads with MODEL_NOT_LOADED."""
         try:
@@ -317,21 +322,18 @@ class Agent:
             )
         else:
             if self.settings.restore_on_start:
-                await self._restore()
+                await self._restore(journal)
         await self._view.refresh(self.runner, self._log)
         self._view.status = self._view.idle_status(self._stop.is_set())
 
-    async def _restore(self) -> None:
+    async def _restore(self, journal: Journal) -> None:
         """Re-apply what this worker had applied before a restart (level, not events)."""
-        assert self._journal is not None
-        if self._journal.config_overrides:
+        if journal.config_overrides:
             try:
-                await asyncio.to_thread(
-                    self.runner.update_config, dict(self._journal.config_overrides)
-                )
+                await asyncio.to_thread(self.runner.update_config, dict(journal.config_overrides))
             except Exception as exc:
                 self._log(logging.ERROR, "could not restore config overrides: %s", exc)
-        spec = self._journal.weights
+        spec = journal.weights
         if spec is not None:
             try:
                 path = resolve_weights_path(spec.path, self.settings.allowed_roots)
@@ -342,12 +344,10 @@ class Agent:
 
     # ------------------------------------------------------------------ commands
 
-    async def _command_loop(self) -> None:
-        assert self._consumer is not None and self._commands is not None
-        topic = self.topics.commands.name
+    async def _command_loop(self, session: RunSession) -> None:
         while not self._stop.is_set():
             try:
-                records = await self._consumer.fetch(timeout_s=0.5, max_records=16)
+                records = await session.consumer.fetch(timeout_s=0.5, max_records=16)
             except BusError as exc:
                 self._fetch_failed(exc)
                 await self._stop.sleep(1.0)
@@ -362,8 +362,8 @@ class Agent:
             for record in records:
                 if self._stop.is_set():
                     break  # not committed: seen again after a restart
-                handled = await self._commands.handle(record)
-                await self._commit(topic, record.offset + 1, handled)
+                handled = await session.commands.handle(record)
+                await self._commit(session, record.offset + 1, handled)
 
     def _fetch_failed(self, exc: BusError) -> None:
         """Log an outage once when it starts (and once when it ends), not at every retry."""
@@ -378,16 +378,15 @@ class Agent:
         else:
             self._log(logging.DEBUG, "fetch failed, retrying: %s", exc)
 
-    async def _commit(self, topic: str, next_offset: int, handled: Handled) -> None:
+    async def _commit(self, session: RunSession, next_offset: int, handled: Handled) -> None:
         """Journal phase 2, then Kafka: the "published" mark of the ack just sent (if any) and
         the next offset, in one fsync, then the commit."""
-        assert self._consumer is not None and self._journal is not None
         published = () if handled.published is None else (handled.published,)
-        await self._journal.commit_published(published, next_offset)
+        await session.journal.commit_published(published, next_offset)
         if handled.acked:
             failpoints.hit("after_ack")
         try:
-            await self._consumer.commit(topic, 0, next_offset)
+            await session.consumer.commit(self.topics.commands.name, 0, next_offset)
         except BusError as exc:  # the local state still has it; Kafka catches up at the next one
             self._log(logging.WARNING, "commit of offset %d failed: %s", next_offset, exc)
 
