@@ -25,6 +25,7 @@ from controlplane.wire.protocol import (
     WorkerStatus,
     utcnow,
 )
+from controlplane.wire.validation import Location, summarize
 from workers.runners.base import RUNNERS
 
 ENV_PREFIX = "FLEET_WORKER_"
@@ -148,11 +149,7 @@ class WorkerSettings(BaseSettings):
                 lease_s=self.effective_lease_s,
             )
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{_HEARTBEAT_FIELDS.get(str(e['loc'][0]), e['loc'][0]) if e['loc'] else 'heartbeat'}"
-                f": {e['msg']}"
-                for e in exc.errors(include_url=False)[:5]
-            )
+            problems = summarize(exc, limit=5, more=False, name=_setting_name)
             raise ValueError(f"not valid in a heartbeat: {problems}") from None
         return self
 
@@ -183,6 +180,13 @@ _HEARTBEAT_FIELDS = {
     "interval_s": "heartbeat_interval_s",
     "lease_s": "lease_s",
 }
+
+
+def _setting_name(loc: Location) -> str:
+    """The setting a heartbeat field comes from (the field itself if none; ``heartbeat``)."""
+    if not loc:
+        return "heartbeat"
+    return _HEARTBEAT_FIELDS.get(str(loc[0]), str(loc[0]))
 
 
 def worker_dir_name(worker_id: str) -> str:
