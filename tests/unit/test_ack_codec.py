@@ -173,6 +173,16 @@ def dumps(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":")).encode()
 
 
+def stamped(field: str, stamp: str) -> bytes:
+    """A valid ack with ``stamp`` as its ``sent_at`` or as one of its timings."""
+    value = wire()
+    if field == "sent_at":
+        value["sent_at"] = stamp
+    else:
+        value["timings"][field] = stamp
+    return dumps(value)
+
+
 def every_kind_of_ack() -> list[Ack]:
     out = []
     for kind in (*CommandKind, None):
@@ -300,12 +310,7 @@ def test_numbers_and_values_in_result_agree(value: Any) -> None:
     field=st.sampled_from(["sent_at", "received_at", "started_at", "finished_at"]),
 )
 def test_odd_timestamps_agree(text: str, field: str) -> None:
-    value = wire()
-    if field == "sent_at":
-        value["sent_at"] = text
-    else:
-        value["timings"][field] = text
-    assert_agree(dumps(value))
+    assert_agree(stamped(field, text))
 
 
 @fuzz(300)
@@ -353,12 +358,7 @@ def refused(data: bytes) -> ProtocolError:
 )
 @pytest.mark.parametrize("field", ["sent_at", "received_at", "started_at"])
 def test_date_time_forms_msgspec_takes_and_we_refuse(stamp: str, field: str) -> None:
-    value = wire()
-    if field == "sent_at":
-        value["sent_at"] = stamp
-    else:
-        value["timings"][field] = stamp
-    data = dumps(value)
+    data = stamped(field, stamp)
     assert msgspec_accepts(data)
     assert refused(data).code is ErrorCode.SCHEMA_INVALID
 
@@ -586,12 +586,7 @@ def test_attempt_is_bounded_by_2_to_the_53_in_both() -> None:
 )
 @pytest.mark.parametrize("field", ["sent_at", "received_at", "started_at", "finished_at"])
 def test_date_times_out_of_range_are_refused_by_both(stamp: str, field: str, ok: bool) -> None:
-    value = wire()
-    if field == "sent_at":
-        value["sent_at"] = stamp
-    else:
-        value["timings"][field] = stamp
-    data = dumps(value)
+    data = stamped(field, stamp)
     assert msgspec_accepts(data)
     if ok:
         assert assert_agree(data) is not None
