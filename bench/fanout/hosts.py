@@ -1,0 +1,189 @@
+"""The child processes: agents in one process, N HTTP endpoints in another, and the
+parent's handle on each (JSON lines on stdout, commands on stdin).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import cProfile
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPO_ROOT, cpu_seconds
+
+
+async def agent_host(cfg: dict[str, Any]) -> None:
+    """Run ``cfg['workers']`` agents in this process until told to stop on stdin."""
+    from controlplane.kafka.settings import KafkaSettings
+    from workers.agent.loop import Agent
+    from workers.agent.settings import WorkerSettings
+    from workers.runners.fake_runner import FakeRunner
+
+    if cfg.get("fetch_wait_ms") is not None:
+        # A what-if for a product change: the agent's command consumer long-polls longer.
+        import workers.agent.loop
+
+        workers.agent.loop.Consumer = functools.partial(  # type: ignore[misc]
+            workers.agent.loop.Consumer, fetch_max_wait_ms=cfg["fetch_wait_ms"]
+        )
+    kafka = KafkaSettings(
+        bootstrap_servers=cfg["bootstrap"], topic_prefix=cfg["prefix"], client_id="bench-agent"
+    )
+    agents = [
+        Agent(
+            WorkerSettings(
+                worker_id=worker_id,
+                labels={"bench": "fanout"},
+                kafka=kafka,
+                runner="fake",
+                allowed_roots=[Path(cfg["state_dir"])],
+                state_dir=Path(cfg["state_dir"]),
+                heartbeat_interval_s=cfg["heartbeat_s"],
+                restore_on_start=False,
+            ),
+            FakeRunner(),
+        )
+        for worker_id in cfg["workers"]
+    ]
+    started = time.perf_counter()
+    tasks = [asyncio.create_task(agent.run()) for agent in agents]
+    ready = asyncio.ensure_future(asyncio.gather(*(a.ready.wait() for a in agents)))
+    await asyncio.wait([ready, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    if not ready.done():
+        for task in tasks:
+            if task.done() and task.exception() is not None:
+                raise RuntimeError(f"an agent died while starting: {task.exception()!r}")
+        raise RuntimeError("an agent ended while starting")
+    _say({"ready": len(agents), "start_s": round(time.perf_counter() - started, 3)})
+
+    loop = asyncio.get_running_loop()
+    profiler: cProfile.Profile | None = None
+    while True:
+        line = (await loop.run_in_executor(None, sys.stdin.readline)).strip()
+        if line == "profile-on":
+            # CPU time of the loop's thread: on a loaded machine wall time would blame whatever
+            # call the scheduler happened to preempt.
+            profiler = cProfile.Profile(time.thread_time)
+            profiler.enable()
+            _say({"ok": "profile-on"})
+        elif line.startswith("profile-off "):
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(line.split(" ", 1)[1])
+                profiler = None
+            _say({"ok": "profile-off"})
+        else:  # "stop" or EOF
+            break
+    for agent in agents:
+        agent.request_stop()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+    _say({"stopped": sum(sum(a.outcomes.values()) for a in agents)})
+
+
+def _say(message: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+async def http_host(cfg: dict[str, Any]) -> None:
+    """One uvicorn server on ``cfg['n']`` ports; port i is worker i with its own FakeRunner."""
+    import socket
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from workers.runners.fake_runner import FakeRunner
+
+    sockets: list[socket.socket] = []
+    runners: dict[int, FakeRunner] = {}
+    for _ in range(cfg["n"]):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1024)
+        sockets.append(sock)
+        runners[sock.getsockname()[1]] = FakeRunner()
+
+    async def config(request: Request) -> JSONResponse:
+        runner = runners[request.scope["server"][1]]
+        overrides = await request.json()
+        desc = runner.update_config(overrides)  # the agents' no-op, minus journal and acks
+        return JSONResponse({"ok": True, "config_digest": desc.config_digest})
+
+    app = Starlette(routes=[Route("/config", config, methods=["POST"])])
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", backlog=2048)
+    )
+    server_task = asyncio.create_task(server.serve(sockets=sockets))
+    while not server.started:  # noqa: ASYNC110 - uvicorn offers no event for this
+        await asyncio.sleep(0.01)
+    _say({"ports": list(runners)})
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, sys.stdin.readline)
+    server.should_exit = True
+    await server_task
+
+
+class Child:
+    """A child process of this module speaking JSON lines on stdout, commands on stdin."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, name: str) -> None:
+        self.proc = proc
+        self.name = name
+
+    @classmethod
+    async def spawn(cls, role: str, cfg: dict[str, Any], log_file: Path) -> Child:
+        with open(log_file, "ab") as err:  # noqa: ASYNC230 - a local log file
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "bench.fanout",
+                f"--{role}",
+                json.dumps(cfg),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=err,
+                cwd=REPO_ROOT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        return cls(proc, f"{role}:{log_file.name}")
+
+    async def read(self, timeout: float = 300.0) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        if not line:
+            code = await self.proc.wait()
+            raise RuntimeError(f"{self.name} exited with status {code} (see its log)")
+        message: dict[str, Any] = json.loads(line)
+        return message
+
+    async def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line.encode() + b"\n")
+        await self.proc.stdin.drain()
+
+    async def stop(self, timeout: float = 90.0) -> None:
+        if self.proc.returncode is not None:
+            return
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            await self.send("stop")
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        try:
+            await asyncio.wait_for(self.proc.wait(), timeout)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.proc.pid)

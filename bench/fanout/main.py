@@ -1,0 +1,134 @@
+"""Arguments, the run over every fleet size, and the child roles (``--agents-child``,
+``--http-child``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import bench.fanout as package
+from bench.common import Broker, conclude, envelope, mode_of
+from bench.fanout import JUDGE_INTERVAL_S
+from bench.fanout.hosts import agent_host, http_host
+from bench.fanout.report import report, targets
+from bench.fanout.scenario import measure_level
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog=f"python -m {package.__name__}", description=(package.__doc__ or "").splitlines()[0]
+    )
+    p.add_argument("--quick", action="store_true", help="N in 1, 10, 50; fewer repeats.")
+    p.add_argument("--tiny", action="store_true", help="N in 1, 3; for the CI smoke test.")
+    p.add_argument("--n", type=int, nargs="+", help="Fleet sizes (overrides the mode's).")
+    p.add_argument("--repeats", type=int, help="Rollouts per N (after one warm-up).")
+    p.add_argument("--floor-repeats", type=int, default=None)
+    p.add_argument("--http-repeats", type=int, default=None)
+    p.add_argument("--per-process", type=int, default=50, help="Agents per OS process.")
+    p.add_argument(
+        "--agent-fetch-wait-ms",
+        type=int,
+        default=None,
+        help="What-if: the agents' consumer fetch_max_wait_ms (default: the product's).",
+    )
+    p.add_argument("--heartbeat-s", type=float, default=3.0, help="Agents' heartbeat period.")
+    p.add_argument("--idle-s", type=float, default=None, help="Quiet window for idle CPU.")
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="Where agent journals go (default: a temp dir in /dev/shm).",
+    )
+    p.add_argument("--no-http", action="store_true", help="Skip the HTTP baseline.")
+    p.add_argument(
+        "--judge",
+        choices=["cli", "every-poll", "cli-fixed", "adaptive"],
+        default="adaptive",
+        help="When the follower recomputes the status: at most every 100 ms ('cli', the CLI "
+        "at 7c3c4c5), after every poll (the CLI before it), the same with the poll cut short, "
+        "or at most every 5x the last judgement's cost ('adaptive', default: what the CLI's "
+        "--wait does since it was measured here).",
+    )
+    p.add_argument("--profile", action="store_true", help="cProfile the agents at the largest N.")
+    p.add_argument("--profile-rollouts", type=int, default=5)
+    p.add_argument("--out-dir", type=Path, default=None)
+    p.add_argument("--agents-child", help=argparse.SUPPRESS)
+    p.add_argument("--http-child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    mode = mode_of(args.quick, args.tiny)
+    defaults = {
+        "tiny": ([1, 3], 3, 5, 2, 1.0),
+        "quick": ([1, 10, 50], 8, 20, 3, 5.0),
+        "full": ([1, 10, 100, 500], 20, 50, 5, 20.0),
+    }[mode]
+    args.mode = mode
+    args.n = args.n or defaults[0]
+    args.repeats = args.repeats or defaults[1]
+    args.floor_repeats = args.floor_repeats or defaults[2]
+    args.http_repeats = args.http_repeats or defaults[3]
+    args.idle_s = args.idle_s if args.idle_s is not None else defaults[4]
+    return args
+
+
+async def run(args: argparse.Namespace, broker: Broker, result: dict[str, Any]) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-fanout-") as tmp_name:
+        tmp = Path(tmp_name)
+        levels = []
+        for n in args.n:
+            levels.append(await measure_level(broker.bootstrap, broker.pid, n, args, tmp))
+    result["levels"] = levels
+    result["targets"] = targets(levels)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # aiokafka logs NotLeaderForPartition while a new topic's leader is elected, then retries.
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    if args.agents_child:
+        asyncio.run(agent_host(json.loads(args.agents_child)))
+        return 0
+    if args.http_child:
+        asyncio.run(http_host(json.loads(args.http_child)))
+        return 0
+    own_state = args.state_dir is None
+    if own_state:
+        shm = Path("/dev/shm")
+        args.state_dir = Path(
+            tempfile.mkdtemp(prefix="bench-fanout-state-", dir=shm if shm.is_dir() else None)
+        )
+    result = envelope("fanout", args.mode, argv)
+    result["parameters"] = {
+        "n": args.n,
+        "repeats": args.repeats,
+        "floor_repeats": args.floor_repeats,
+        "http_repeats": args.http_repeats,
+        "per_process": args.per_process,
+        "heartbeat_s": args.heartbeat_s,
+        "idle_s": args.idle_s,
+        "state_dir": str(args.state_dir),
+        "agent_fetch_wait_ms": args.agent_fetch_wait_ms,
+        "judge": args.judge,
+        "judge_interval_s": JUDGE_INTERVAL_S,
+    }
+    started = time.perf_counter()
+    try:
+        with Broker() as broker:  # started outside the event loop: its probe runs its own
+            result["broker"] = {"bootstrap": broker.bootstrap, "start_s": broker.start_s}
+            print(f"broker up at {broker.bootstrap} in {broker.start_s:.1f} s", flush=True)
+            asyncio.run(run(args, broker, result))
+    finally:
+        if own_state:
+            shutil.rmtree(args.state_dir, ignore_errors=True)
+    return conclude(result, report(result), args.out_dir, started)

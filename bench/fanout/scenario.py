@@ -1,0 +1,331 @@
+"""One fleet size: N agents in child processes, rollouts followed as the CLI does, CPU, idle."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import math
+import os
+import pstats
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.common import cpu_seconds, ensure_topics, loadavg, ratio, summary
+from bench.fanout import JUDGE_INTERVAL_S, OVERRIDE_KEY
+from bench.fanout.floors import measure_floor, measure_http
+from bench.fanout.hosts import Child
+
+
+class Fanout:
+    """N agents in child processes plus a Follower watching their topics from this process."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        n: int,
+        per_process: int,
+        heartbeat_s: float,
+        state_root: Path,
+        log_dir: Path,
+        fetch_wait_ms: int | None = None,
+        judge: str = "cli",
+    ) -> None:
+        self.fetch_wait_ms = fetch_wait_ms
+        self.judge = judge
+        self.bootstrap = bootstrap
+        self.n = n
+        self.per_process = per_process
+        self.heartbeat_s = heartbeat_s
+        self.state_root = state_root
+        self.log_dir = log_dir
+        self.children: list[Child] = []
+        self.worker_ids: list[str] = []
+        self.settings: Any = None
+        self.follower: Any = None
+        self.acks: list[Any] = []
+
+    async def start(self) -> dict[str, Any]:
+        from controlplane.coordinator.follower import Follower
+
+        tag = uuid.uuid4().hex[:6]
+        self.settings = await ensure_topics(self.bootstrap, f"fan{self.n}-{tag}")
+        self.follower = Follower(self.settings)
+        await self.follower.start()
+        self.follower.listeners.append(lambda batch: self.acks.extend(batch.acks))
+        processes = max(1, math.ceil(self.n / self.per_process))
+        groups: list[list[str]] = [[] for _ in range(processes)]
+        for i in range(self.n):
+            groups[i % processes].append(f"n{self.n}-p{i % processes}-w{i:04d}")
+        self.worker_ids = sorted(w for g in groups for w in g)
+        state_dir = self.state_root / f"n{self.n}-{tag}"
+        state_dir.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        for p, group in enumerate(groups):
+            cfg = {
+                "bootstrap": self.bootstrap,
+                "prefix": self.settings.topic_prefix,
+                "workers": group,
+                "state_dir": str(state_dir),
+                "heartbeat_s": self.heartbeat_s,
+                "fetch_wait_ms": self.fetch_wait_ms,
+            }
+            self.children.append(
+                await Child.spawn("agents-child", cfg, self.log_dir / f"agents-n{self.n}-p{p}.log")
+            )
+        hellos = [await c.read(600) for c in self.children]
+        children_ready_s = time.perf_counter() - started
+        await self._wait_registered(timeout=120)
+        return {
+            "processes": processes,
+            "agents_per_process": [len(g) for g in groups],
+            "start_s": time.perf_counter() - started,
+            "children_ready_s": children_ready_s,
+            "child_start_s": [h.get("start_s") for h in hellos],
+        }
+
+    async def _wait_registered(self, timeout: float) -> None:
+        from controlplane.rollout.registry import is_alive
+        from controlplane.wire.protocol import utcnow
+
+        deadline = time.monotonic() + timeout
+        registry = self.follower.fleet.registry
+        while True:
+            now = utcnow()
+            alive = sum(
+                1
+                for w in self.worker_ids
+                if (hb := registry.latest(w)) is not None and is_alive(hb, now)
+            )
+            if alive == self.n:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {alive} of {self.n} agents heartbeat")
+            await self.follower.poll(timeout_s=0.25)
+
+    async def rollout(self, i: int, producer: Any) -> dict[str, Any]:
+        """Publish one update_config rollout; follow it as the CLI does until it is terminal."""
+        from controlplane.coordinator.publisher import build_command, publish
+        from controlplane.wire.protocol import Selector, UpdateConfigSpec, utcnow
+
+        fleet = self.follower.fleet
+        command = build_command(
+            UpdateConfigSpec(overrides={OVERRIDE_KEY: 1 + i % 64}),
+            Selector(worker_ids=self.worker_ids),
+            issuer="bench",
+            ttl_s=600,
+            now=utcnow(),
+        )
+        rid = command.rollout_id
+        self.acks.clear()
+        start = time.perf_counter()
+        await publish(self.settings, command, producer)
+        published = time.perf_counter() - start
+        status_s = 0.0
+        polls = 0
+        judged_at, touched, last_cost = -1.0, True, 0.0
+        status = None
+        while True:
+            # When to judge, as the CLI's --wait does (policy "cli"): when a batch touched the
+            # rollout, at most every JUDGE_INTERVAL_S, at least every second. "every-poll" is the
+            # earlier CLI (after every poll); "cli-fixed" is "cli" with the poll's timeout cut to
+            # the next moment a judgement is allowed, so a touched rollout is not left unjudged
+            # until the 0.25 s poll times out; "adaptive" throttles by cost instead of a fixed
+            # interval: at most every 5x the last judgement's duration (capped at 0.25 s).
+            now_m = time.monotonic()
+            interval = JUDGE_INTERVAL_S if self.judge != "adaptive" else min(0.25, 5 * last_cost)
+            due = self.judge == "every-poll" or (
+                (touched and now_m - judged_at >= interval) or now_m - judged_at >= 1.0
+            )
+            if rid in fleet and due:
+                judged_at, touched = now_m, False
+                t0 = time.perf_counter()
+                status = fleet.status(rid, utcnow())
+                last_cost = time.perf_counter() - t0
+                status_s += last_cost
+                if status.terminal:
+                    break
+            timeout = 0.25
+            if self.judge in ("cli-fixed", "adaptive") and touched and judged_at >= 0:
+                # Not 0: a zero-timeout fetch may return without yielding to aiokafka's fetcher.
+                timeout = min(timeout, max(0.01, judged_at + interval - time.monotonic()))
+            batch = await self.follower.poll(timeout_s=timeout)
+            polls += 1
+            touched = touched or rid in batch.rollout_ids or bool(batch.heartbeats)
+            if time.perf_counter() - start > 300:
+                raise RuntimeError(f"rollout {rid} not terminal after 300 s")
+        converge = time.perf_counter() - start
+        assert status is not None
+        if status.phase.value != "succeeded":
+            raise RuntimeError(f"rollout {rid} ended {status.phase.value}: {status.message}")
+        issued = command.issued_at
+        mine = [a for a in self.acks if a.rollout_id == rid]
+        terminal = [(a.sent_at - issued).total_seconds() for a in mine if a.state.terminal]
+        received = [
+            (a.timings.received_at - issued).total_seconds()
+            for a in mine
+            if a.state.value == "accepted"
+        ]
+        assert status.finished_at is not None
+        return {
+            "converge_s": converge,
+            "publish_s": published,
+            "last_ack_s": (status.finished_at - issued).total_seconds(),
+            "ack_s": terminal,
+            "received_s": received,
+            "status_s": status_s,
+            "polls": polls,
+        }
+
+    async def profile(self, rollouts: int, producer: Any, out_dir: Path) -> dict[str, Any]:
+        """cProfile of the agent processes' event loops over ``rollouts`` extra rollouts."""
+        for c in self.children:
+            await c.send("profile-on")
+            await c.read(60)
+        for i in range(rollouts):
+            await self.rollout(10_000 + i, producer)
+        files = []
+        for p, c in enumerate(self.children):
+            path = out_dir / f"agents-n{self.n}-p{p}.prof"
+            await c.send(f"profile-off {path}")
+            await c.read(60)
+            files.append(str(path))
+        return profile_summary(files, rollouts * self.n)
+
+    def cpu(self) -> float:
+        return sum(c.cpu() for c in self.children)
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(c.stop() for c in self.children))
+        if self.follower is not None:
+            await self.follower.stop()
+
+
+def profile_summary(files: Sequence[str], commands: int, top: int = 18) -> dict[str, Any]:
+    stats = pstats.Stats(*files, stream=io.StringIO())
+    total = stats.total_tt  # type: ignore[attr-defined]
+    rows = []
+    for (file, line, func), (_, ncalls, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append(
+            {
+                "function": f"{Path(file).name}:{line}({func})",
+                "calls": ncalls,
+                "tottime_s": round(tottime, 4),
+                "cumtime_s": round(cumtime, 4),
+            }
+        )
+    by_tot = sorted(rows, key=lambda r: r["tottime_s"], reverse=True)[:top]
+    by_cum = sorted(rows, key=lambda r: r["cumtime_s"], reverse=True)[:top]
+    # Per command: how often the agent's own steps ran, and what it asked of Kafka (produce
+    # requests, each carrying any number of records; offset commits; fetches), with their
+    # cumulative CPU ms. A coroutine counts one call per resumption, not per await of it.
+    counted = {
+        r["function"]: [
+            round(r["calls"] / max(commands, 1), 3),
+            round(r["cumtime_s"] / max(commands, 1) * 1e3, 3),
+        ]
+        for r in rows
+        if r["function"].startswith(("agent.py:", "state.py:"))
+        or r["function"].endswith(
+            ("(_send_produce_req)", "(commit_offsets)", "(_fetch_requests_routine)")
+        )
+    }
+    return {
+        "profiled_s": round(total, 3),
+        "commands": commands,
+        "cpu_ms_per_command": round(total / max(commands, 1) * 1e3, 3),
+        "top_tottime": by_tot,
+        "top_cumtime": by_cum,
+        "calls_per_command": dict(sorted(counted.items())),
+    }
+
+
+async def measure_level(
+    bootstrap: str, broker_pid: int | None, n: int, args: argparse.Namespace, tmp: Path
+) -> dict[str, Any]:
+    from controlplane.kafka.bus import Producer
+
+    level: dict[str, Any] = {"n": n, "loadavg_before": loadavg()}
+    print(f"\n== N={n}: floor", flush=True)
+    level["floor"] = await measure_floor(bootstrap, args.floor_repeats, n)
+    if not args.no_http:
+        print(f"== N={n}: HTTP fan-out", flush=True)
+        level["http"] = await measure_http(n, args.http_repeats, tmp)
+    print(f"== N={n}: starting {n} agents", flush=True)
+    fan = Fanout(
+        bootstrap,
+        n,
+        args.per_process,
+        args.heartbeat_s,
+        args.state_dir,
+        tmp,
+        args.agent_fetch_wait_ms,
+        args.judge,
+    )
+    try:
+        level["agents"] = await fan.start()
+        print(f"   started in {level['agents']['start_s']:.1f} s; rollouts", flush=True)
+        async with Producer(fan.settings) as producer:
+            await fan.rollout(0, producer)  # warm-up
+            a0, b0, c0 = fan.cpu(), _broker_cpu(broker_pid), time.process_time()
+            t0 = time.perf_counter()
+            runs = [await fan.rollout(i + 1, producer) for i in range(args.repeats)]
+            elapsed = time.perf_counter() - t0
+            commands = args.repeats * n
+            level["rollout_cpu"] = {
+                "window_s": elapsed,
+                "agents_cpu_s": fan.cpu() - a0,
+                "agents_cpu_ms_per_command": 1e3 * (fan.cpu() - a0) / commands,
+                "broker_cpu_ms_per_command": 1e3 * (_broker_cpu(broker_pid) - b0) / commands,
+                "follower_cpu_ms_per_rollout": 1e3 * (time.process_time() - c0) / args.repeats,
+                "cores": os.cpu_count(),
+            }
+            if args.profile and n == max(args.n):
+                print(
+                    f"== N={n}: profiling agents over {args.profile_rollouts} rollouts", flush=True
+                )
+                level["agent_profile"] = await fan.profile(args.profile_rollouts, producer, tmp)
+        level["rollouts"] = {
+            "converge_s": summary([r["converge_s"] for r in runs]),
+            "last_ack_s": summary([r["last_ack_s"] for r in runs]),
+            "publish_s": summary([r["publish_s"] for r in runs]),
+            "status_s": summary([r["status_s"] for r in runs]),
+            "ack_s": summary([x for r in runs for x in r["ack_s"]]),
+            "received_s": summary([x for r in runs for x in r["received_s"]]),
+        }
+        print(f"== N={n}: idle CPU over {args.idle_s:.0f} s", flush=True)
+        await asyncio.sleep(1.0)
+        a0, b0, t0 = fan.cpu(), _broker_cpu(broker_pid), time.perf_counter()
+        await asyncio.sleep(args.idle_s)
+        a1, b1, t1 = fan.cpu(), _broker_cpu(broker_pid), time.perf_counter()
+        level["idle"] = {
+            "window_s": t1 - t0,
+            "agents_pct_core": 100 * (a1 - a0) / (t1 - t0),
+            "agents_pct_core_per_agent": 100 * (a1 - a0) / (t1 - t0) / n,
+            "broker_pct_core": 100 * (b1 - b0) / (t1 - t0) if broker_pid else None,
+            "heartbeat_s": args.heartbeat_s,
+        }
+    finally:
+        await fan.stop()
+    level["loadavg_after"] = loadavg()
+    _derive(level)
+    return level
+
+
+def _broker_cpu(pid: int | None) -> float:
+    return cpu_seconds(pid) if pid else 0.0
+
+
+def _derive(level: dict[str, Any]) -> None:
+    """Ratios of p50s: convergence against the floor and against HTTP fan-outs."""
+    floor = level["floor"]["round_trip_s"].get("p50")
+    conv = level["rollouts"]["converge_s"].get("p50")
+    http = level.get("http", {})
+    level["ratios"] = {
+        "converge_over_floor": ratio(conv, floor),
+        "converge_over_http_concurrent": ratio(conv, http.get("concurrent_s", {}).get("p50")),
+        "converge_over_http_sequential": ratio(conv, http.get("sequential_s", {}).get("p50")),
+    }

@@ -1,0 +1,160 @@
+"""Ratios to the baselines, the targets' verdicts and the printed tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.common import fmt, ratio, table
+from bench.reload import MB
+
+
+def _find(section: dict[str, Any], prefix: str, cold: bool = False) -> dict[str, Any] | None:
+    for run in section.get("runs", []):
+        if run["name"].startswith(prefix) and run["cold"] == cold:
+            return run  # type: ignore[no-any-return]
+    return None
+
+
+def _gbps(run: dict[str, Any] | None) -> float | None:
+    return None if run is None else float(run["gbps"])
+
+
+def derive(result: dict[str, Any]) -> None:
+    """Ratios to each baseline, and the issue's targets."""
+    sections = result["sections"]
+    cpu = sections.get("torch", {})
+    memcpy = _gbps(_find(cpu, "memcpy: torch copy_, one"))
+    read_cold = _gbps(_find(cpu, "sequential read", cold=True))
+    ratios: dict[str, Any] = {}
+    targets: list[dict[str, Any]] = []
+
+    def target(name: str, value: float | None, limit: float, why: str = "") -> None:
+        verdict = "n/a" if value is None else "met" if value >= limit else "missed"
+        targets.append(
+            {"name": name, "value": value, "limit": limit, "verdict": verdict, "detail": why}
+        )
+
+    def memory_target(name: str, section: dict[str, Any], prefix: str, cold: bool = False) -> None:
+        run = _find(section, prefix, cold)
+        if run is None:
+            return
+        allowed = section["largest_tensor_bytes"] / MB + 64
+        extra = max(run["peak_extra_anon_mb"], run["first_run_extra_anon_mb"])
+        targets.append(
+            {
+                "name": name,
+                "value": extra,
+                "limit": allowed,
+                "verdict": "met" if extra <= allowed else "missed",
+                "detail": f"{extra:.0f} MiB anon vs {allowed:.0f} MiB allowed",
+            }
+        )
+
+    if cpu.get("runs"):
+        ours_c = _gbps(_find(cpu, "ours"))
+        ours_cold = _gbps(_find(cpu, "ours", cold=True))
+        ratios["cpu"] = {
+            "cached_over_memcpy": ratio(ours_c, memcpy),
+            "one_reader_over_memcpy": ratio(_gbps(_find(cpu, "one reader")), memcpy),
+            "one_reader_cold_over_read_cold": ratio(
+                _gbps(_find(cpu, "one reader", cold=True)), read_cold
+            ),
+            "cached_over_memmove": ratio(ours_c, _gbps(_find(cpu, "memcpy: glibc"))),
+            "cached_over_memcpy_into_model": ratio(
+                ours_c, _gbps(_find(cpu, "memcpy: torch copy_ into"))
+            ),
+            "cached_over_read_cached": ratio(ours_c, _gbps(_find(cpu, "sequential read"))),
+            "cached_over_naive": ratio(ours_c, _gbps(_find(cpu, "naive"))),
+            "cached_over_load_file": ratio(ours_c, _gbps(_find(cpu, "load_file"))),
+            "cold_over_read_cold": ratio(ours_cold, read_cold),
+            "cold_over_naive_cold": ratio(ours_cold, _gbps(_find(cpu, "naive", cold=True))),
+            "cold_over_load_file_cold": ratio(ours_cold, _gbps(_find(cpu, "load_file", cold=True))),
+        }
+        target("CPU cached >= 0.9x memcpy", ratios["cpu"]["cached_over_memcpy"], 0.9)
+        target("CPU cold >= 0.9x sequential read", ratios["cpu"]["cold_over_read_cold"], 0.9)
+        memory_target("CPU peak extra <= largest tensor + 64 MiB", cpu, "ours")
+    xla = sections.get("xla", {})
+    if xla.get("runs"):
+        ours_x = _gbps(_find(xla, "ours"))
+        ratios["xla"] = {
+            "cached_over_memcpy": ratio(ours_x, memcpy),
+            "dlpack_whatif_over_memcpy": ratio(_gbps(_find(xla, "what-if")), memcpy),
+            "cached_over_memmove": ratio(ours_x, _gbps(_find(cpu, "memcpy: glibc"))),
+            "cached_over_naive": ratio(ours_x, _gbps(_find(xla, "naive"))),
+            "cold_over_read_cold": ratio(_gbps(_find(xla, "ours", cold=True)), read_cold),
+        }
+        target("XLA CPU >= 0.5x memcpy", ratios["xla"]["cached_over_memcpy"], 0.5)
+        memory_target("XLA peak extra <= largest tensor + 64 MiB", xla, "ours")
+    cuda = sections.get("cuda", {})
+    if cuda.get("runs"):
+        ours_g = _gbps(_find(cuda, "ours"))
+        ratios["cuda"] = {
+            "cached_over_h2d_pinned": ratio(ours_g, _gbps(_find(cuda, "H2D pinned"))),
+            "cached_over_h2d_pageable": ratio(ours_g, _gbps(_find(cuda, "H2D pageable"))),
+            "cached_over_naive": ratio(ours_g, _gbps(_find(cuda, "naive"))),
+            "cached_over_load_file": ratio(ours_g, _gbps(_find(cuda, "load_file"))),
+            "cold_over_read_cold": ratio(
+                _gbps(_find(cuda, "ours", cold=True)),
+                _gbps(_find(cuda, "sequential read", cold=True)),
+            ),
+        }
+        target("CUDA >= 0.8x pinned H2D", ratios["cuda"]["cached_over_h2d_pinned"], 0.8)
+        target("CUDA >= 1.5x naive loop", ratios["cuda"]["cached_over_naive"], 1.5)
+        memory_target("CUDA host peak extra <= largest tensor + 64 MiB", cuda, "ours")
+    result["ratios"] = ratios
+    result["targets"] = targets
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = []
+    for name, section in result["sections"].items():
+        if "runs" not in section:
+            lines.append(f"{name}: {section.get('skipped') or section.get('error')}")
+            continue
+        rows = [
+            [
+                run["name"],
+                "cold" if run["cold"] else "cached",
+                run["gbps"],
+                run["median_s"],
+                run["peak_extra_anon_mb"],
+                run["first_run_extra_anon_mb"],
+                run["peak_extra_file_mb"],
+                run.get("peak_extra_gpu_mb"),
+            ]
+            for run in section["runs"]
+        ]
+        lines.append(
+            f"{name} ({section['device']}, {section['bytes'] / 1e9:.2f} GB in {section['tensors']} "
+            f"tensors, largest {section['largest_tensor_bytes'] / MB:.0f} MiB)"
+        )
+        lines.append(
+            table(
+                rows,
+                [
+                    "method",
+                    "cache",
+                    "GB/s",
+                    "median s",
+                    "extra anon MiB",
+                    "1st-run anon MiB",
+                    "extra file MiB",
+                    "extra GPU MiB",
+                ],
+            )
+        )
+        if "breakdown" in section:
+            b = section["breakdown"]
+            lines.append(
+                "  XLA path by hand: "
+                + ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in b.items())
+            )
+        lines.append("")
+    for sec, values in result["ratios"].items():
+        lines.append(f"{sec}: " + ", ".join(f"{k} {fmt(v)}x" for k, v in values.items()))
+    for t in result["targets"]:
+        lines.append(
+            f"target {t['name']}: {t['verdict']} ({fmt(t['value'])}"
+            + (f"; {t['detail']})" if t["detail"] else ")")
+        )
+    return "\n".join(lines)
