@@ -99,6 +99,12 @@ class Tail:
         return self.items
 
 
+async def settled(settings: KafkaSettings, acks: Tail, command: Command, **kw: Any) -> list[Ack]:
+    """Publish ``command`` and read ``acks`` until its terminal ack is there (``kw``: ``until``'s)."""
+    await publish(settings, command)
+    return await acks.until(has_terminal(command.command_id), **kw)
+
+
 def acks_tail(settings: KafkaSettings) -> Tail:
     return Tail(settings, settings.topics.acks.name, decode_ack)
 

@@ -22,13 +22,12 @@ if HAVE_VLLM:  # before anything imports vllm
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import asyncio  # noqa: E402
 import hashlib  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from collections.abc import AsyncIterator, Iterator  # noqa: E402
-from contextlib import asynccontextmanager  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from contextlib import AbstractAsyncContextManager, contextmanager  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -36,9 +35,9 @@ from typing import Any  # noqa: E402
 import pytest  # noqa: E402
 
 from controlplane.kafka.settings import KafkaSettings  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
+from tests import factories  # noqa: E402
+from tests.factories import free_port  # noqa: E402
 from workers.agent.loop import Agent  # noqa: E402
-from workers.agent.settings import WorkerSettings  # noqa: E402
 from workers.demo.tiny_llama import hf_greedy, write_tiny_llama  # noqa: E402
 from workers.runners.vllm_runner import VllmRunner  # noqa: E402
 
@@ -109,8 +108,9 @@ def sha256_of(directory: Path) -> dict[str, str]:
 # --------------------------------------------------------------------------- engines
 
 
-@pytest.fixture(scope="module")
-def in_process_runner(ckpts: Checkpoints) -> Iterator[VllmRunner]:
+@contextmanager
+def in_process_engine(ckpts: Checkpoints, _: pytest.TempPathFactory) -> Iterator[VllmRunner]:
+    """The vLLM runner driving a ``vllm.LLM`` in this process."""
     runner = VllmRunner(
         {"mode": "in_process", "model": str(ckpts.v1), "initial_version": "v1",
          "engine_args": ENGINE_ARGS}
@@ -124,7 +124,7 @@ def in_process_runner(ckpts: Checkpoints) -> Iterator[VllmRunner]:
         runner.close()
 
 
-@pytest.fixture(scope="module")
+@contextmanager
 def vllm_server(ckpts: Checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real ``vllm serve`` (the same server as the CLI) on 127.0.0.1 with dev endpoints.
 
@@ -199,17 +199,25 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=30)
 
 
-@pytest.fixture(scope="module")
-def sidecar_runner(ckpts: Checkpoints, vllm_server: str) -> Iterator[VllmRunner]:
-    runner = VllmRunner(
-        {"mode": "sidecar", "model": str(ckpts.v1), "initial_version": "v1",
-         "base_url": vllm_server, "startup_timeout_s": 60}
-    )  # fmt: skip
-    runner.load()
-    try:
-        yield runner
-    finally:
-        runner.close()
+@contextmanager
+def sidecar_engine(
+    ckpts: Checkpoints, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmRunner]:
+    """The vLLM runner driving a ``vllm serve`` sidecar over HTTP on 127.0.0.1."""
+    with vllm_server(ckpts, tmp_path_factory) as url:
+        runner = VllmRunner(
+            {"mode": "sidecar", "model": str(ckpts.v1), "initial_version": "v1",
+             "base_url": url, "startup_timeout_s": 60}
+        )  # fmt: skip
+        runner.load()
+        try:
+            yield runner
+        finally:
+            runner.close()
+
+
+#: The engine shapes the scenarios run on (tests/vllm/test_engines.py), by name.
+ENGINES = {"in_process": in_process_engine, "sidecar": sidecar_engine}
 
 
 # --------------------------------------------------------------------------- agent
@@ -229,26 +237,19 @@ class SharedRunner:
         pass
 
 
-@asynccontextmanager
-async def running_agent(
+def running_agent(
     kafka: KafkaSettings, tmp_path: Path, runner: VllmRunner, root: Path
-) -> AsyncIterator[Agent]:
-    settings = WorkerSettings(
+) -> AbstractAsyncContextManager[Agent]:
+    """An agent (vllm-1) on the shared engine, weights from under ``root``."""
+    return factories.running_agent(
+        kafka,
+        tmp_path,
+        SharedRunner(runner),
+        ready_s=60,
         worker_id="vllm-1",
         labels={"model": "tiny-llama"},
-        kafka=kafka,
         allowed_roots=[root],
-        state_dir=tmp_path / "state",
-        heartbeat_interval_s=0.5,
     )
-    agent = Agent(settings, SharedRunner(runner))  # type: ignore[arg-type]
-    task = asyncio.create_task(agent.run())
-    try:
-        await asyncio.wait_for(agent.ready.wait(), 60)
-        yield agent
-    finally:
-        agent.request_stop()
-        await asyncio.wait_for(task, 60)
 
 
 #: vLLM, torch and transformers warn on import and use; pyproject turns warnings into errors.

@@ -1,7 +1,9 @@
-"""The real-engine scenarios, shared by the in-process and the sidecar test modules.
+"""The real-engine scenarios, once per engine shape: a ``vllm.LLM`` in this process, and a
+``vllm serve`` sidecar over HTTP on 127.0.0.1.
 
-Each test module defines a module-scoped ``runner`` fixture (one engine per module) and imports
-these tests. Every test leaves the engine on checkpoint v1, as it found it.
+The module-scoped ``runner`` is one engine per shape: pytest runs each shape's tests together
+and stops that engine (and the sidecar's server) before it starts the next. Every test leaves
+the engine on checkpoint v1, as it found it.
 """
 
 from __future__ import annotations
@@ -9,16 +11,22 @@ from __future__ import annotations
 import asyncio
 import shutil
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.vllm.conftest import SKIP_REASON
+
+pytest.importorskip("vllm", reason=SKIP_REASON)
+
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.errors import ErrorCode, RunnerError
 from controlplane.wire.protocol import Ack, AckState, ReloadWeightsSpec, UpdateConfigSpec
-from tests.fleet import acks_tail, has_terminal, make_command, publish, terminal
+from tests.fleet import acks_tail, make_command, settled, terminal
 from tests.vllm.conftest import (
+    ENGINES,
     LONG,
     NEW_TOKENS,
     SHORT,
@@ -31,6 +39,16 @@ from workers.demo.tiny_llama import write_tiny_llama
 from workers.runners.vllm_config import translate_config_error
 from workers.runners.vllm_runner import VllmRunner
 
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def runner(
+    request: pytest.FixtureRequest, ckpts: Checkpoints, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmRunner]:
+    with ENGINES[request.param](ckpts, tmp_path_factory) as engine:
+        yield engine
+
 
 async def generate(runner: VllmRunner, prompt: list[int] = SHORT) -> list[int]:
     return await asyncio.to_thread(runner.generate, prompt, NEW_TOKENS)
@@ -41,8 +59,7 @@ def reload_cmd(path: Path, version: str, **kw: Any) -> Any:
 
 
 async def ack_of(kafka: KafkaSettings, tail: Any, cmd: Any) -> Ack:
-    await publish(kafka, cmd)
-    await tail.until(has_terminal(cmd.command_id), timeout=120)
+    await settled(kafka, tail, cmd, timeout=120)
     (ack,) = terminal(tail.items, cmd.command_id)
     return ack
 
