@@ -1,0 +1,523 @@
+"""One local Apache Kafka 4.x node (KRaft, a combined broker+controller): :class:`LocalBroker`.
+
+Resolves Apache Kafka's own jars from Maven Central with Maven into a cache (the second start
+downloads nothing), formats storage, starts ``kafka.Kafka`` bound to 127.0.0.1, waits until it
+answers a metadata request, stops it with SIGTERM then SIGKILL. Every failure is a coded
+:class:`BrokerError` with a message a person can act on; never a traceback.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Self
+
+from controlplane.wire.errors import BrokerError, ErrorCode
+
+if TYPE_CHECKING:
+    from controlplane.kafka.admin import ClusterInfo
+
+DEFAULT_KAFKA_VERSION = "4.1.1"
+DEFAULT_PORT = 19092
+DEFAULT_CONTROLLER_PORT = 19093
+MIN_JAVA = 17
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("FLEET_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fleet-controlplane"
+    )
+    return Path(base)
+
+
+@dataclass
+class BrokerConfig:
+    port: int = DEFAULT_PORT
+    controller_port: int = DEFAULT_CONTROLLER_PORT
+    data_dir: Path = field(default_factory=lambda: Path(".fleet/broker"))
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    kafka_version: str = DEFAULT_KAFKA_VERSION
+    heap_mb: int = 512
+    java: str = "java"
+    mvn: str = "mvn"
+    #: Extra broker properties (override the defaults below).
+    overrides: dict[str, str] = field(default_factory=dict)
+    #: KRaft node id (1 for a lone broker; 1..N in a :class:`LocalCluster`).
+    node_id: int = 1
+    #: A static controller quorum (``controller.quorum.voters``, "1@host:port,2@..."); empty: this
+    #: node alone is the quorum (formatted ``--standalone``).
+    quorum_voters: str = ""
+    #: The cluster id to format storage with; None: a random one (a lone broker).
+    cluster_id: str | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def jars_dir(self) -> Path:
+        return self.cache_dir / f"kafka-{self.kafka_version}" / "libs"
+
+
+@dataclass(frozen=True)
+class BrokerStatus:
+    running: bool
+    pid: int | None
+    bootstrap: str
+    kafka_version: str
+    data_dir: Path
+    log_file: Path
+
+
+_LOG4J2 = """<?xml version="1.0" encoding="UTF-8"?>
+<Configuration status="WARN">
+  <Appenders>
+    <Console name="STDOUT" target="SYSTEM_OUT">
+      <PatternLayout pattern="[%d] %p %m (%c)%n"/>
+    </Console>
+  </Appenders>
+  <Loggers>
+    <Root level="WARN"><AppenderRef ref="STDOUT"/></Root>
+    <Logger name="kafka.server.KafkaRaftServer" level="INFO"/>
+    <Logger name="kafka.server.BrokerServer" level="INFO"/>
+    <Logger name="org.apache.kafka.common.utils.AppInfoParser" level="INFO"/>
+  </Loggers>
+</Configuration>
+"""
+
+
+class Launched:
+    """``with`` over start() and stop(): a local node, or a cluster of them."""
+
+    def start(self, *, timeout: float = 90.0) -> object:
+        raise NotImplementedError
+
+    def stop(self, *, timeout: float = 30.0) -> bool:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def wait_for_metadata(
+    timeout: float,
+    exited: Callable[[], None],
+    address: Callable[[], str | None],
+    enough: Callable[[ClusterInfo], bool],
+) -> str | None:
+    """Poll until a metadata request to ``address()`` (None: no port open yet) answers ``enough``;
+    None then, else (at ``timeout``) the last error. ``exited()`` raises when a process died."""
+    from controlplane.kafka.admin import probe_sync  # the one place that speaks Kafka
+
+    deadline = time.monotonic() + timeout
+    last_error = ""
+    while time.monotonic() < deadline:
+        exited()
+        bootstrap = address()
+        if bootstrap is not None:
+            try:
+                if enough(probe_sync(bootstrap, timeout=5.0)):
+                    return None
+            except Exception as exc:  # not ready yet: keep polling until the deadline
+                last_error = str(exc)
+        time.sleep(0.25)
+    return last_error
+
+
+class LocalBroker(Launched):
+    """One local broker process. ``start()`` is idempotent for a broker this config already runs."""
+
+    def __init__(self, config: BrokerConfig | None = None) -> None:
+        self.config = config or BrokerConfig()
+        self.data_dir = self.config.data_dir.resolve()
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    # ------------------------------------------------------------------ paths
+
+    @property
+    def bootstrap(self) -> str:
+        return self.config.bootstrap
+
+    @property
+    def log_file(self) -> Path:
+        return self.data_dir / "broker.log"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.data_dir / "broker.pid"
+
+    @property
+    def properties_file(self) -> Path:
+        return self.data_dir / "server.properties"
+
+    # ------------------------------------------------------------------ prerequisites
+
+    def check_java(self) -> int:
+        """Return Java's major version, or raise JAVA_NOT_FOUND / JAVA_TOO_OLD."""
+        java = shutil.which(self.config.java)
+        if java is None:
+            raise BrokerError(
+                f"Java not found ({self.config.java!r} is not on PATH). Install a JDK {MIN_JAVA}+, "
+                "e.g. `apt-get install openjdk-17-jre-headless`.",
+                code=ErrorCode.JAVA_NOT_FOUND,
+            )
+        try:
+            out = subprocess.run(
+                [java, "-version"], capture_output=True, text=True, timeout=30, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise BrokerError(
+                f"could not run {java} -version: {exc}", code=ErrorCode.JAVA_NOT_FOUND
+            ) from None
+        text = out.stderr + out.stdout
+        match = re.search(r'version "(\d+)(?:\.(\d+))?', text)
+        if match is None:
+            raise BrokerError(
+                f"could not read Java's version from {java!r}: {text.strip()[:200]!r}",
+                code=ErrorCode.JAVA_NOT_FOUND,
+            )
+        major = int(match.group(1))
+        if major == 1 and match.group(2):  # "1.8.0" style
+            major = int(match.group(2))
+        if major < MIN_JAVA:
+            raise BrokerError(
+                f"Apache Kafka {self.config.kafka_version} needs Java {MIN_JAVA}+, "
+                f"but {java} is Java {major}. Install a newer JDK or point --java at one.",
+                code=ErrorCode.JAVA_TOO_OLD,
+            )
+        return major
+
+    def ensure_jars(self) -> Path:
+        """Resolve Kafka's jars into the cache with Maven, once; return the libs directory."""
+        libs = self.config.jars_dir
+        stamp = libs.parent / "RESOLVED"
+        pom = resources.files("controlplane") / "kafka" / "pom.xml"
+        # The stamp names the pom it came from: editing the pom re-resolves once.
+        fingerprint = hashlib.sha256(pom.read_bytes()).hexdigest()[:16]
+        if _read(stamp) == fingerprint and any(libs.glob("kafka_2.13-*.jar")):
+            return libs
+        mvn = shutil.which(self.config.mvn)
+        if mvn is None:
+            raise BrokerError(
+                f"Maven not found ({self.config.mvn!r} is not on PATH); it resolves Apache Kafka's "
+                "jars from Maven Central. Install it, e.g. `apt-get install maven`.",
+                code=ErrorCode.MAVEN_NOT_FOUND,
+            )
+        staging = libs.parent / "libs.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True, exist_ok=True)
+        with resources.as_file(pom) as pom_path:
+            cmd = [
+                mvn,
+                "-B",
+                "-q",
+                "-f",
+                str(pom_path),
+                f"-Dkafka.version={self.config.kafka_version}",
+                "dependency:copy-dependencies",
+                f"-DoutputDirectory={staging}",
+            ]
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                raise BrokerError(
+                    f"Maven failed to run: {exc}", code=ErrorCode.JARS_UNRESOLVABLE
+                ) from None
+        if proc.returncode != 0 or not any(staging.glob("kafka_2.13-*.jar")):
+            tail = _tail((proc.stdout + proc.stderr).splitlines(), 15)
+            raise BrokerError(
+                f"could not resolve org.apache.kafka:kafka_2.13:{self.config.kafka_version} from "
+                f"Maven Central (mvn exit {proc.returncode}):\n{tail}",
+                code=ErrorCode.JARS_UNRESOLVABLE,
+            )
+        shutil.rmtree(libs, ignore_errors=True)
+        staging.rename(libs)
+        stamp.write_text(fingerprint)
+        return libs
+
+    def check_ports(self) -> None:
+        for port in (self.config.port, self.config.controller_port):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    raise BrokerError(
+                        f"port {port} on 127.0.0.1 is in use; stop what holds it "
+                        f"(`ss -ltnp 'sport = :{port}'`) or choose other ports",
+                        code=ErrorCode.PORT_IN_USE,
+                    ) from None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, *, timeout: float = 90.0) -> BrokerStatus:
+        """Provision and start the broker, and wait until it serves metadata."""
+        current = self.status()
+        if current.running:
+            return current
+        self.check_java()
+        libs = self.ensure_jars()
+        self.prepare(libs)
+        self.spawn(libs)
+        self._wait_ready(timeout)
+        return self.status()
+
+    def prepare(self, libs: Path) -> None:
+        """Check the ports, write the configs and format storage (once): all but starting."""
+        self.check_ports()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._write_configs()
+        self._format(f"{libs}/*")
+
+    def spawn(self, libs: Path) -> None:
+        """Start the prepared node's process without waiting for it."""
+        classpath = f"{libs}/*"
+        log = open(self.log_file, "ab")  # noqa: SIM115 - handed to the child process
+        try:
+            self._proc = subprocess.Popen(
+                [
+                    self.config.java,
+                    f"-Xms{min(256, self.config.heap_mb)}m",
+                    f"-Xmx{self.config.heap_mb}m",
+                    "-XX:+UseG1GC",
+                    "-XX:MaxGCPauseMillis=20",
+                    "-XX:+ExitOnOutOfMemoryError",
+                    "-Djava.awt.headless=true",
+                    f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.xml'}",
+                    "-cp",
+                    classpath,
+                    "kafka.Kafka",
+                    str(self.properties_file),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+        self.pid_file.write_text(str(self._proc.pid))
+
+    def kill(self) -> bool:
+        """SIGKILL at once (a crash, for fault tests). Returns True if a broker was running."""
+        return self._end(signal.SIGKILL, timeout=0.0)
+
+    def died(self) -> int | None:
+        """The exit status of a process this object started and that has exited, else None."""
+        if self._proc is not None and self._proc.poll() is not None:
+            return self._proc.returncode
+        return None
+
+    def stop(self, *, timeout: float = 30.0) -> bool:
+        """SIGTERM, wait, then SIGKILL. Returns True if a broker was running. Idempotent."""
+        return self._end(signal.SIGTERM, timeout=timeout)
+
+    def _end(self, sig: signal.Signals, *, timeout: float) -> bool:
+        """Send ``sig``; after ``timeout`` SIGKILL; wait until the process is gone."""
+        pid = self._read_pid()
+        if pid is None or not _alive(pid, self._proc):  # (polling our own child reaps it)
+            if sig is signal.SIGTERM and self._proc is not None and self._proc.poll() is not None:
+                self._proc = None  # stop() forgets a process that exited; kill() leaves it
+            self.pid_file.unlink(missing_ok=True)
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and _alive(pid, self._proc):
+            time.sleep(0.1)
+        if sig is not signal.SIGKILL and _alive(pid, self._proc):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        while _alive(pid, self._proc):
+            time.sleep(0.05)
+        self.pid_file.unlink(missing_ok=True)
+        self._proc = None
+        return True
+
+    def status(self) -> BrokerStatus:
+        pid = self._read_pid()
+        running = pid is not None and _alive(pid, self._proc)
+        return BrokerStatus(
+            running=running,
+            pid=pid if running else None,
+            bootstrap=self.bootstrap,
+            kafka_version=self.config.kafka_version,
+            data_dir=self.data_dir,
+            log_file=self.log_file,
+        )
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return _tail(self.log_file.read_text(errors="replace").splitlines(), lines)
+        except OSError:
+            return "(no broker log)"
+
+    # ------------------------------------------------------------------ internals
+
+    def _properties(self) -> dict[str, str]:
+        c = self.config
+        props = {
+            "process.roles": "broker,controller",
+            "node.id": str(c.node_id),
+            "listeners": f"PLAINTEXT://127.0.0.1:{c.port},CONTROLLER://127.0.0.1:{c.controller_port}",
+            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{c.port}",
+            "controller.listener.names": "CONTROLLER",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            "log.dirs": str(self.data_dir / "kraft-logs"),
+            # Sized for a 2-core machine and a single node.
+            "num.network.threads": "2",
+            "num.io.threads": "2",
+            "background.threads": "2",
+            "log.cleaner.threads": "1",
+            "num.partitions": "1",
+            "offsets.topic.num.partitions": "4",
+            "offsets.topic.replication.factor": "1",
+            "transaction.state.log.replication.factor": "1",
+            "transaction.state.log.min.isr": "1",
+            "transaction.state.log.num.partitions": "2",
+            "share.coordinator.state.topic.replication.factor": "1",
+            "share.coordinator.state.topic.min.isr": "1",
+            "group.initial.rebalance.delay.ms": "0",
+            "auto.create.topics.enable": "false",
+            "log.retention.check.interval.ms": "60000",
+            "log.cleaner.backoff.ms": "5000",
+        }
+        if c.quorum_voters:
+            props["controller.quorum.voters"] = c.quorum_voters
+        else:
+            props["controller.quorum.bootstrap.servers"] = f"127.0.0.1:{c.controller_port}"
+        props.update(c.overrides)
+        return props
+
+    def _write_configs(self) -> None:
+        text = "".join(f"{k}={v}\n" for k, v in self._properties().items())
+        self.properties_file.write_text(text)
+        (self.data_dir / "log4j2.xml").write_text(_LOG4J2)
+
+    def _format(self, classpath: str) -> None:
+        log_dir = Path(self._properties()["log.dirs"])
+        if (log_dir / "meta.properties").exists():
+            return
+        cluster_id = self.config.cluster_id or new_cluster_id()
+        # A static quorum (controller.quorum.voters) formats without --standalone.
+        standalone = [] if self.config.quorum_voters else ["--standalone"]
+        proc = subprocess.run(
+            [
+                self.config.java,
+                "-Xmx256m",
+                f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.xml'}",
+                "-cp",
+                classpath,
+                "kafka.tools.StorageTool",
+                "format",
+                *standalone,
+                # One argument: a random id can start with '-' (about 1 in 64), which the
+                # two-argument form ("-t ID") would parse as an option.
+                f"--cluster-id={cluster_id}",
+                "-c",
+                str(self.properties_file),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise BrokerError(
+                "formatting KRaft storage failed:\n"
+                + _tail((proc.stdout + proc.stderr).splitlines(), 15),
+                code=ErrorCode.BROKER_DIED,
+            )
+
+    def _wait_ready(self, timeout: float) -> None:
+        def exited() -> None:
+            if self._proc is not None and self._proc.poll() is not None:
+                code = self._proc.returncode
+                self.pid_file.unlink(missing_ok=True)
+                raise BrokerError(
+                    f"the broker exited with status {code} while starting; last lines of "
+                    f"{self.log_file}:\n{self.log_tail()}",
+                    code=ErrorCode.BROKER_DIED,
+                )
+
+        def address() -> str | None:
+            return self.bootstrap if _port_open(self.config.port) else None
+
+        last_error = wait_for_metadata(timeout, exited, address, lambda _: True)
+        if last_error is None:
+            return
+        self.stop()
+        raise BrokerError(
+            f"the broker did not answer a metadata request within {timeout:.0f}s ({last_error}); "
+            f"last lines of {self.log_file}:\n{self.log_tail()}",
+            code=ErrorCode.BROKER_START_TIMEOUT,
+        )
+
+    def _read_pid(self) -> int | None:
+        try:
+            return int(self.pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+
+def new_cluster_id() -> str:
+    """A random KRaft cluster id (22 characters of base64url, as kafka-storage random-uuid)."""
+    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+
+
+def _alive(pid: int, proc: subprocess.Popen[bytes] | None = None) -> bool:
+    if proc is not None and proc.pid == pid:
+        return proc.poll() is None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of another process still answers kill(0); check /proc where we can.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.split(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _tail(lines: list[str], n: int) -> str:
+    return "\n".join("    " + line for line in lines[-n:])
