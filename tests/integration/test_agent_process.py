@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.protocol import WorkerStatus
+from tests.factories import worker_argv
 from tests.fleet import heartbeats_tail
 
 pytestmark = pytest.mark.kafka
@@ -22,24 +22,13 @@ async def test_a_full_disk_stops_the_worker_with_one_coded_line_and_exit_6(
 ) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
     env["FLEET_FAILPOINTS"] = "journal_sync=enospc"  # every journal sync fails, as on a full disk
-    argv = [
-        sys.executable,
-        "-m",
-        "workers",
-        "run",
-        "--id",
+    argv = worker_argv(
         "w-disk",
-        "--runner",
-        "fake",
-        "--bootstrap",
-        kafka.bootstrap_servers,
-        "--topic-prefix",
-        kafka.topic_prefix,
-        "--state-dir",
-        str(tmp_path / "state"),
-        "--heartbeat-s",
-        "0.5",
-    ]
+        bootstrap=kafka.bootstrap_servers,
+        prefix=kafka.topic_prefix,
+        state_dir=tmp_path / "state",
+        heartbeat_s="0.5",
+    )
     done = await asyncio.to_thread(
         subprocess.run, argv, env=env, capture_output=True, text=True, timeout=120
     )

@@ -28,19 +28,13 @@ from controlplane.kafka.bus import Admin, Consumer, Producer, health, log_filter
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.errors import BusError
 from controlplane.wire.protocol import (
-    Ack,
-    AckState,
-    CommandKind,
-    Heartbeat,
     Selector,
-    Timings,
     UpdateConfigSpec,
-    WorkerStatus,
     encode,
     utcnow,
 )
 from controlplane.wire.topics import worker_key
-from tests.conftest import free_port
+from tests.factories import fake_heartbeat, free_port, succeeded_acks
 from tests.fleet import make_command, publish
 from tests.integration.test_bus_publish import fleet_below_min_isr, node_down
 
@@ -120,15 +114,8 @@ class FakeWorker:
     async def beat(self) -> None:
         self.seq += 1
         now = utcnow()
-        hb = Heartbeat(
-            worker_id=self.worker_id,
-            runner="fake",
-            device="cpu",
-            status=WorkerStatus.READY,
-            seq=self.seq,
-            sent_at=now,
-            started_at=self.started_at,
-            interval_s=INTERVAL_S,
+        hb = fake_heartbeat(
+            self.worker_id, now, started_at=self.started_at, seq=self.seq, interval_s=INTERVAL_S
         )
         await self._producer.send(
             self.settings.topics.workers.name, encode(hb), key=worker_key(self.worker_id)
@@ -142,17 +129,7 @@ class FakeWorker:
             await asyncio.sleep(INTERVAL_S)  # the worker's own period, not a synchronization
 
     async def ack(self, rollout_id: str, command_id: str) -> None:
-        now = utcnow()
-        for state in (AckState.ACCEPTED, AckState.RUNNING, AckState.SUCCEEDED):
-            ack = Ack(
-                command_id=command_id,
-                rollout_id=rollout_id,
-                worker_id=self.worker_id,
-                kind=CommandKind.UPDATE_CONFIG,
-                state=state,
-                timings=Timings(received_at=now, started_at=now, finished_at=now),
-                sent_at=utcnow(),
-            )
+        for ack in succeeded_acks(self.worker_id, rollout_id, command_id):
             await self._producer.send(
                 self.settings.topics.acks.name, encode(ack), key=worker_key(self.worker_id)
             )

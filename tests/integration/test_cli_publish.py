@@ -22,19 +22,13 @@ from controlplane.kafka.bus import Producer
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.errors import CommandRejected, ErrorCode
 from controlplane.wire.protocol import (
-    Ack,
-    AckState,
-    CommandKind,
-    Heartbeat,
     Selector,
-    Timings,
     UpdateConfigSpec,
-    WorkerStatus,
     encode,
     utcnow,
 )
 from controlplane.wire.topics import worker_key
-from tests.conftest import free_port
+from tests.factories import fake_heartbeat, free_port, succeeded_acks
 from tests.fleet import make_command, publish
 from tests.integration.test_bus_publish import (
     fleet_below_min_isr,
@@ -67,17 +61,7 @@ def one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
 
 async def live_worker(settings: KafkaSettings) -> str:
     worker_id = f"w-{uuid.uuid4().hex[:6]}"
-    now = utcnow()
-    hb = Heartbeat(
-        worker_id=worker_id,
-        runner="fake",
-        device="cpu",
-        status=WorkerStatus.READY,
-        seq=1,
-        sent_at=now,
-        started_at=now,
-        interval_s=600,
-    )
+    hb = fake_heartbeat(worker_id, utcnow(), interval_s=600)
     async with Producer(settings) as producer:
         await producer.send(settings.topics.workers.name, encode(hb), key=worker_key(worker_id))
     return worker_id
@@ -215,18 +199,8 @@ async def test_a_publish_below_min_isr_is_exit_6_outcome_unknown(
 async def ack_succeeded(
     settings: KafkaSettings, worker_id: str, rollout_id: str, command_id: str
 ) -> None:
-    now = utcnow()
     async with Producer(settings) as producer:
-        for state in (AckState.ACCEPTED, AckState.RUNNING, AckState.SUCCEEDED):
-            ack = Ack(
-                command_id=command_id,
-                rollout_id=rollout_id,
-                worker_id=worker_id,
-                kind=CommandKind.UPDATE_CONFIG,
-                state=state,
-                timings=Timings(received_at=now, started_at=now, finished_at=now),
-                sent_at=utcnow(),
-            )
+        for ack in succeeded_acks(worker_id, rollout_id, command_id):
             await producer.send(settings.topics.acks.name, encode(ack), key=worker_key(worker_id))
 
 

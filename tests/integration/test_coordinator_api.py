@@ -28,6 +28,7 @@ from controlplane.kafka.broker import LocalCluster
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.errors import BusError, ErrorCode
 from controlplane.wire.protocol import ReloadWeightsSpec, encode
+from tests.factories import running_agent
 from tests.fleet import make_command, publish
 from tests.integration.test_bus_publish import (
     fleet_below_min_isr,
@@ -36,37 +37,12 @@ from tests.integration.test_bus_publish import (
     restore_commands_topic,
 )
 from tests.integration.test_cli_publish import live_worker
-from workers.agent.loop import Agent
-from workers.agent.settings import WorkerSettings
 from workers.runners.fake_runner import FakeRunner
 
 pytestmark = pytest.mark.kafka
 
 TOKEN = "integration-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-@asynccontextmanager
-async def running_agent(
-    kafka: KafkaSettings, tmp_path: Path, worker_id: str
-) -> AsyncIterator[Agent]:
-    settings = WorkerSettings(
-        worker_id=worker_id,
-        labels={"model": "tiny"},
-        kafka=kafka,
-        runner="fake",
-        allowed_roots=[tmp_path / "ckpts"],
-        state_dir=tmp_path / "state",
-        heartbeat_interval_s=0.5,
-    )
-    agent = Agent(settings, FakeRunner({"reload_delay_s": 0.2}))
-    task = asyncio.create_task(agent.run())
-    try:
-        await asyncio.wait_for(agent.ready.wait(), 30)
-        yield agent
-    finally:
-        agent.request_stop()
-        await asyncio.wait_for(task, 60)
 
 
 @asynccontextmanager
@@ -132,7 +108,15 @@ async def test_post_follow_and_restart(kafka: KafkaSettings, tmp_path: Path) -> 
     }
     async with AsyncExitStack() as agents, running_coordinator(kafka) as api:
         for worker_id in ("w1", "w2"):
-            await agents.enter_async_context(running_agent(kafka, tmp_path, worker_id))
+            await agents.enter_async_context(
+                running_agent(
+                    kafka,
+                    tmp_path,
+                    FakeRunner({"reload_delay_s": 0.2}),
+                    worker_id=worker_id,
+                    runner="fake",
+                )
+            )
         await until(api, "/api/v1/workers", lambda ws: sum(w["alive"] for w in ws) == 2)
 
         denied = await api.post("/api/v1/rollouts", json=reload_body)
