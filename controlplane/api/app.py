@@ -282,13 +282,7 @@ def create_app(
         spec, options = parse_rollout_request(await request.body())
         await _refuse_unconfirmed(coordinator, unconfirmed, options.rollout_id)
         try:
-            command = await coordinator.create_rollout(
-                spec,
-                options.selector,
-                ttl_s=options.ttl_s,
-                timeout_s=options.timeout_s,
-                rollout_id=options.rollout_id,
-            )
+            command = await coordinator.publish_rollout(options.to_request(spec))
         except PublishUnconfirmed as exc:
             unconfirmed[exc.rollout_id] = exc
             log.warning(

@@ -23,7 +23,7 @@ from pydantic import (
     ValidationError,
 )
 
-from controlplane.coordinator.publisher import MAX_TTL_S, PublishUnconfirmed
+from controlplane.coordinator.publisher import MAX_TTL_S, PublishUnconfirmed, RolloutRequest
 from controlplane.rollout.models import WorkerLevel
 from controlplane.rollout.registry import WorkerView
 from controlplane.wire.errors import BusError, ControlPlaneError, ErrorCode
@@ -175,6 +175,10 @@ class RolloutOptions(BaseModel):
         description="Per-worker apply timeout; worker default if omitted.",
     )
     rollout_id: Identifier | None = Field(default=None, description="Generated when omitted.")
+
+    def to_request(self, spec: CommandSpec) -> RolloutRequest:
+        """The rollout these options ask for, with ``spec``."""
+        return RolloutRequest(spec, self.selector, self.ttl_s, self.timeout_s, self.rollout_id)
 
 
 class ReloadWeightsRequest(ReloadWeightsSpec, RolloutOptions):

@@ -49,11 +49,10 @@ from controlplane.cli.render import (
 from controlplane.coordinator.follower import Follower
 from controlplane.coordinator.publisher import (
     PublishUnconfirmed,
-    build_command,
-    check_new_rollout,
+    RolloutRequest,
     check_ttl,
+    prepare_rollout,
     publish,
-    resolve_selector,
 )
 from controlplane.kafka.bus import Producer, health
 from controlplane.kafka.settings import DEFAULT_BOOTSTRAP, KafkaSettings
@@ -62,7 +61,6 @@ from controlplane.wire.errors import BusError, CommandRejected, ControlPlaneErro
 from controlplane.wire.exits import PHASE_EXITS
 from controlplane.wire.protocol import (
     Command,
-    CommandSpec,
     ReloadWeightsSpec,
     Selector,
     UpdateConfigSpec,
@@ -123,12 +121,8 @@ def _selector(labels: list[str] | None, workers: list[str] | None, everyone: boo
 
 async def _publish_and_maybe_wait(
     settings: KafkaSettings,
-    spec: CommandSpec,
-    selector: Selector,
+    request: RolloutRequest,
     *,
-    ttl: float,
-    timeout: float | None,
-    rollout_id: str | None,
     wait: bool,
     wait_timeout: float | None,
     as_json: bool,
@@ -136,20 +130,17 @@ async def _publish_and_maybe_wait(
     out = console()
     async with Follower(settings, probe=wait) as follower:
         await _catch_up(follower, settings)
-        if rollout_id is not None:  # the log is read: an id in it is not new
-            check_new_rollout(rollout_id, follower.fleet)
         now = utcnow()
-        # Liveness as of what the reader knows (see Follower.current_as_of).
-        pinned = resolve_selector(selector, follower.fleet.registry, _as_of(follower))
-        command = build_command(
-            spec,
-            pinned,
-            issuer=f"{getpass.getuser()}@cli",
-            ttl_s=ttl,
-            timeout_s=timeout,
-            rollout_id=rollout_id,
+        # The log is read: a rollout id in it is not new. Liveness as of what the reader
+        # knows (see Follower.current_as_of), not the coordinator's clock.
+        command = prepare_rollout(
+            request,
+            follower.fleet,
+            as_of=_as_of(follower),
             now=now,
+            issuer=f"{getpass.getuser()}@cli",
         )
+        pinned = command.selector
         started = time.monotonic()
         # Open until the wait ends: an unconfirmed record is still being retried meanwhile.
         # Closing gives a record still unconfirmed 1 s more (not the usual 5): its outcome
@@ -423,11 +414,9 @@ def _finish(status: RolloutStatus, as_json: bool, *, waited_out: bool = False) -
 
 
 def _run_exit(coro: Any) -> None:
-    try:
-        code = run(coro)
-    except CommandRejected as exc:  # pragma: no cover - run() maps ControlPlaneError already
-        raise typer.Exit(Exit.INVALID) from exc
-    raise typer.Exit(code)
+    """Run a command's coroutine (``run``: our errors are one line and their exit) and exit
+    with the code it returns."""
+    raise typer.Exit(run(coro))
 
 
 @app.command("reload-weights")
@@ -476,11 +465,7 @@ def reload_weights(
     _run_exit(
         _publish_and_maybe_wait(
             kafka_settings(bootstrap, prefix, delivery_timeout_s=delivery_timeout),
-            spec,
-            _selector(selector, worker, everyone),
-            ttl=ttl,
-            timeout=timeout,
-            rollout_id=rollout_id,
+            RolloutRequest(spec, _selector(selector, worker, everyone), ttl, timeout, rollout_id),
             wait=wait,
             wait_timeout=wait_timeout,
             as_json=as_json,
@@ -524,11 +509,7 @@ def update_config(
     _run_exit(
         _publish_and_maybe_wait(
             kafka_settings(bootstrap, prefix, delivery_timeout_s=delivery_timeout),
-            spec,
-            _selector(selector, worker, everyone),
-            ttl=ttl,
-            timeout=timeout,
-            rollout_id=rollout_id,
+            RolloutRequest(spec, _selector(selector, worker, everyone), ttl, timeout, rollout_id),
             wait=wait,
             wait_timeout=wait_timeout,
             as_json=as_json,

@@ -1,5 +1,9 @@
 """Builds commands and publishes them: the one write path (CLI and HTTP API alike) into Kafka.
 
+Both make a rollout the same way: :func:`prepare_rollout` (no I/O) turns a
+:class:`RolloutRequest` into the command, against the fleet as the caller has read it, then
+:func:`publish` writes it.
+
 Resolves a label selector to explicit worker ids from the live registry at publish time, so the
 expected set of a rollout is written into the log; an empty match is refused, never a success.
 A rollout id already in the log is refused (workers would skip the new command as a duplicate
@@ -16,8 +20,9 @@ import asyncio
 import secrets
 import uuid
 from collections.abc import Container
+from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from controlplane.kafka.bus import Delivery, Producer, Record
 from controlplane.kafka.settings import KafkaSettings
@@ -25,6 +30,9 @@ from controlplane.rollout.registry import Registry
 from controlplane.wire.errors import BusError, CommandRejected, ErrorCode
 from controlplane.wire.protocol import Command, CommandSpec, Selector, encode, utcnow
 from controlplane.wire.topics import command_key
+
+if TYPE_CHECKING:
+    from controlplane.rollout.fleet import Fleet
 
 #: The longest TTL a command may ask for: the workers' default ``max_ttl_s`` (7 days), which
 #: they enforce with a TTL_TOO_LONG rejection; refused here first.
@@ -100,6 +108,41 @@ def resolve_selector(selector: Selector, registry: Registry, now: datetime) -> S
             code=ErrorCode.NO_MATCHING_WORKERS,
         )
     return selector.model_copy(update={"worker_ids": sorted(matched)})
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """What a rollout asks for, before its selector is resolved against the fleet."""
+
+    spec: CommandSpec
+    selector: Selector
+    ttl_s: float = 3600.0
+    timeout_s: float | None = None
+    #: Generated when None; one already in the log is refused (ROLLOUT_EXISTS).
+    rollout_id: str | None = None
+
+
+def prepare_rollout(
+    request: RolloutRequest, fleet: Fleet, *, as_of: datetime, now: datetime, issuer: str
+) -> Command:
+    """The command for ``request``, no I/O: its rollout id is new to ``fleet`` (a fleet that
+    has read the whole log), its selector is pinned to the workers alive at ``as_of`` (the
+    rollout's expected set; none is NO_MATCHING_WORKERS), and it is issued at ``now``.
+
+    ``as_of`` is the caller's: the CLI judges as of what its reader has read, the coordinator
+    as of :meth:`~controlplane.coordinator.service.Coordinator.now`."""
+    if request.rollout_id is not None:
+        check_new_rollout(request.rollout_id, fleet)
+    pinned = resolve_selector(request.selector, fleet.registry, as_of)
+    return build_command(
+        request.spec,
+        pinned,
+        issuer=issuer,
+        ttl_s=request.ttl_s,
+        timeout_s=request.timeout_s,
+        rollout_id=request.rollout_id,
+        now=now,
+    )
 
 
 class PublishUnconfirmed(BusError):

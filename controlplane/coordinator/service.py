@@ -19,12 +19,7 @@ from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from controlplane.coordinator.follower import Batch, Follower
-from controlplane.coordinator.publisher import (
-    build_command,
-    check_new_rollout,
-    publish,
-    resolve_selector,
-)
+from controlplane.coordinator.publisher import RolloutRequest, prepare_rollout, publish
 from controlplane.kafka.bus import Producer
 from controlplane.kafka.lifecycle import AsyncService
 from controlplane.kafka.settings import KafkaSettings
@@ -185,18 +180,17 @@ class Coordinator(AsyncService):
 
         Refuses a rollout id that is already in the log (``ROLLOUT_EXISTS``): workers would
         skip the new command as a duplicate and the old status would answer for it."""
-        if rollout_id is not None:
-            check_new_rollout(rollout_id, self.fleet)
+        request = RolloutRequest(spec, selector, ttl_s, timeout_s, rollout_id)
+        return await self.publish_rollout(request, issuer=issuer)
+
+    async def publish_rollout(
+        self, request: RolloutRequest, *, issuer: str | None = None
+    ) -> Command:
+        """:meth:`create_rollout` for a request already made: issued by the clock, its workers
+        those alive at :meth:`now`."""
         now = self.clock()
-        pinned = resolve_selector(selector, self.fleet.registry, self.now())
-        command = build_command(
-            spec,
-            pinned,
-            issuer=issuer or self.settings.issuer,
-            ttl_s=ttl_s,
-            timeout_s=timeout_s,
-            rollout_id=rollout_id,
-            now=now,
+        command = prepare_rollout(
+            request, self.fleet, as_of=self.now(), now=now, issuer=issuer or self.settings.issuer
         )
         await publish(self.settings.kafka, command, self._producer)
         return command
