@@ -1,49 +1,8 @@
-"""A compiled decoder for acks, for the coordinator's fold of the acks topic.
+"""A compiled decoder for acks (msgspec), for the coordinator's fold of the acks topic.
 
-:func:`controlplane.wire.protocol.decode_ack` validates with pydantic and costs 10-20 µs an ack, more
-than reading the record from Kafka does; a coordinator replaying a million acks spent most of its
-catch-up there. :func:`decode_ack_fast` (1.5-3 µs, guards included) decodes with msgspec into
-frozen structs that mirror :class:`~controlplane.wire.protocol.Ack`,
-:class:`~controlplane.wire.protocol.Timings` and :class:`~controlplane.wire.protocol.AckError` (same
-attribute names, same value types: enums, aware datetimes, plain JSON values in ``result``).
-
-The pydantic models stay the single source of truth. The fast path accepts a *subset* of what
-``decode_ack`` accepts and gives equal values for it; whatever it does not accept (a msgspec
-error, or one of the guards below) goes to ``decode_ack``, which raises the canonical
-:class:`~controlplane.wire.errors.ProtocolError` (same codes, same messages) or, rarely, accepts,
-and its :class:`Ack` is then converted. msgspec is stricter or equal everywhere except in these
-places, each guarded here (``tests/unit/test_ack_codec.py`` shows each one):
-
-* date-times: msgspec also takes a space for the ``T`` separator and an offset without its
-  colon (``+0100``); a message holding either form goes to the canonical decoder. (Digits past
-  the microsecond: msgspec rounds half up on the 7th digit; ``protocol._rfc3339_only`` does the
-  same since this module exists, so no guard is needed.)
-* escapes: the date-time guards read the raw bytes, where ``\\u0020`` could hide a space, so a
-  message with any backslash goes to the canonical decoder (rare: our producers escape only
-  quotes and control characters in error messages);
-* identifiers (``command_id``, ``rollout_id``, ``worker_id``) must fullmatch the protocol's
-  pattern; validated ones are remembered in a bounded set (the ids repeat a lot);
-* ``result`` values nest at most :data:`MAX_RESULT_DEPTH` containers deep here (pydantic's JSON
-  parser refuses past about 200 levels, msgspec only near Python's recursion limit);
-* the model validator: a failed or rejected ack must carry an error, a succeeded one must not;
-* date-times must lie in the protocol's range (``EARLIEST_TIME`` to ``LATEST_TIME``): a
-  date-time in the first or last year of it goes to the canonical decoder;
-* duplicate keys: msgspec keeps the last value, the canonical decoder refuses the message
-  (``DUPLICATE_KEY``). The fast path takes only messages that write every field of every struct
-  (as our producers do: msgspec refuses a missing one here), so the decoded ack has a known
-  number of distinct keys (16, 3 more with an error, and those in ``result``). Each key written
-  is followed by exactly one colon outside strings, and with no backslash the colons inside
-  strings can be counted from the decoded values (at least 2 in a date-time, one more in an
-  offset, those of the ids, versions and the error's strings; one in ``result`` makes the count
-  too high, and the message go to the canonical decoder). Colons, less those, equal to the
-  distinct keys: no key was written twice. One C scan (``bytes.count``), whatever the
-  whitespace.
-
-Equal elsewhere (verified by the differential tests): strict types (no ``true`` for 1, no
-``1.0`` for an int, ``schema_version`` required and exactly the integer 1), unknown fields
-refused, lone surrogates and invalid UTF-8 refused, integers up to 4300 digits (``attempt`` up
-to 2**53), floats (msgspec refuses ``1e400`` where pydantic makes ``inf`` that ``_finite_json``
-then refuses), string lengths in code points, the UTF-8 BOM and the size limit.
+:func:`decode_ack_fast` accepts a subset of what :func:`controlplane.wire.codec.decode_ack` accepts
+and gives equal values for it; anything else goes to ``decode_ack``. What it guards and why:
+docs/wire.md ("The fast ack decoder"); ``tests/unit/test_ack_codec.py`` shows each guard.
 """
 
 from __future__ import annotations
@@ -55,9 +14,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, Protocol, Type
 
 import msgspec
 
-from controlplane.wire.protocol import (
-    _IDENTIFIER,
+from controlplane.wire.codec import decode_ack
+from controlplane.wire.messages import (
     EARLIEST_TIME,
+    IDENTIFIER,
     LATEST_TIME,
     MAX_COUNTER,
     MAX_MESSAGE_BYTES,
@@ -65,7 +25,6 @@ from controlplane.wire.protocol import (
     AckError,
     AckState,
     CommandKind,
-    decode_ack,
 )
 
 # --------------------------------------------------------------------------- the read-only shape
@@ -211,7 +170,7 @@ def as_model_error(error: AckErrorLike) -> AckError:
 
 _decode: Final = msgspec.json.Decoder(FastAck).decode  # strict: no "1" for 1, no 1.0 for 1
 _UTF8_BOM: Final = b"\xef\xbb\xbf"
-_IDENTIFIER_FULLMATCH: Final = re.compile(_IDENTIFIER).fullmatch
+_IDENTIFIER_FULLMATCH: Final = re.compile(IDENTIFIER).fullmatch
 #: "-DD HH:" of a date-time with a space separator.
 _SPACED_DATETIME: Final = re.compile(rb"-[0-9]{2} [0-9]{2}:")
 #: The tail of a date-time whose offset lacks its colon: ":MM:SS[.fff]+HHMM" and the quote.

@@ -1,6 +1,6 @@
 """Write and check the published JSON Schemas of the wire messages (``controlplane/wire/schemas``).
 
-The files are generated from :func:`controlplane.wire.protocol.json_schemas`, never edited by hand.
+The files are generated from the models by :func:`json_schemas`, never edited by hand.
 Local file I/O only: no Kafka, no network.
 """
 
@@ -8,14 +8,25 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
-from controlplane.wire.protocol import json_schemas
+from controlplane.wire.messages import SCHEMA_VERSION, Ack, Command, Heartbeat
 
 #: Where the committed schema files live (shipped as package data).
 SCHEMA_DIR: Final = Path(__file__).resolve().parent / "schemas"
 #: The command that regenerates them; quoted in every "stale schema" message.
 EXPORT_COMMAND: Final = "controlplane schema export"
+
+
+def json_schemas() -> dict[str, dict[str, Any]]:
+    """The JSON Schemas of the three wire messages, as exported to ``controlplane/wire/schemas``."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, model in (("command", Command), ("ack", Ack), ("heartbeat", Heartbeat)):
+        schema = model.model_json_schema(mode="validation")
+        schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+        schema["$id"] = f"https://fleet-controlplane.dev/schemas/v{SCHEMA_VERSION}/{name}.json"
+        out[name] = schema
+    return out
 
 
 def render_schemas() -> dict[str, str]:
