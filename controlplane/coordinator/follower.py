@@ -64,9 +64,10 @@ from controlplane.kafka.bus import (
 from controlplane.kafka.lifecycle import AsyncService
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.rollout.fleet import Fleet
-from controlplane.wire.ack_codec import AckLike, decode_ack_fast
+from controlplane.wire.ack_codec import AckLike
+from controlplane.wire.channels import ACKS, CHANNELS, COMMANDS, HEARTBEATS, Channel
 from controlplane.wire.errors import BusError, ErrorCode, ProtocolError
-from controlplane.wire.protocol import Command, Heartbeat, decode_command, decode_heartbeat
+from controlplane.wire.protocol import Command, Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -108,12 +109,12 @@ class Follower(AsyncService):
         settings: KafkaSettings,
         fleet: Fleet | None = None,
         *,
-        decode_ack: AckDecoder = decode_ack_fast,
+        decode_ack: AckDecoder | None = None,
         probe: bool = False,
         probe_interval_s: float = 1.0,
     ) -> None:
-        """``decode_ack``: the compiled decoder by default; ``protocol.decode_ack`` gives the
-        same acks as pydantic models, several times slower. ``probe``: write a probe record to
+        """``decode_ack``: None, the acks channel's compiled decoder; ``protocol.decode_ack``
+        gives the same acks as pydantic models, several times slower. ``probe``: write a probe record to
         the workers topic every ``probe_interval_s`` and judge only up to what was read back
         (see the module's docstring)."""
         self.settings = settings
@@ -145,20 +146,24 @@ class Follower(AsyncService):
         #: goes by the consumer's positions, which also pass markers and deleted records).
         self._positions: dict[tuple[str, int], int] = {}
         self._paused_collector = False  # whether the replay switched the cyclic GC off
+        observers: dict[Channel[Any], Callable[..., Any]] = {
+            COMMANDS: self.fleet.observe_command,
+            ACKS: self.fleet.observe_ack,
+            HEARTBEATS: self.fleet.observe_heartbeat,
+        }
         #: topic -> (decode, observe, the Batch list it goes to)
         self._decoders: dict[str, tuple[Callable[[bytes], Any], Callable[..., Any], str]] = {
-            self.topics.commands.name: (decode_command, self.fleet.observe_command, "commands"),
-            self.topics.acks.name: (decode_ack, self.fleet.observe_ack, "acks"),
-            self.topics.workers.name: (
-                decode_heartbeat,
-                self.fleet.observe_heartbeat,
-                "heartbeats",
-            ),
+            channel.topic(self.topics): (
+                decode_ack if channel is ACKS and decode_ack is not None else channel.reader,
+                observers[channel],
+                channel.name,
+            )
+            for channel in CHANNELS
         }
 
     async def start(self) -> None:
         await self._consumer.start()
-        names = [t.name for t in self.topics.all()]
+        names = [channel.topic(self.topics) for channel in CHANNELS]
         await self._consumer.assign_many(names)
         await self._consumer.seek_to_beginning()
         for name in names:
@@ -193,7 +198,7 @@ class Follower(AsyncService):
     async def _probe_loop(self) -> None:
         """Append a probe to the workers topic every ``probe_interval_s`` (one at a time: a
         probe Kafka holds back is waited for, for at most the delivery timeout)."""
-        topic = self.topics.workers.name
+        topic = HEARTBEATS.topic(self.topics)
         producer: Producer | None = None
         try:
             while True:
@@ -237,7 +242,7 @@ class Follower(AsyncService):
         fetched = await self._consumer.fetch_partitions(timeout_s=timeout_s)
         now = time.time()
         batch = Batch(replay=not self.caught_up.is_set())
-        with collector_paused():  # the fold makes no cycles; see bus.collector_paused
+        with collector_paused():  # the fold makes no cycles; see kafka.client.collector_paused
             for topic, partition, records in fetched:
                 self._fold_partition(batch, topic, partition, records, now)
         if not self.caught_up.is_set() and self._reached_targets():

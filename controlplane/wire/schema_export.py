@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 from typing import Any, Final
 
-from controlplane.wire.messages import SCHEMA_VERSION, Ack, Command, Heartbeat
+from controlplane.wire.channels import CHANNELS
+from controlplane.wire.messages import SCHEMA_VERSION
 
 #: Where the committed schema files live (shipped as package data).
 SCHEMA_DIR: Final = Path(__file__).resolve().parent / "schemas"
@@ -19,13 +20,16 @@ EXPORT_COMMAND: Final = "controlplane schema export"
 
 
 def json_schemas() -> dict[str, dict[str, Any]]:
-    """The JSON Schemas of the three wire messages, as exported to ``controlplane/wire/schemas``."""
+    """The JSON Schemas of the wire's messages, one per channel, as exported to
+    ``controlplane/wire/schemas``."""
     out: dict[str, dict[str, Any]] = {}
-    for name, model in (("command", Command), ("ack", Ack), ("heartbeat", Heartbeat)):
-        schema = model.model_json_schema(mode="validation")
+    for channel in CHANNELS:
+        schema = channel.model.model_json_schema(mode="validation")
         schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-        schema["$id"] = f"https://fleet-controlplane.dev/schemas/v{SCHEMA_VERSION}/{name}.json"
-        out[name] = schema
+        schema["$id"] = (
+            f"https://fleet-controlplane.dev/schemas/v{SCHEMA_VERSION}/{channel.schema}.json"
+        )
+        out[channel.schema] = schema
     return out
 
 
