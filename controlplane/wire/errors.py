@@ -8,7 +8,7 @@ and says whether retrying the same thing could succeed. No I/O here.
     ├── CommandRejected           a well-formed command this worker refuses before touching anything
     ├── RunnerError               the model runner refused or failed a command
     │   └── WeightsCorrupted      copying began and did not finish: the worker is degraded
-    ├── BusError                  Kafka could not be reached or disagrees with us (translated once, in bus.py)
+    ├── BusError                  Kafka could not be reached or disagrees with us (translated once, in kafka/client.py)
     │   └── TopicMismatch         an existing topic's partitions or configs differ from topics.py
     └── BrokerError               the local Apache Kafka broker could not be provisioned or started
 """
@@ -179,7 +179,7 @@ class WeightsCorrupted(RunnerError):
 
 
 class BusError(ControlPlaneError):
-    """Kafka failed us; raised only by bus.py, which translates aiokafka's errors."""
+    """Kafka failed us; raised only in controlplane/kafka, which translates aiokafka's errors."""
 
     default_code = ErrorCode.KAFKA_ERROR
 

@@ -1,9 +1,9 @@
 """Topic names, partition counts, configs, message keys and consumer group ids: all of them, here.
 
-No I/O. ``bus.ensure_topics`` creates these or reports how existing ones differ.
+No I/O. ``kafka.admin.Admin.ensure_topics`` creates these or reports how existing ones differ.
 
 Replication: ``Topics.replication_factor`` None means the cluster's ``default.replication.factor``
-(``bus.Admin`` reads it from a broker and passes it to :meth:`Topics.resolved`), and
+(``kafka.admin.Admin`` reads it from a broker and passes it to :meth:`Topics.resolved`), and
 ``min_insync_replicas`` None means :func:`default_min_insync_replicas` of that factor.
 """
 
