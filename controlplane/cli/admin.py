@@ -70,6 +70,14 @@ def _cluster(
     return LocalCluster(config)
 
 
+def _saved_cluster(data_dir: Path) -> LocalCluster | None:
+    """The cluster laid out in ``data_dir``, None for a single broker (or nothing there)."""
+    try:
+        return LocalCluster.load(data_dir)
+    except ControlPlaneError as exc:
+        raise fail(exc) from None
+
+
 def _cluster_line(status: ClusterStatus) -> str:
     up = status.running_nodes
     pids = ", ".join(str(n.pid) for n in status.nodes if n.pid is not None)
@@ -143,10 +151,7 @@ def broker_stop(
     data_dir: DataOpt = Path(".fleet/broker"),
 ) -> None:
     """Stop the broker (or every node of a cluster): SIGTERM, wait, then SIGKILL."""
-    try:
-        cluster = LocalCluster.load(data_dir)
-    except ControlPlaneError as exc:
-        raise fail(exc) from None
+    cluster = _saved_cluster(data_dir)
     if cluster is not None:
         count = len(cluster.status().running_nodes)
         cluster.stop()
@@ -163,10 +168,7 @@ def broker_status(
     data_dir: DataOpt = Path(".fleet/broker"),
 ) -> None:
     """Say whether the broker (or every node of a cluster) runs; exit 1 when it does not."""
-    try:
-        cluster = LocalCluster.load(data_dir)
-    except ControlPlaneError as exc:
-        raise fail(exc) from None
+    cluster = _saved_cluster(data_dir)
     if cluster is not None:
         cstatus = cluster.status()
         if not cstatus.running_nodes:

@@ -20,10 +20,12 @@ waiting, and exits 4 only when ``--wait-timeout`` passes with Kafka still unreac
 
 from __future__ import annotations
 
+import functools
 import getpass
+import inspect
 import json
 import time
-from datetime import UTC, datetime
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -39,9 +41,16 @@ from controlplane.cli.common import (
     kafka_settings,
     run,
 )
+from controlplane.cli.follow import (
+    await_unconfirmed,
+    catch_up,
+    follow,
+    judge_time,
+    read_log,
+    wait_deadline,
+)
 from controlplane.cli.render import (
     console,
-    progress_line,
     rollout_table,
     rollouts_table,
     workers_table,
@@ -54,13 +63,13 @@ from controlplane.coordinator.publisher import (
     prepare_rollout,
     publish,
 )
-from controlplane.kafka.bus import Producer, health
+from controlplane.kafka.bus import Producer
 from controlplane.kafka.settings import DEFAULT_BOOTSTRAP, KafkaSettings
 from controlplane.rollout.models import RolloutStatus
 from controlplane.wire.errors import BusError, CommandRejected, ControlPlaneError, ErrorCode
-from controlplane.wire.exits import PHASE_EXITS
+from controlplane.wire.exits import PHASE_EXITS, error_line
 from controlplane.wire.protocol import (
-    Command,
+    CommandSpec,
     ReloadWeightsSpec,
     Selector,
     UpdateConfigSpec,
@@ -107,6 +116,10 @@ DeliveryTimeoutOpt = Annotated[
 ]
 
 
+#: A rollout command's own arguments -> its spec (see :func:`_rollout_command`).
+SpecMaker = Callable[..., CommandSpec]
+
+
 def _selector(labels: list[str] | None, workers: list[str] | None, everyone: bool) -> Selector:
     if not labels and not workers and not everyone:
         raise typer.BadParameter("choose workers: --selector key=value, --worker ID, or --all")
@@ -129,14 +142,14 @@ async def _publish_and_maybe_wait(
 ) -> int:
     out = console()
     async with Follower(settings, probe=wait) as follower:
-        await _catch_up(follower, settings)
+        await catch_up(follower, settings)
         now = utcnow()
         # The log is read: a rollout id in it is not new. Liveness as of what the reader
         # knows (see Follower.current_as_of), not the coordinator's clock.
         command = prepare_rollout(
             request,
             follower.fleet,
-            as_of=_as_of(follower),
+            as_of=judge_time(follower),
             now=now,
             issuer=f"{getpass.getuser()}@cli",
         )
@@ -153,8 +166,8 @@ async def _publish_and_maybe_wait(
             except PublishUnconfirmed as exc:
                 if not wait:
                     raise
-                offset = await _await_unconfirmed(
-                    follower, exc, _wait_deadline(started, wait_timeout, command)
+                offset = await await_unconfirmed(
+                    follower, exc, wait_deadline(started, wait_timeout, command)
                 )
                 late = f" after {time.monotonic() - started:.0f} s"
             if not as_json:
@@ -172,12 +185,12 @@ async def _publish_and_maybe_wait(
             if wait_timeout is not None:
                 left = max(0.001, wait_timeout - (time.monotonic() - started))
             try:
-                status = await _follow(follower, command.rollout_id, left, as_json)
+                status = await follow(follower, command.rollout_id, left, as_json)
             except BusError as exc:
                 if exc.code is not ErrorCode.BROKER_UNAVAILABLE:
                     raise
                 # Published, then Kafka went away: exit 4 would say "not published".
-                typer.echo(f"error: {exc.code}: {exc.message}", err=True)
+                typer.echo(error_line(exc), err=True)
                 typer.echo(
                     f"gave up waiting: rollout {command.rollout_id} was published; "
                     f"check `controlplane status {command.rollout_id}`",
@@ -188,215 +201,6 @@ async def _publish_and_maybe_wait(
         typer.echo(f"gave up waiting: rollout {command.rollout_id} not read back yet", err=True)
         return Exit.TIMED_OUT
     return _finish(status, as_json, waited_out=not status.terminal)
-
-
-def _wait_deadline(
-    started: float, wait_timeout: float | None, command: Command
-) -> tuple[float, str]:
-    """When ``--wait`` stops waiting for an unconfirmed publish (a ``time.monotonic()``) and
-    what that limit is called: ``--wait-timeout`` after the publish began, else the command's
-    expiry (a record that lands later is refused by the workers as expired anyway)."""
-    if wait_timeout is not None:
-        return started + wait_timeout, f"--wait-timeout {wait_timeout:g} s"
-    left = max(0.0, (command.expires_at - utcnow()).total_seconds())
-    return time.monotonic() + left, f"the command's expiry ({_clock(command.expires_at)})"
-
-
-async def _await_unconfirmed(
-    follower: Follower, unconfirmed: PublishUnconfirmed, deadline: tuple[float, str]
-) -> int | None:
-    """After PUBLISH_OUTCOME_UNKNOWN under ``--wait``: the producer goes on retrying the same
-    record while the log is read, until the cluster confirms it (its offset), the rollout is
-    read back (its offset if the confirmation follows at once, else None), or the deadline
-    passes (PUBLISH_OUTCOME_UNKNOWN again: exit 6). A record the producer gave up on was not
-    written: that error is raised as it is."""
-    entered = time.monotonic()
-    until, limit = deadline
-    rollout_id, delivery = unconfirmed.rollout_id, unconfirmed.delivery
-    _say(
-        console(stderr=True),
-        None,
-        f"rollout {rollout_id} (command {unconfirmed.command_id}) not confirmed within "
-        f"{unconfirmed.timeout_s:g} s; still trying, and reading the log for it until {limit}",
-    )
-    while True:
-        if delivery.done:
-            return (await delivery.wait(0)).offset
-        if rollout_id in follower.fleet:  # in the log: published, whatever the producer says
-            try:
-                return (await delivery.wait(2.0)).offset
-            except BusError:
-                return None
-        left = until - time.monotonic()
-        if left <= 0:
-            raise PublishUnconfirmed(
-                unconfirmed.command,
-                delivery,
-                f"{unconfirmed.why}, and it was neither confirmed nor read back from the log "
-                f"before {limit}",
-                unconfirmed.timeout_s + time.monotonic() - entered,
-            )
-        await follower.poll(timeout_s=min(0.25, left))
-
-
-async def _catch_up(follower: Follower, settings: KafkaSettings) -> None:
-    """Read the whole log; BROKER_UNAVAILABLE (exit 4) when Kafka stays unreachable for a
-    request timeout meanwhile, instead of waiting forever. A probing follower then waits (a
-    little) for its first probe to come back: see :func:`_settle`."""
-    patience = settings.request_timeout_ms / 1000
-    while not follower.caught_up.is_set():
-        await follower.poll(timeout_s=0.5)
-        since = follower.unreachable_since()
-        if since is not None and (utcnow() - since).total_seconds() > patience:
-            raise BusError(
-                f"Kafka unreachable since {_clock(since)} while reading the log "
-                f"({follower.settings.bootstrap_servers})",
-                code=ErrorCode.BROKER_UNAVAILABLE,
-            )
-    if follower.probe:
-        await _settle(follower, min(_PROBE_PATIENCE_S, settings.delivery_timeout_ms / 1000))
-
-
-#: How long a probing reader waits for its first probe to be read back before it judges.
-_PROBE_PATIENCE_S = 5.0
-
-
-async def _settle(follower: Follower, patience_s: float) -> None:
-    """Until this reader has read back a probe of its own (at most ``patience_s``): before,
-    ``current_as_of()`` is only the last append it read on the workers topic, which may be
-    long ago. If none comes back, Kafka is holding writes back (a broker failover, fewer
-    in-sync replicas than min.insync.replicas) or unreachable: say so once, and judge as of
-    what was read (heartbeats held back are not silence)."""
-    deadline = time.monotonic() + patience_s
-    while follower.probes_read == 0 and time.monotonic() < deadline:
-        await follower.poll(timeout_s=0.1)
-    if follower.probes_read == 0 and follower.unreachable_since() is None:
-        as_of = follower.current_as_of()
-        when = _clock(as_of) if as_of is not None else "the last record read"
-        _say(
-            console(stderr=True),
-            None,
-            f"Kafka is not confirming writes (no probe read back within {patience_s:g} s): "
-            f"liveness judged as of {when}",
-        )
-
-
-def _as_of(follower: Follower) -> datetime:
-    """The time to judge at: what the reader knows to be current (the wall clock only in the
-    moment after catching up when no fetch has vouched for every partition yet)."""
-    return follower.current_as_of() or utcnow()
-
-
-def _clock(when: datetime) -> str:
-    """HH:MM:SS in UTC, like the progress lines."""
-    return when.astimezone(UTC).strftime("%H:%M:%S")
-
-
-#: --wait spends at most 1/(1+this) of its time judging: after a judgement that took t seconds,
-#: the next waits t * this (small fleets: at once; 500 workers: a few hundred ms).
-_JUDGE_COST_FACTOR = 5.0
-
-
-async def _follow(
-    follower: Follower, rollout_id: str, wait_timeout: float | None, as_json: bool
-) -> RolloutStatus | None:
-    """Poll the log until the rollout is terminal (or the wait times out); print progress.
-
-    The rollout is judged at ``follower.current_as_of()``, never at the wall clock: while Kafka
-    is unreachable that time stands still and nothing is concluded from missing heartbeats.
-    Raises BROKER_UNAVAILABLE when the wait times out with Kafka unreachable; None when it
-    times out before the rollout was even read back."""
-    out = console(stderr=True)
-    deadline = time.monotonic() + wait_timeout if wait_timeout else None
-    last = ""
-    bar = None
-    if out.is_terminal and not as_json:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-        bar = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(),
-            console=out,
-            transient=True,
-        )
-        bar.start()
-        task = bar.add_task(rollout_id, total=1)
-    # Judge the rollout when a batch touched it, throttled by what judging costs, and at least
-    # every second (deadlines pass and workers go silent without any record).
-    judged_at = -1.0
-    gap = 0.0
-    touched = True
-    status: RolloutStatus | None = None
-    announced: datetime | None = None  # the outage already reported
-    health.quiet = True  # outages are reported below, in the progress's own words
-    try:
-        while True:
-            now_m = time.monotonic()
-            down = follower.unreachable_since()
-            if down is not None and announced is None:
-                announced = down
-                _say(out, bar, f"Kafka unreachable since {_clock(down)}, retrying")
-            elif down is None and announced is not None:
-                gone = (utcnow() - announced).total_seconds()
-                _say(out, bar, f"Kafka reachable again after {gone:.0f} s")
-                announced = None
-            as_of = follower.current_as_of()
-            if (
-                as_of is not None
-                and rollout_id in follower.fleet
-                and ((touched and now_m - judged_at >= gap) or now_m - judged_at >= 1.0)
-            ):
-                judged_at, touched = now_m, False
-                status = follower.fleet.status(rollout_id, as_of)
-                gap = min(0.25, (time.monotonic() - now_m) * _JUDGE_COST_FACTOR)
-                line = progress_line(status)
-                if bar is not None:
-                    c = status.counts
-                    bar.update(
-                        task,
-                        total=max(status.expected, 1),
-                        description=line,
-                        completed=c.succeeded + c.failed + c.rejected + c.lost,
-                    )
-                elif line != last and not as_json:
-                    out.print(f"[{utcnow().strftime('%H:%M:%S')}] {line}")
-                last = line
-                if status.terminal:
-                    return status
-            if deadline is not None and time.monotonic() > deadline:
-                down = follower.unreachable_since()
-                if down is not None:
-                    phase = f" (the rollout is still {status.phase.value})" if status else ""
-                    raise BusError(
-                        f"Kafka unreachable since {_clock(down)}: gave up waiting for rollout "
-                        f"{rollout_id} after {wait_timeout:g} s{phase}",
-                        code=ErrorCode.BROKER_UNAVAILABLE,
-                    )
-                if status is None and as_of is not None and rollout_id in follower.fleet:
-                    status = follower.fleet.status(rollout_id, as_of)
-                return status
-            # While news waits to be judged, poll only until the next allowed moment (never 0 s:
-            # that starves aiokafka's fetcher).
-            wait_s = 0.25
-            if touched:
-                wait_s = max(0.02, gap - (time.monotonic() - judged_at))
-            batch = await follower.poll(timeout_s=min(wait_s, 0.25))
-            touched = touched or rollout_id in batch.rollout_ids or bool(batch.heartbeats)
-    finally:
-        health.quiet = False
-        if bar is not None:
-            bar.stop()
-
-
-def _say(out: Any, bar: Any, text: str) -> None:
-    """One line on stderr, above the progress bar when there is one."""
-    line = f"[{utcnow().strftime('%H:%M:%S')}] {text}"
-    if bar is not None:
-        bar.console.print(line)
-    else:
-        out.print(line)
 
 
 def _finish(status: RolloutStatus, as_json: bool, *, waited_out: bool = False) -> int:
@@ -419,7 +223,69 @@ def _run_exit(coro: Any) -> None:
     raise typer.Exit(run(coro))
 
 
-@app.command("reload-weights")
+def _roll_out(
+    make_spec: Callable[[], CommandSpec],
+    selector: SelectorOpt = None,
+    worker: WorkerOpt = None,
+    everyone: AllOpt = False,
+    ttl: TtlOpt = 3600.0,
+    timeout: TimeoutOpt = None,
+    rollout_id: RolloutIdOpt = None,
+    wait: WaitOpt = False,
+    wait_timeout: WaitTimeoutOpt = None,
+    delivery_timeout: DeliveryTimeoutOpt = None,
+    as_json: JsonOpt = False,
+    bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
+    prefix: PrefixOpt = "fleet",
+) -> None:
+    """What every rollout command does with the options every rollout takes (declared once,
+    here): the TTL is checked, then the spec is made (a spec the model refuses: exit 3), then
+    the command is published (and followed under ``--wait``)."""
+    _check_ttl(ttl)
+    try:
+        spec = make_spec()
+    except ValueError as exc:
+        _invalid(exc)
+    _run_exit(
+        _publish_and_maybe_wait(
+            kafka_settings(bootstrap, prefix, delivery_timeout_s=delivery_timeout),
+            RolloutRequest(spec, _selector(selector, worker, everyone), ttl, timeout, rollout_id),
+            wait=wait,
+            wait_timeout=wait_timeout,
+            as_json=as_json,
+        )
+    )
+
+
+#: The options of :func:`_roll_out`, as typer reads them: the first three choose the workers.
+_ROLLOUT_OPTIONS = tuple(inspect.signature(_roll_out, eval_str=True).parameters.values())[1:]
+
+
+def _rollout_command(name: str) -> Callable[[SpecMaker], SpecMaker]:
+    """Register a spec maker (its own arguments -> the command's spec) as the rollout command
+    ``name``: its required arguments, the worker choice, its other options, then the rest of
+    the rollout options; its docstring is the command's help."""
+
+    def register(make_spec: SpecMaker) -> SpecMaker:
+        own = tuple(inspect.signature(make_spec, eval_str=True).parameters.values())
+        required = [p for p in own if p.default is p.empty]
+        optional = [p for p in own if p.default is not p.empty]
+        choose, rest = _ROLLOUT_OPTIONS[:3], _ROLLOUT_OPTIONS[3:]
+
+        @functools.wraps(make_spec)
+        def command(**options: Any) -> None:
+            mine = {p.name: options.pop(p.name) for p in own}
+            _roll_out(lambda: make_spec(**mine), **options)
+
+        parameters = [*required, *choose, *optional, *rest]
+        command.__signature__ = inspect.Signature(parameters, return_annotation=None)  # type: ignore[attr-defined]
+        app.command(name)(command)
+        return make_spec
+
+    return register
+
+
+@_rollout_command("reload-weights")
 def reload_weights(
     path: Annotated[
         str,
@@ -430,9 +296,6 @@ def reload_weights(
     version: Annotated[
         str, typer.Option("--version", "-v", help="Version label the workers will report.")
     ],
-    selector: SelectorOpt = None,
-    worker: WorkerOpt = None,
-    everyone: AllOpt = False,
     sha256: Annotated[
         Path | None,
         typer.Option("--sha256", help="JSON file {file: sha256hex} the workers verify."),
@@ -440,59 +303,24 @@ def reload_weights(
     non_strict: Annotated[
         bool, typer.Option("--non-strict", help="Allow a partial checkpoint.")
     ] = False,
-    ttl: TtlOpt = 3600.0,
-    timeout: TimeoutOpt = None,
-    rollout_id: RolloutIdOpt = None,
-    wait: WaitOpt = False,
-    wait_timeout: WaitTimeoutOpt = None,
-    delivery_timeout: DeliveryTimeoutOpt = None,
-    as_json: JsonOpt = False,
-    bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
-    prefix: PrefixOpt = "fleet",
-) -> None:
+) -> ReloadWeightsSpec:
     """Roll new weights out to the selected workers (validated on each worker before any copy)."""
-    _check_ttl(ttl)
     manifest: dict[str, str] = {}
     if sha256 is not None:
         try:
             manifest = json.loads(sha256.read_text())
         except (OSError, ValueError) as exc:
             raise typer.BadParameter(f"--sha256: {exc}") from None
-    try:
-        spec = ReloadWeightsSpec(path=path, version=version, sha256=manifest, strict=not non_strict)
-    except ValueError as exc:
-        _invalid(exc)
-    _run_exit(
-        _publish_and_maybe_wait(
-            kafka_settings(bootstrap, prefix, delivery_timeout_s=delivery_timeout),
-            RolloutRequest(spec, _selector(selector, worker, everyone), ttl, timeout, rollout_id),
-            wait=wait,
-            wait_timeout=wait_timeout,
-            as_json=as_json,
-        )
-    )
+    return ReloadWeightsSpec(path=path, version=version, sha256=manifest, strict=not non_strict)
 
 
-@app.command("update-config")
+@_rollout_command("update-config")
 def update_config(
     set_: Annotated[
         list[str], typer.Option("--set", help="key=JSON value (or plain string), repeatable.")
     ],
-    selector: SelectorOpt = None,
-    worker: WorkerOpt = None,
-    everyone: AllOpt = False,
-    ttl: TtlOpt = 3600.0,
-    timeout: TimeoutOpt = None,
-    rollout_id: RolloutIdOpt = None,
-    wait: WaitOpt = False,
-    wait_timeout: WaitTimeoutOpt = None,
-    delivery_timeout: DeliveryTimeoutOpt = None,
-    as_json: JsonOpt = False,
-    bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
-    prefix: PrefixOpt = "fleet",
-) -> None:
+) -> UpdateConfigSpec:
     """Roll runtime config overrides out, applied all or nothing on each worker."""
-    _check_ttl(ttl)
     overrides: dict[str, JsonValue] = {}
     for item in set_:
         key, sep, raw = item.partition("=")
@@ -502,19 +330,7 @@ def update_config(
             overrides[key] = json.loads(raw)
         except ValueError:
             overrides[key] = raw
-    try:
-        spec = UpdateConfigSpec(overrides=overrides)
-    except ValueError as exc:
-        _invalid(exc)
-    _run_exit(
-        _publish_and_maybe_wait(
-            kafka_settings(bootstrap, prefix, delivery_timeout_s=delivery_timeout),
-            RolloutRequest(spec, _selector(selector, worker, everyone), ttl, timeout, rollout_id),
-            wait=wait,
-            wait_timeout=wait_timeout,
-            as_json=as_json,
-        )
-    )
+    return UpdateConfigSpec(overrides=overrides)
 
 
 def _invalid(exc: Exception) -> NoReturn:
@@ -543,10 +359,7 @@ def status(
     """Rollout status computed from the log (no coordinator needed). Exits with the rollout's code."""
 
     async def go() -> int:
-        settings = kafka_settings(bootstrap, prefix)
-        async with Follower(settings, probe=True) as follower:
-            await _catch_up(follower, settings)
-            now = _as_of(follower)
+        async with read_log(kafka_settings(bootstrap, prefix)) as (follower, now):
             if rollout is None:
                 statuses = follower.fleet.rollouts(now)
                 if as_json:
@@ -558,7 +371,7 @@ def status(
                 typer.echo(f"error: no rollout {rollout!r} in the log", err=True)
                 return Exit.INVALID
             if watch:
-                watched = await _follow(follower, rollout, None, as_json)
+                watched = await follow(follower, rollout, None, as_json)
                 assert watched is not None  # no timeout: it returns a terminal status
                 result = watched
             else:
@@ -580,10 +393,8 @@ def workers(
     """Every worker from its latest heartbeat: labels, device, version vs desired, liveness."""
 
     async def go() -> int:
-        settings = kafka_settings(bootstrap, prefix)
-        async with Follower(settings, probe=True) as follower:
-            await _catch_up(follower, settings)
-            now = _as_of(follower)
+        async with read_log(kafka_settings(bootstrap, prefix)) as (follower, now):
+            pass  # read and closed: the table is printed from what was read
         views = follower.fleet.registry.workers(now)
         levels = follower.fleet.worker_levels(now)
         if as_json:

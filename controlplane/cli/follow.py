@@ -1,0 +1,241 @@
+"""How the CLI reads the log: catch up, wait for an unconfirmed publish, follow a rollout.
+
+``--wait``, ``status`` and ``workers`` judge at the follower's ``current_as_of()``: the time up
+to which it has read everything. During a Kafka outage that time stands still, so no worker is
+judged lost for a silence the reader could not hear; the outage is said once, each way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+from controlplane.cli.render import console, progress_line
+from controlplane.coordinator.follower import Follower
+from controlplane.coordinator.publisher import PublishUnconfirmed
+from controlplane.kafka.bus import health
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.rollout.models import RolloutStatus
+from controlplane.wire.errors import BusError, ErrorCode
+from controlplane.wire.protocol import Command, utcnow
+
+
+def wait_deadline(
+    started: float, wait_timeout: float | None, command: Command
+) -> tuple[float, str]:
+    """When ``--wait`` stops waiting for an unconfirmed publish (a ``time.monotonic()``) and
+    what that limit is called: ``--wait-timeout`` after the publish began, else the command's
+    expiry (a record that lands later is refused by the workers as expired anyway)."""
+    if wait_timeout is not None:
+        return started + wait_timeout, f"--wait-timeout {wait_timeout:g} s"
+    left = max(0.0, (command.expires_at - utcnow()).total_seconds())
+    return time.monotonic() + left, f"the command's expiry ({hms(command.expires_at)})"
+
+
+async def await_unconfirmed(
+    follower: Follower, unconfirmed: PublishUnconfirmed, deadline: tuple[float, str]
+) -> int | None:
+    """After PUBLISH_OUTCOME_UNKNOWN under ``--wait``: the producer goes on retrying the same
+    record while the log is read, until the cluster confirms it (its offset), the rollout is
+    read back (its offset if the confirmation follows at once, else None), or the deadline
+    passes (PUBLISH_OUTCOME_UNKNOWN again: exit 6). A record the producer gave up on was not
+    written: that error is raised as it is."""
+    entered = time.monotonic()
+    until, limit = deadline
+    rollout_id, delivery = unconfirmed.rollout_id, unconfirmed.delivery
+    say(
+        console(stderr=True),
+        None,
+        f"rollout {rollout_id} (command {unconfirmed.command_id}) not confirmed within "
+        f"{unconfirmed.timeout_s:g} s; still trying, and reading the log for it until {limit}",
+    )
+    while True:
+        if delivery.done:
+            return (await delivery.wait(0)).offset
+        if rollout_id in follower.fleet:  # in the log: published, whatever the producer says
+            try:
+                return (await delivery.wait(2.0)).offset
+            except BusError:
+                return None
+        left = until - time.monotonic()
+        if left <= 0:
+            raise PublishUnconfirmed(
+                unconfirmed.command,
+                delivery,
+                f"{unconfirmed.why}, and it was neither confirmed nor read back from the log "
+                f"before {limit}",
+                unconfirmed.timeout_s + time.monotonic() - entered,
+            )
+        await follower.poll(timeout_s=min(0.25, left))
+
+
+async def catch_up(follower: Follower, settings: KafkaSettings) -> None:
+    """Read the whole log; BROKER_UNAVAILABLE (exit 4) when Kafka stays unreachable for a
+    request timeout meanwhile, instead of waiting forever. A probing follower then waits (a
+    little) for its first probe to come back: see :func:`settle`."""
+    patience = settings.request_timeout_ms / 1000
+    while not follower.caught_up.is_set():
+        await follower.poll(timeout_s=0.5)
+        since = follower.unreachable_since()
+        if since is not None and (utcnow() - since).total_seconds() > patience:
+            raise BusError(
+                f"Kafka unreachable since {hms(since)} while reading the log "
+                f"({follower.settings.bootstrap_servers})",
+                code=ErrorCode.BROKER_UNAVAILABLE,
+            )
+    if follower.probe:
+        await settle(follower, min(PROBE_PATIENCE_S, settings.delivery_timeout_ms / 1000))
+
+
+#: How long a probing reader waits for its first probe to be read back before it judges.
+PROBE_PATIENCE_S = 5.0
+
+
+async def settle(follower: Follower, patience_s: float) -> None:
+    """Until this reader has read back a probe of its own (at most ``patience_s``): before,
+    ``current_as_of()`` is only the last append it read on the workers topic, which may be
+    long ago. If none comes back, Kafka is holding writes back (a broker failover, fewer
+    in-sync replicas than min.insync.replicas) or unreachable: say so once, and judge as of
+    what was read (heartbeats held back are not silence)."""
+    deadline = time.monotonic() + patience_s
+    while follower.probes_read == 0 and time.monotonic() < deadline:
+        await follower.poll(timeout_s=0.1)
+    if follower.probes_read == 0 and follower.unreachable_since() is None:
+        as_of = follower.current_as_of()
+        when = hms(as_of) if as_of is not None else "the last record read"
+        say(
+            console(stderr=True),
+            None,
+            f"Kafka is not confirming writes (no probe read back within {patience_s:g} s): "
+            f"liveness judged as of {when}",
+        )
+
+
+@asynccontextmanager
+async def read_log(settings: KafkaSettings) -> AsyncIterator[tuple[Follower, datetime]]:
+    """A probing reader that has read the whole log (:func:`catch_up`), and the time to judge
+    at (:func:`judge_time`); it stops reading when the block ends."""
+    async with Follower(settings, probe=True) as follower:
+        await catch_up(follower, settings)
+        yield follower, judge_time(follower)
+
+
+def judge_time(follower: Follower) -> datetime:
+    """The time to judge at: what the reader knows to be current (the wall clock only in the
+    moment after catching up when no fetch has vouched for every partition yet)."""
+    return follower.current_as_of() or utcnow()
+
+
+def hms(when: datetime) -> str:
+    """HH:MM:SS in UTC, like the progress lines."""
+    return when.astimezone(UTC).strftime("%H:%M:%S")
+
+
+#: --wait spends at most 1/(1+this) of its time judging: after a judgement that took t seconds,
+#: the next waits t * this (small fleets: at once; 500 workers: a few hundred ms).
+JUDGE_COST_FACTOR = 5.0
+
+
+async def follow(
+    follower: Follower, rollout_id: str, wait_timeout: float | None, as_json: bool
+) -> RolloutStatus | None:
+    """Poll the log until the rollout is terminal (or the wait times out); print progress.
+
+    The rollout is judged at ``follower.current_as_of()``, never at the wall clock: while Kafka
+    is unreachable that time stands still and nothing is concluded from missing heartbeats.
+    Raises BROKER_UNAVAILABLE when the wait times out with Kafka unreachable; None when it
+    times out before the rollout was even read back."""
+    out = console(stderr=True)
+    deadline = time.monotonic() + wait_timeout if wait_timeout else None
+    last = ""
+    bar = None
+    if out.is_terminal and not as_json:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=out,
+            transient=True,
+        )
+        bar.start()
+        task = bar.add_task(rollout_id, total=1)
+    # Judge the rollout when a batch touched it, throttled by what judging costs, and at least
+    # every second (deadlines pass and workers go silent without any record).
+    judged_at = -1.0
+    gap = 0.0
+    touched = True
+    status: RolloutStatus | None = None
+    announced: datetime | None = None  # the outage already reported
+    health.quiet = True  # outages are reported below, in the progress's own words
+    try:
+        while True:
+            now_m = time.monotonic()
+            down = follower.unreachable_since()
+            if down is not None and announced is None:
+                announced = down
+                say(out, bar, f"Kafka unreachable since {hms(down)}, retrying")
+            elif down is None and announced is not None:
+                gone = (utcnow() - announced).total_seconds()
+                say(out, bar, f"Kafka reachable again after {gone:.0f} s")
+                announced = None
+            as_of = follower.current_as_of()
+            if (
+                as_of is not None
+                and rollout_id in follower.fleet
+                and ((touched and now_m - judged_at >= gap) or now_m - judged_at >= 1.0)
+            ):
+                judged_at, touched = now_m, False
+                status = follower.fleet.status(rollout_id, as_of)
+                gap = min(0.25, (time.monotonic() - now_m) * JUDGE_COST_FACTOR)
+                line = progress_line(status)
+                if bar is not None:
+                    c = status.counts
+                    bar.update(
+                        task,
+                        total=max(status.expected, 1),
+                        description=line,
+                        completed=c.succeeded + c.failed + c.rejected + c.lost,
+                    )
+                elif line != last and not as_json:
+                    out.print(f"[{utcnow().strftime('%H:%M:%S')}] {line}")
+                last = line
+                if status.terminal:
+                    return status
+            if deadline is not None and time.monotonic() > deadline:
+                down = follower.unreachable_since()
+                if down is not None:
+                    phase = f" (the rollout is still {status.phase.value})" if status else ""
+                    raise BusError(
+                        f"Kafka unreachable since {hms(down)}: gave up waiting for rollout "
+                        f"{rollout_id} after {wait_timeout:g} s{phase}",
+                        code=ErrorCode.BROKER_UNAVAILABLE,
+                    )
+                if status is None and as_of is not None and rollout_id in follower.fleet:
+                    status = follower.fleet.status(rollout_id, as_of)
+                return status
+            # While news waits to be judged, poll only until the next allowed moment (never 0 s:
+            # that starves aiokafka's fetcher).
+            wait_s = 0.25
+            if touched:
+                wait_s = max(0.02, gap - (time.monotonic() - judged_at))
+            batch = await follower.poll(timeout_s=min(wait_s, 0.25))
+            touched = touched or rollout_id in batch.rollout_ids or bool(batch.heartbeats)
+    finally:
+        health.quiet = False
+        if bar is not None:
+            bar.stop()
+
+
+def say(out: Any, bar: Any, text: str) -> None:
+    """One line on stderr, above the progress bar when there is one."""
+    line = f"[{utcnow().strftime('%H:%M:%S')}] {text}"
+    if bar is not None:
+        bar.console.print(line)
+    else:
+        out.print(line)
