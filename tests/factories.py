@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import sys
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
@@ -48,6 +49,11 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def fresh_topics(bootstrap: str, tag: str) -> KafkaSettings:
+    """Settings for topics no other test uses: prefix ``tag`` and eight random hex digits."""
+    return KafkaSettings(bootstrap_servers=bootstrap, topic_prefix=f"{tag}{uuid.uuid4().hex[:8]}")
 
 
 # --------------------------------------------------------------------------- wire messages

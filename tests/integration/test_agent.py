@@ -22,6 +22,7 @@ from controlplane.wire.errors import BusError, ControlPlaneError, ErrorCode, Run
 from controlplane.wire.protocol import (
     Ack,
     AckState,
+    Command,
     ReloadWeightsSpec,
     Selector,
     UpdateConfigSpec,
@@ -31,12 +32,14 @@ from controlplane.wire.protocol import (
 )
 from tests.factories import running_agent, weights_dir
 from tests.fleet import (
+    Tail,
     acks_tail,
     has_terminal,
     heartbeats_tail,
     latest,
     make_command,
     publish,
+    settled,
     terminal,
     wait_for,
 )
@@ -153,14 +156,22 @@ def reload(weights: Path, version: str, **kw: Any) -> Any:
     )
 
 
+async def reloaded(
+    kafka: KafkaSettings, tmp_path: Path, runner: RecordingRunner, weights: Path, version: str
+) -> tuple[Tail, Command]:
+    """An agent on ``runner`` is sent one reload to ``version`` and stopped once it is acked:
+    the acks read until then, and the command."""
+    async with running_agent(kafka, tmp_path, runner), acks_tail(kafka) as acks:
+        cmd = reload(weights, version)
+        await settled(kafka, acks, cmd)
+    return acks, cmd
+
+
 async def test_reload_is_acked_through_every_state(
     kafka: KafkaSettings, tmp_path: Path, weights: Path
 ) -> None:
     runner = RecordingRunner()
-    async with running_agent(kafka, tmp_path, runner), acks_tail(kafka) as acks:
-        cmd = reload(weights, "v2")
-        await publish(kafka, cmd)
-        await acks.until(has_terminal(cmd.command_id))
+    acks, cmd = await reloaded(kafka, tmp_path, runner, weights, "v2")
     states = [a.state for a in acks.items if a.command_id == cmd.command_id]
     assert states == [AckState.ACCEPTED, AckState.RUNNING, AckState.SUCCEEDED]
     final = acks.items[-1]
@@ -174,10 +185,7 @@ async def test_failed_reload_never_advances_the_version(
     kafka: KafkaSettings, tmp_path: Path, weights: Path
 ) -> None:
     runner = RecordingRunner()
-    async with running_agent(kafka, tmp_path, runner), acks_tail(kafka) as acks:
-        cmd = reload(weights, "bad-v3")
-        await publish(kafka, cmd)
-        await acks.until(has_terminal(cmd.command_id))
+    acks, cmd = await reloaded(kafka, tmp_path, runner, weights, "bad-v3")
     (final,) = terminal(acks.items, cmd.command_id)
     assert final.state is AckState.REJECTED
     assert final.error is not None and final.error.code == "WEIGHTS_SHAPE_MISMATCH"
@@ -340,8 +348,7 @@ async def test_heartbeats_continue_during_a_slow_reload_and_timeout_cancels(
         await acks.until(has_terminal(slow.command_id))
         gate.clear()  # the next reload never ends by itself: only its timeout stops it
         short = reload(weights, "v-too-slow", timeout_s=0.5)
-        await publish(kafka, short)
-        await acks.until(has_terminal(short.command_id))
+        await settled(kafka, acks, short)
     assert terminal(acks.items, slow.command_id)[0].state is AckState.SUCCEEDED
     (t,) = terminal(acks.items, short.command_id)
     assert t.state is AckState.FAILED and t.error and t.error.code == "COMMAND_TIMEOUT"
@@ -380,8 +387,7 @@ async def test_commits_position_only_after_terminal_ack(
     runner = RecordingRunner()
     async with running_agent(kafka, tmp_path, runner), acks_tail(kafka) as acks:
         cmd = reload(weights, "v9")
-        await publish(kafka, cmd)
-        await acks.until(has_terminal(cmd.command_id))
+        await settled(kafka, acks, cmd)
         async with Consumer(kafka, group_id=kafka.topics.worker_group("w1")) as probe:
             await probe.assign(kafka.topics.commands.name, [0])
             committed: list[int | None] = []
@@ -412,8 +418,7 @@ async def test_a_quick_command_needs_no_busy_heartbeat_and_its_end_sends_one(
     ):
         await hbs.until(lambda items: latest(items, "w1") is not None)
         cmd = reload(weights, "v2")
-        await publish(kafka, cmd)
-        await acks.until(has_terminal(cmd.command_id))
+        await settled(kafka, acks, cmd)
         await hbs.until(lambda items: any(h.weights_version == "v2" for h in items))
     assert WorkerStatus.BUSY not in {h.status for h in hbs.items}
     assert all(h.in_flight is None for h in hbs.items)
@@ -478,8 +483,7 @@ async def test_a_runner_that_fails_to_load_is_degraded_and_refuses_reloads(
         heartbeats_tail(kafka) as hbs,
     ):
         cmd = reload(weights, "v2")
-        await publish(kafka, cmd)
-        await acks.until(has_terminal(cmd.command_id))
+        await settled(kafka, acks, cmd)
         await hbs.until(
             lambda items: sum(1 for h in items if h.status is WorkerStatus.DEGRADED) >= 3
         )
@@ -688,8 +692,7 @@ async def test_a_fetch_outage_is_logged_once_when_it_starts_and_once_when_it_end
         await wait_for(lambda: len(failures) >= 4)
         down.clear()
         cmd = reload(weights, "v2")
-        await publish(kafka, cmd)
-        await acks.until(has_terminal(cmd.command_id))
+        await settled(kafka, acks, cmd)
     agent_lines = [r for r in caplog.records if r.name == "workers.agent.loop"]
 
     def count(text: str, level: int) -> int:

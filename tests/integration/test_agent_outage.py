@@ -20,10 +20,10 @@ import pytest
 from controlplane.kafka.broker import BrokerConfig, LocalBroker
 from controlplane.kafka.bus import Admin, Consumer
 from controlplane.kafka.settings import KafkaSettings
-from controlplane.wire.protocol import AckState, ReloadWeightsSpec
+from controlplane.wire.protocol import AckState
 from tests.factories import agent_running, agent_settings, free_port, weights_dir
-from tests.fleet import acks_tail, has_terminal, make_command, publish, terminal
-from tests.integration.test_agent import RecordingRunner
+from tests.fleet import acks_tail, has_terminal, publish, settled, terminal
+from tests.integration.test_agent import RecordingRunner, reload
 from workers.agent.settings import WorkerSettings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -70,10 +70,9 @@ async def test_an_outage_is_logged_once_and_commands_flow_after_it(
         # A heartbeat waits for Kafka at most three periods: each one fails, said once.
         await _until(lambda: len(_records(caplog, "heartbeat failed")) >= 3, "heartbeats fail")
         await asyncio.to_thread(broker.start, timeout=120)
-        cmd = make_command(ReloadWeightsSpec(path=str(ckpts / "model.safetensors"), version="v2"))
+        cmd = reload(ckpts, "v2")
         async with acks_tail(kafka) as acks:
-            await publish(kafka, cmd)
-            await acks.until(has_terminal(cmd.command_id), timeout=120)
+            await settled(kafka, acks, cmd, timeout=120)
         await _until(lambda: bool(_records(caplog, "heartbeats sent again")), "heartbeats again")
         assert not task.done()
     assert terminal(acks.items, cmd.command_id)[0].state is AckState.SUCCEEDED
@@ -128,7 +127,7 @@ async def test_an_ack_kafka_cannot_take_is_said_once_and_published_once_when_it_
     settings = agent_settings(kafka, tmp_path, labels={}, progress_grace_s=0)
     gate = threading.Event()
     runner = RecordingRunner(gate=gate)
-    cmd = make_command(ReloadWeightsSpec(path=str(ckpts / "model.safetensors"), version="v2"))
+    cmd = reload(ckpts, "v2")
     async with agent_running(settings, runner, ready_s=60, stop_s=120) as (_, task):
         try:
             async with acks_tail(kafka) as acks:

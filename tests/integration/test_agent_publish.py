@@ -32,7 +32,7 @@ from controlplane.wire.protocol import AckState, Heartbeat, ReloadWeightsSpec, d
 from tests import factories
 from tests.factories import weights_dir
 from tests.fleet import acks_tail, heartbeats_tail, latest, make_command, publish, terminal
-from tests.integration.test_agent import RecordingRunner, acks_on_the_topic
+from tests.integration.test_agent import RecordingRunner, acks_on_the_topic, reload
 from workers.agent import loop as agent_module
 from workers.agent.journal import WorkerState
 from workers.agent.loop import Agent
@@ -167,7 +167,7 @@ async def test_acks_the_cluster_refuses_are_waited_on_said_once_and_published_on
 ) -> None:
     caplog.set_level(logging.INFO, logger="workers.agent.loop")
     runner = RecordingRunner()
-    cmd = make_command(ReloadWeightsSpec(path=str(weights / "model.safetensors"), version="v2"))
+    cmd = reload(weights, "v2")
     async with (
         agent_running(kafka, tmp_path, runner),
         heartbeats_tail(kafka) as heartbeats,
@@ -232,7 +232,7 @@ async def test_a_stop_while_acks_cannot_be_published_exits_and_the_next_start_pu
 ) -> None:
     caplog.set_level(logging.INFO, logger="workers.agent.loop")
     runner = RecordingRunner()
-    cmd = make_command(ReloadWeightsSpec(path=str(weights / "model.safetensors"), version="v2"))
+    cmd = reload(weights, "v2")
     async with (
         agent_running(kafka, tmp_path, runner, drain_timeout_s=1) as (agent, task),
         heartbeats_tail(kafka) as heartbeats,
@@ -348,8 +348,8 @@ async def test_acks_the_producer_did_not_take_are_handed_over_again_in_order(
     then = [] if quick else [AckState.SUCCEEDED]
     expected = (sent * 2 if fault == "given-up-landed" else sent) + then
     runner = RecordingRunner(delay_s=0.0 if quick else 1.0)
-    cmd = make_command(ReloadWeightsSpec(path=str(weights / "model.safetensors"), version="v2"))
-    marker = make_command(ReloadWeightsSpec(path=str(weights / "model.safetensors"), version="v3"))
+    cmd = reload(weights, "v2")
+    marker = reload(weights, "v3")
     grace = 3600.0 if quick else 0.0
     async with (
         agent_running(kafka, tmp_path, runner, progress_grace_s=grace),
@@ -403,8 +403,8 @@ async def test_acks_go_out_again_after_the_producer_gave_up_on_one(
     runner = RecordingRunner()
     # The first command's acks go out: the broker knows the producer's sequence from them (a
     # producer new to a partition may start anywhere).
-    first = make_command(ReloadWeightsSpec(path=str(weights / "model.safetensors"), version="v1"))
-    cmd = make_command(ReloadWeightsSpec(path=str(weights / "model.safetensors"), version="v2"))
+    first = reload(weights, "v1")
+    cmd = reload(weights, "v2")
     async with agent_running(kafka, tmp_path, runner):
         await publish(kafka, first)
         await committed_becomes(kafka, 1)

@@ -27,8 +27,9 @@ from controlplane.kafka.broker import LocalCluster
 from controlplane.kafka.bus import Admin, Producer, probe, probe_sync
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.rollout.registry import lost_at
-from controlplane.wire.protocol import Heartbeat, WorkerStatus, encode, utcnow
+from controlplane.wire.protocol import encode, utcnow
 from tests.conftest import partition_leader
+from tests.factories import fake_heartbeat, heal
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -38,11 +39,7 @@ NODES = 3
 @pytest.fixture
 def cluster(kafka_cluster: LocalCluster) -> Iterator[LocalCluster]:
     yield kafka_cluster
-    # Heal: whatever a test crashed comes back before the next one.
-    for node_id in range(1, NODES + 1):
-        if not kafka_cluster.node(node_id).status().running:
-            kafka_cluster.start_node(node_id, timeout=180)
-    kafka_cluster.wait_for_brokers(NODES, timeout=180)
+    heal(kafka_cluster, NODES)
 
 
 async def _until(predicate: Callable[[], Awaitable[bool]], *, timeout: float, what: str) -> None:
@@ -278,13 +275,9 @@ async def test_a_prober_judges_no_worker_lost_while_kafka_holds_writes_back(
     async with Admin(settings) as admin:
         await admin.ensure_topics(settings.topics)
     # A lease longer than the fencing delay (9 s): both phases, held back then refused, pass.
-    hb = Heartbeat(
-        worker_id="w-quiet",
-        runner="fake",
-        device="cpu",
-        status=WorkerStatus.READY,
-        seq=1,
-        sent_at=utcnow(),
+    hb = fake_heartbeat(
+        "w-quiet",
+        utcnow(),
         started_at=utcnow(),
         interval_s=5.0,
         lease_s=15.0,

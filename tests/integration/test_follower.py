@@ -19,11 +19,11 @@ from controlplane.wire.protocol import (
     Command,
     Heartbeat,
     UpdateConfigSpec,
-    WorkerStatus,
     encode,
     utcnow,
 )
 from controlplane.wire.topics import worker_key
+from tests.factories import fake_heartbeat, fresh_topics
 from tests.fleet import make_command, publish
 
 pytestmark = pytest.mark.kafka
@@ -191,16 +191,7 @@ class _RecordingFleet(Fleet):
 
 
 def _heartbeat(worker_id: str, sent_at: datetime) -> Heartbeat:
-    return Heartbeat(
-        worker_id=worker_id,
-        runner="fake",
-        device="cpu",
-        status=WorkerStatus.READY,
-        seq=1,
-        sent_at=sent_at,
-        started_at=sent_at,
-        interval_s=1.0,
-    )
+    return fake_heartbeat(worker_id, sent_at, interval_s=1.0)
 
 
 async def _send_heartbeat(settings: KafkaSettings, hb: Heartbeat) -> tuple[datetime, datetime]:
@@ -239,8 +230,8 @@ async def test_without_log_append_time_replayed_keeps_its_own_clock_live_gets_th
     from controlplane.kafka.bus import Admin
     from tests.integration.test_topics import _OlderTopics
 
-    prefix = f"n{uuid.uuid4().hex[:8]}"
-    settings = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix)
+    settings = fresh_topics(kafka_bootstrap, "n")
+    prefix = settings.topic_prefix
     async with Admin(settings) as admin:
         await admin.ensure_topics(_OlderTopics(prefix=prefix))
     skewed = utcnow() - timedelta(hours=1)

@@ -17,14 +17,13 @@ from controlplane.kafka.bus import LOG_APPEND_TIME, Admin, Consumer, Producer, R
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.errors import BusError, ErrorCode, TopicMismatch
 from controlplane.wire.topics import Topics
+from tests.factories import fresh_topics
 
 pytestmark = pytest.mark.kafka
 
 
 async def test_ensure_creates_then_is_idempotent(kafka_bootstrap: str) -> None:
-    settings = KafkaSettings(
-        bootstrap_servers=kafka_bootstrap, topic_prefix=f"e{uuid.uuid4().hex[:8]}"
-    )
+    settings = fresh_topics(kafka_bootstrap, "e")
     async with Admin(settings) as admin:
         first = await admin.ensure_topics(settings.topics)
         second = await admin.ensure_topics(settings.topics)
@@ -34,8 +33,8 @@ async def test_ensure_creates_then_is_idempotent(kafka_bootstrap: str) -> None:
 
 
 async def test_ensure_reports_partition_and_config_differences(kafka_bootstrap: str) -> None:
-    prefix = f"m{uuid.uuid4().hex[:8]}"
-    settings = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix)
+    settings = fresh_topics(kafka_bootstrap, "m")
+    prefix = settings.topic_prefix
     async with Admin(settings) as admin:
         await admin.ensure_topics(Topics(prefix=prefix, retention_ms=60_000))
         with pytest.raises(TopicMismatch) as info:
@@ -51,8 +50,8 @@ async def test_ensure_reports_partition_and_config_differences(kafka_bootstrap: 
 
 
 async def test_ensure_reports_a_partition_count_difference(kafka_bootstrap: str) -> None:
-    prefix = f"p{uuid.uuid4().hex[:8]}"
-    settings = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix)
+    settings = fresh_topics(kafka_bootstrap, "p")
+    prefix = settings.topic_prefix
 
     class FewerAcks(Topics):
         @property
@@ -80,9 +79,7 @@ class _OlderTopics(Topics):
 async def test_the_workers_topic_stamps_heartbeats_with_the_brokers_clock(
     kafka_bootstrap: str,
 ) -> None:
-    settings = KafkaSettings(
-        bootstrap_servers=kafka_bootstrap, topic_prefix=f"l{uuid.uuid4().hex[:8]}"
-    )
+    settings = fresh_topics(kafka_bootstrap, "l")
     async with Admin(settings) as admin:
         await admin.ensure_topics(settings.topics)
     async with Producer(settings) as producer:
@@ -100,8 +97,8 @@ async def test_the_workers_topic_stamps_heartbeats_with_the_brokers_clock(
 async def test_topics_created_without_log_append_time_are_reported_not_a_crash(
     kafka_bootstrap: str,
 ) -> None:
-    prefix = f"c{uuid.uuid4().hex[:8]}"
-    settings = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix)
+    settings = fresh_topics(kafka_bootstrap, "c")
+    prefix = settings.topic_prefix
     async with Admin(settings) as admin:
         await admin.ensure_topics(_OlderTopics(prefix=prefix))
         with pytest.raises(TopicMismatch) as info:
@@ -172,8 +169,8 @@ async def _cluster(bootstrap: str) -> tuple[int, int]:
 async def test_defaults_take_the_clusters_replication_factor_and_pass_the_check(
     kafka_bootstrap: str,
 ) -> None:
-    prefix = f"r{uuid.uuid4().hex[:8]}"
-    settings = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix)
+    settings = fresh_topics(kafka_bootstrap, "r")
+    prefix = settings.topic_prefix
     async with Admin(settings) as admin:
         created = await admin.ensure_topics(settings.topics)
         checked = await admin.ensure_topics(settings.topics)
@@ -196,8 +193,8 @@ async def test_defaults_take_the_clusters_replication_factor_and_pass_the_check(
 async def test_a_topic_made_by_hand_with_another_min_insync_is_reported(
     kafka_bootstrap: str,
 ) -> None:
-    prefix = f"i{uuid.uuid4().hex[:8]}"
-    settings = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix)
+    settings = fresh_topics(kafka_bootstrap, "i")
+    prefix = settings.topic_prefix
     _, default_rf = await _cluster(kafka_bootstrap)
     acks = settings.topics.resolved(default_rf).acks
     want = acks.config["min.insync.replicas"]
@@ -269,8 +266,8 @@ async def test_more_replicas_than_brokers_is_a_coded_error_in_the_brokers_words(
 async def test_min_insync_above_the_replication_factor_is_refused_before_creating(
     kafka_bootstrap: str,
 ) -> None:
-    prefix = f"n{uuid.uuid4().hex[:8]}"
-    settings = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix)
+    settings = fresh_topics(kafka_bootstrap, "n")
+    prefix = settings.topic_prefix
     async with Admin(settings) as admin:
         with pytest.raises(BusError) as info:
             await admin.ensure_topics(
@@ -299,8 +296,8 @@ async def test_on_the_3_node_cluster_ensure_makes_rf_3_min_isr_2_and_reports_rf_
     kafka_cluster: LocalCluster,
 ) -> None:
     bootstrap = kafka_cluster.bootstrap
-    prefix = f"k{uuid.uuid4().hex[:8]}"
-    settings = KafkaSettings(bootstrap_servers=bootstrap, topic_prefix=prefix)
+    settings = fresh_topics(bootstrap, "k")
+    prefix = settings.topic_prefix
     async with Admin(settings) as admin:
         report = await admin.ensure_topics(settings.topics)
     assert (report.replication_factor, report.min_insync_replicas) == (3, 2)

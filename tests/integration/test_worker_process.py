@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.protocol import AckState, ReloadWeightsSpec, Selector, WorkerStatus
+from tests.factories import worker_argv
 from tests.fleet import (
     acks_tail,
     has_terminal,
@@ -26,6 +26,7 @@ from tests.fleet import (
     latest,
     make_command,
     publish,
+    settled,
     terminal,
 )
 from workers.cli import EXIT_STATE_DIR_LOCKED
@@ -45,30 +46,17 @@ class WorkerProcess:
         name: str | None = None,
     ) -> None:
         self.log = tmp_path / f"{name or worker_id}.log"
-        self.cmd = [
-            sys.executable,
-            "-m",
-            "workers",
-            "run",
-            "--id",
+        self.cmd = worker_argv(
             worker_id,
-            "--runner",
-            runner,
-            "--runner-options",
-            json.dumps(options),
-            "--bootstrap",
-            kafka.bootstrap_servers,
-            "--topic-prefix",
-            kafka.topic_prefix,
-            "--allow-root",
-            str(tmp_path / "ckpts"),
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--heartbeat-s",
-            "0.5",
-            "--label",
-            "model=tiny",
-        ]
+            bootstrap=kafka.bootstrap_servers,
+            prefix=kafka.topic_prefix,
+            state_dir=tmp_path / "state",
+            runner=runner,
+            options=options,
+            allow_root=tmp_path / "ckpts",
+            heartbeat_s="0.5",
+            labels={"model": "tiny"},
+        )
         self.env = {**os.environ, "PJRT_DEVICE": "CPU", **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -150,8 +138,7 @@ async def test_sigkill_between_apply_and_commit_applies_once_and_acks_once(
     async with acks_tail(kafka) as acks:
         await acks.until(has_terminal(cmd.command_id))
         marker = make_command(ReloadWeightsSpec(path=str(ckpt), version="v3"))
-        await publish(kafka, marker)
-        await acks.until(has_terminal(marker.command_id))
+        await settled(kafka, acks, marker)
     finals = terminal(acks.items, cmd.command_id)
     assert len(finals) == 1, finals
     assert finals[0].state is AckState.SUCCEEDED and finals[0].weights_version == "v2"
@@ -257,8 +244,7 @@ async def test_a_second_agent_on_the_same_state_dir_exits_with_a_code(
     assert "Traceback" not in output
     cmd = make_command(ReloadWeightsSpec(path=str(ckpt), version="v2"))
     async with acks_tail(kafka) as acks:
-        await publish(kafka, cmd)
-        await acks.until(has_terminal(cmd.command_id))
+        await settled(kafka, acks, cmd)
     (final,) = terminal(acks.items, cmd.command_id)
     assert final.state is AckState.SUCCEEDED
     # The second agent never touched the journal (it would have counted an incarnation).
