@@ -46,16 +46,8 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from controlplane.kafka.bus import Consumer, Producer
-from controlplane.wire.errors import (
-    BusError,
-    ControlPlaneError,
-    ErrorCode,
-)
-from controlplane.wire.protocol import (
-    Degraded,
-    WorkerStatus,
-    utcnow,
-)
+from controlplane.wire.errors import BusError, ControlPlaneError, ErrorCode
+from controlplane.wire.protocol import Degraded, WorkerStatus, utcnow
 from controlplane.wire.topics import worker_key
 from workers.agent import failpoints
 from workers.agent.commands import CommandPath, Handled, replayed
