@@ -17,11 +17,13 @@ Rules (the coordinator, the API and the CLI all rely on them):
   ``selector.worker_ids`` (what our CLI publishes after resolving labels): exactly those.
   Otherwise (a label-only command, e.g. from kcat): every worker matching the selector whose
   latest known heartbeat shows an incarnation alive at ``issued_at`` (started by then, received
-  at or after ``issued_at - 3 * interval_s``, not stopped by then), plus any worker that acks
+  at most its lease before ``issued_at``, not stopped by then), plus any worker that acks
   the command and matches by its latest labels (or has no heartbeat), unless its first ack was
   sent after the rollout had ended. None expected: ``failed`` / ``NO_MATCHING_WORKERS`` at once,
   unless matching workers refused the command as ``EXPIRED`` (it was published after it
   expired): then ``timed_out`` / ``EXPIRED``, those workers listed.
+* **Lease.** A heartbeat vouches for its worker for the heartbeat's ``lease_s`` when it
+  carries one, else for 3 heartbeat periods (``3 * interval_s``; registry.silence_limit).
 * **Per-worker state**: pending < accepted < running < terminal (succeeded, failed, rejected).
   The first terminal ack by ``sent_at`` wins; redelivered duplicates change nothing; a different
   terminal state later is an anomaly. Acks from workers outside the expected set are listed as
@@ -29,7 +31,7 @@ Rules (the coordinator, the API and the CLI all rely on them):
   and folded in when it does.
 * **Lost is provisional.** An expected worker without a terminal ack whose heartbeats do not
   prove it alive at an instant (neither its latest incarnation nor the one before it was
-  started, received within 3 periods and not stopped then), or that was never seen and never
+  started, received within its lease and not stopped then), or that was never seen and never
   acked, is ``lost`` at that instant, with ``lost_at``. It does not end the rollout: it may come back (a restarted
   incarnation re-applies the redelivered command) and its terminal ack counts whenever it is
   sent before the rollout ends. Lost becomes final only when the rollout ends by a deadline.
@@ -74,7 +76,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Final
 
-from controlplane.rollout.judge import Abort, evaluate, judge, rejected, unreadable_anomalies
+from controlplane.rollout.anomalies import rejected, unreadable_anomalies
+from controlplane.rollout.judge import Verdict, evaluate, judge
 from controlplane.rollout.ledger import CommandLedger, Report
 from controlplane.rollout.models import (
     Anomaly,
@@ -85,6 +88,7 @@ from controlplane.rollout.models import (
     WorkerLevel,
 )
 from controlplane.rollout.registry import Registry, is_alive, seconds
+from controlplane.rollout.track import Abort
 from controlplane.wire.ack_codec import AckLike
 from controlplane.wire.protocol import Command, Heartbeat, ReloadWeightsSpec
 
@@ -264,15 +268,19 @@ class Fleet:
         nacks = self._unreadable.get(rollout_id)
         if nacks:
             anomalies += unreadable_anomalies(rollout_id, nacks)
-        return judge(
+        return judge(self._evaluate(command, now), anomalies)
+
+    def _evaluate(self, command: Command, now: datetime) -> Verdict:
+        """Judge ``command``'s rollout at ``now`` on everything folded so far."""
+        rid, cid = command.rollout_id, command.command_id
+        return evaluate(
             command,
-            self._ledgers.get((rollout_id, command.command_id)),
+            self._ledgers.get((rid, cid)),
             self._registry,
             now=now,
             progress_deadline=self._deadline,
-            abort=self._aborts.get(rollout_id),
-            anomalies=anomalies,
-            flights=self._flights_of(rollout_id, command.command_id),
+            abort=self._aborts.get(rid),
+            flights=self._flights_of(rid, cid),
         )
 
     def rollouts(self, now: datetime) -> list[RolloutStatus]:
@@ -323,15 +331,7 @@ class Fleet:
             ids = command.selector.worker_ids
             if ids is not None and all(w in desired for w in ids):
                 continue  # a newer rollout already decides for all of its workers
-            verdict = evaluate(
-                command,
-                self._ledgers.get((command.rollout_id, command.command_id)),
-                self._registry,
-                now=now,
-                progress_deadline=self._deadline,
-                abort=self._aborts.get(command.rollout_id),
-                flights=self._flights_of(command.rollout_id, command.command_id),
-            )
+            verdict = self._evaluate(command, now)
             if verdict.phase in _DESIRING:
                 for worker_id in verdict.tracks:
                     desired.setdefault(

@@ -98,8 +98,8 @@ def was_alive_at(hb: Heartbeat, when: datetime, received_at: datetime | None = N
     """Whether the incarnation that sent ``hb`` (a worker's latest known) was alive at ``when``.
 
     It had started by then (``started_seen <= when``), had been heard from recently enough
-    (received at or after ``when - 3 periods``; a later heartbeat of the same incarnation
-    proves it was running at ``when`` too), and had not already stopped.
+    (received at most its lease, :func:`silence_limit`, before ``when``; a later heartbeat of
+    the same incarnation proves it was running at ``when`` too), and had not already stopped.
     """
     seen = seen_at(hb, received_at)
     if started_seen(hb, received_at) > when or shift(seen, silence_limit(hb)) < when:
