@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Final
 from controlplane.kafka.bus import Delivery, Producer, Record
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.rollout.registry import Registry
+from controlplane.wire.channels import COMMANDS
 from controlplane.wire.errors import BusError, CommandRejected, ErrorCode
-from controlplane.wire.protocol import Command, CommandSpec, Selector, encode, utcnow
-from controlplane.wire.topics import command_key
+from controlplane.wire.protocol import Command, CommandSpec, Selector, utcnow
 
 if TYPE_CHECKING:
     from controlplane.rollout.fleet import Fleet
@@ -200,12 +200,8 @@ async def _send(
 ) -> Record:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limit
-    delivery = await producer.submit(
-        settings.topics.commands.name,
-        encode(command),
-        key=command_key(command.rollout_id),
-        timeout_s=limit,
-    )
+    topic, key, value = COMMANDS.record(settings.topics, command)
+    delivery = await producer.submit(topic, value, key=key, timeout_s=limit)
     try:
         return await delivery.wait(max(0.0, deadline - loop.time()))
     except BusError as exc:
