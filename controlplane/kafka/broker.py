@@ -1,9 +1,9 @@
 """A local Apache Kafka 4.x broker (KRaft, one combined broker+controller) for development, demos and
 tests, and a local cluster of N such nodes (:class:`LocalCluster`) for replication and failover tests.
 
-The node lives in :mod:`~controlplane.kafka.node`, the cluster in :mod:`~controlplane.kafka.cluster`;
-this module names both. Every failure is a coded :class:`BrokerError` with a message a person can
-act on; never a traceback.
+The node lives in :mod:`~controlplane.kafka.node`, the cluster in :mod:`~controlplane.kafka.cluster`,
+what they share in :mod:`~controlplane.kafka.launch`; this module names them all. Every failure
+is a coded :class:`BrokerError` with a message a person can act on; never a traceback.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 import uuid  # noqa: F401 - ``broker.uuid.uuid4`` is where tests force a cluster id
 
 from controlplane.kafka.cluster import CLUSTER_FILE, ClusterConfig, ClusterStatus, LocalCluster
+from controlplane.kafka.launch import default_cache_dir, new_cluster_id
 from controlplane.kafka.node import (
     DEFAULT_CONTROLLER_PORT,
     DEFAULT_KAFKA_VERSION,
@@ -20,8 +21,6 @@ from controlplane.kafka.node import (
     BrokerConfig,
     BrokerStatus,
     LocalBroker,
-    default_cache_dir,
-    new_cluster_id,
 )
 from controlplane.wire.errors import BrokerError
 

@@ -8,18 +8,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from controlplane.kafka.launch import (
+    Launched,
+    default_cache_dir,
+    new_cluster_id,
+    port_open,
+    wait_for_metadata,
+)
 from controlplane.kafka.node import (
     DEFAULT_CONTROLLER_PORT,
     DEFAULT_KAFKA_VERSION,
     DEFAULT_PORT,
     BrokerConfig,
     BrokerStatus,
-    Launched,
     LocalBroker,
-    _port_open,
-    default_cache_dir,
-    new_cluster_id,
-    wait_for_metadata,
 )
 from controlplane.wire.errors import BrokerError, ErrorCode
 
@@ -282,7 +284,7 @@ class LocalCluster(Launched):
 
         def address() -> str | None:
             live = [n for n in self.nodes if n.status().running]
-            if any(_port_open(n.config.port) for n in live):
+            if any(port_open(n.config.port) for n in live):
                 return ",".join(n.bootstrap for n in live)
             return None
 

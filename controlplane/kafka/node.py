@@ -8,7 +8,6 @@ answers a metadata request, stops it with SIGTERM then SIGKILL. Every failure is
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import hashlib
 import os
@@ -18,30 +17,26 @@ import signal
 import socket
 import subprocess
 import time
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from types import TracebackType
-from typing import TYPE_CHECKING, Self
 
+from controlplane.kafka.launch import (
+    Launched,
+    alive,
+    default_cache_dir,
+    indented_tail,
+    new_cluster_id,
+    port_open,
+    read_stripped,
+    wait_for_metadata,
+)
 from controlplane.wire.errors import BrokerError, ErrorCode
-
-if TYPE_CHECKING:
-    from controlplane.kafka.admin import ClusterInfo
 
 DEFAULT_KAFKA_VERSION = "4.1.1"
 DEFAULT_PORT = 19092
 DEFAULT_CONTROLLER_PORT = 19093
 MIN_JAVA = 17
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("FLEET_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fleet-controlplane"
-    )
-    return Path(base)
 
 
 @dataclass
@@ -98,53 +93,6 @@ _LOG4J2 = """<?xml version="1.0" encoding="UTF-8"?>
   </Loggers>
 </Configuration>
 """
-
-
-class Launched:
-    """``with`` over start() and stop(): a local node, or a cluster of them."""
-
-    def start(self, *, timeout: float = 90.0) -> object:
-        raise NotImplementedError
-
-    def stop(self, *, timeout: float = 30.0) -> bool:
-        raise NotImplementedError
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-
-def wait_for_metadata(
-    timeout: float,
-    exited: Callable[[], None],
-    address: Callable[[], str | None],
-    enough: Callable[[ClusterInfo], bool],
-) -> str | None:
-    """Poll until a metadata request to ``address()`` (None: no port open yet) answers ``enough``;
-    None then, else (at ``timeout``) the last error. ``exited()`` raises when a process died."""
-    from controlplane.kafka.admin import probe_sync  # the one place that speaks Kafka
-
-    deadline = time.monotonic() + timeout
-    last_error = ""
-    while time.monotonic() < deadline:
-        exited()
-        bootstrap = address()
-        if bootstrap is not None:
-            try:
-                if enough(probe_sync(bootstrap, timeout=5.0)):
-                    return None
-            except Exception as exc:  # not ready yet: keep polling until the deadline
-                last_error = str(exc)
-        time.sleep(0.25)
-    return last_error
 
 
 class LocalBroker(Launched):
@@ -217,7 +165,7 @@ class LocalBroker(Launched):
         pom = resources.files("controlplane") / "kafka" / "pom.xml"
         # The stamp names the pom it came from: editing the pom re-resolves once.
         fingerprint = hashlib.sha256(pom.read_bytes()).hexdigest()[:16]
-        if _read(stamp) == fingerprint and any(libs.glob("kafka_2.13-*.jar")):
+        if read_stripped(stamp) == fingerprint and any(libs.glob("kafka_2.13-*.jar")):
             return libs
         mvn = shutil.which(self.config.mvn)
         if mvn is None:
@@ -247,7 +195,7 @@ class LocalBroker(Launched):
                     f"Maven failed to run: {exc}", code=ErrorCode.JARS_UNRESOLVABLE
                 ) from None
         if proc.returncode != 0 or not any(staging.glob("kafka_2.13-*.jar")):
-            tail = _tail((proc.stdout + proc.stderr).splitlines(), 15)
+            tail = indented_tail((proc.stdout + proc.stderr).splitlines(), 15)
             raise BrokerError(
                 f"could not resolve org.apache.kafka:kafka_2.13:{self.config.kafka_version} from "
                 f"Maven Central (mvn exit {proc.returncode}):\n{tail}",
@@ -338,7 +286,7 @@ class LocalBroker(Launched):
     def _end(self, sig: signal.Signals, *, timeout: float) -> bool:
         """Send ``sig``; after ``timeout`` SIGKILL; wait until the process is gone."""
         pid = self._read_pid()
-        if pid is None or not _alive(pid, self._proc):  # (polling our own child reaps it)
+        if pid is None or not alive(pid, self._proc):  # (polling our own child reaps it)
             if sig is signal.SIGTERM and self._proc is not None and self._proc.poll() is not None:
                 self._proc = None  # stop() forgets a process that exited; kill() leaves it
             self.pid_file.unlink(missing_ok=True)
@@ -346,12 +294,12 @@ class LocalBroker(Launched):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and _alive(pid, self._proc):
+        while time.monotonic() < deadline and alive(pid, self._proc):
             time.sleep(0.1)
-        if sig is not signal.SIGKILL and _alive(pid, self._proc):
+        if sig is not signal.SIGKILL and alive(pid, self._proc):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        while _alive(pid, self._proc):
+        while alive(pid, self._proc):
             time.sleep(0.05)
         self.pid_file.unlink(missing_ok=True)
         self._proc = None
@@ -359,7 +307,7 @@ class LocalBroker(Launched):
 
     def status(self) -> BrokerStatus:
         pid = self._read_pid()
-        running = pid is not None and _alive(pid, self._proc)
+        running = pid is not None and alive(pid, self._proc)
         return BrokerStatus(
             running=running,
             pid=pid if running else None,
@@ -371,7 +319,7 @@ class LocalBroker(Launched):
 
     def log_tail(self, lines: int = 30) -> str:
         try:
-            return _tail(self.log_file.read_text(errors="replace").splitlines(), lines)
+            return indented_tail(self.log_file.read_text(errors="replace").splitlines(), lines)
         except OSError:
             return "(no broker log)"
 
@@ -449,7 +397,7 @@ class LocalBroker(Launched):
         if proc.returncode != 0:
             raise BrokerError(
                 "formatting KRaft storage failed:\n"
-                + _tail((proc.stdout + proc.stderr).splitlines(), 15),
+                + indented_tail((proc.stdout + proc.stderr).splitlines(), 15),
                 code=ErrorCode.BROKER_DIED,
             )
 
@@ -465,7 +413,7 @@ class LocalBroker(Launched):
                 )
 
         def address() -> str | None:
-            return self.bootstrap if _port_open(self.config.port) else None
+            return self.bootstrap if port_open(self.config.port) else None
 
         last_error = wait_for_metadata(timeout, exited, address, lambda _: True)
         if last_error is None:
@@ -482,42 +430,3 @@ class LocalBroker(Launched):
             return int(self.pid_file.read_text().strip())
         except (OSError, ValueError):
             return None
-
-
-def new_cluster_id() -> str:
-    """A random KRaft cluster id (22 characters of base64url, as kafka-storage random-uuid)."""
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
-
-
-def _alive(pid: int, proc: subprocess.Popen[bytes] | None = None) -> bool:
-    if proc is not None and proc.pid == pid:
-        return proc.poll() is None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child of another process still answers kill(0); check /proc where we can.
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.split(") ", 1)[1][:1] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return None
-
-
-def _tail(lines: list[str], n: int) -> str:
-    return "\n".join("    " + line for line in lines[-n:])
