@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from aiokafka import AIOKafkaProducer
 from typer.testing import CliRunner
 
 from tests.conftest import say
+from tests.factories import base_env, free_port, tail, worker_argv
 from workers.cli import app as worker_app
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -45,31 +45,6 @@ TTL_WORKER_DELAY_S = 4.0
 RESTART_WORKER_DELAY_S = 10.0
 
 JSON = dict[str, Any]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _base_env() -> dict[str, str]:
-    """Our environment without any FLEET_* setting of the person running the tests."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-    env.update(
-        PJRT_DEVICE="CPU",  # torch_xla on the CPU
-        OMP_NUM_THREADS="1",  # five processes on a few cores: no oversubscription
-        PYTHONUNBUFFERED="1",
-    )
-    return env
-
-
-def _tail(path: Path, lines: int = 25) -> str:
-    try:
-        text = path.read_text(errors="replace").splitlines()
-    except OSError as exc:
-        return f"<{exc}>"
-    return "\n".join(text[-lines:])
 
 
 def minus_as_of(status: JSON) -> JSON:
@@ -181,6 +156,12 @@ class Fleet:
         done = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=timeout)
         return CliResult(argv, done.returncode, done.stdout, done.stderr, time.monotonic() - start)
 
+    def reload(self, path: Path, version: str, selector: str, *args: str, **kw: Any) -> CliResult:
+        """``reload-weights PATH --version VERSION -s SELECTOR --wait ARGS``, as ``cli``."""
+        return self.cli(
+            "reload-weights", str(path), "--version", version, "-s", selector, "--wait", *args, **kw
+        )
+
     def cli_background(self, name: str, *args: str) -> Proc:
         argv = [sys.executable, "-m", "controlplane", *args]
         argv += ["--bootstrap", self.bootstrap, "--topic-prefix", self.prefix]
@@ -215,7 +196,7 @@ class Fleet:
 
     def _coordinator_ready(self) -> bool:
         if not self.coordinator.running:
-            raise AssertionError(f"the coordinator exited:\n{_tail(self.coordinator.log)}")
+            raise AssertionError(f"the coordinator exited:\n{tail(self.coordinator.log, 25)}")
         try:
             return self.get("/readyz", timeout=2).status_code == 200
         except httpx.HTTPError:
@@ -264,30 +245,17 @@ def _worker(
     labels: dict[str, str],
     options: dict[str, Any] | None = None,
 ) -> Proc:
-    argv = [
-        sys.executable,
-        "-m",
-        "workers",
-        "run",
-        "--id",
+    argv = worker_argv(
         worker_id,
-        "--runner",
-        runner,
-        "--runner-options",
-        json.dumps(options or {}),
-        "--bootstrap",
-        bootstrap,
-        "--topic-prefix",
-        prefix,
-        "--allow-root",
-        str(fleet_root / "ckpts"),
-        "--state-dir",
-        str(fleet_root / "state"),
-        "--heartbeat-s",
-        str(HEARTBEAT_S),
-    ]
-    for key, value in labels.items():
-        argv += ["--label", f"{key}={value}"]
+        bootstrap=bootstrap,
+        prefix=prefix,
+        state_dir=fleet_root / "state",
+        runner=runner,
+        options=options or {},
+        allow_root=fleet_root / "ckpts",
+        heartbeat_s=HEARTBEAT_S,
+        labels=labels,
+    )
     return Proc(worker_id, argv, env, fleet_root / f"{worker_id}.log")
 
 
@@ -300,8 +268,8 @@ def fleet(
     root = tmp_path_factory.mktemp("e2e")
     (root / "ckpts").mkdir()
     prefix = f"e2e{uuid.uuid4().hex[:8]}"
-    env = _base_env()
-    port = _free_port()
+    env = base_env()
+    port = free_port()
     coordinator = Proc(
         "coordinator",
         [
@@ -375,7 +343,7 @@ def fleet(
         def all_ready() -> bool:
             for proc in workers.values():
                 if not proc.running:
-                    raise AssertionError(f"worker {proc.name} exited:\n{_tail(proc.log)}")
+                    raise AssertionError(f"worker {proc.name} exited:\n{tail(proc.log, 25)}")
             views = fleet.api("/api/v1/workers")
             ready = {
                 w["worker_id"]
@@ -412,7 +380,7 @@ def _logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
     fleet: Fleet = request.getfixturevalue("fleet")
     logs = sorted(fleet.root.glob("*.log"))
     for log in logs:
-        _report(request, f"\n==== {log.name} (last lines)\n{_tail(log)}")
+        _report(request, f"\n==== {log.name} (last lines)\n{tail(log, 25)}")
 
 
 def test_each_worker_runs_the_runner_it_was_given(fleet: Fleet) -> None:
@@ -432,14 +400,10 @@ def test_good_reload_succeeds_on_every_worker_and_they_report_the_new_version(
 ) -> None:
     path = fleet.checkpoints["good"]
     assert path.name == "model.safetensors.index.json"  # sharded: two files and an index
-    result = fleet.cli(
-        "reload-weights",
-        str(path),
-        "--version",
+    result = fleet.reload(
+        path,
         "v-e2e-1",
-        "-s",
         "model=tiny",
-        "--wait",
         "--wait-timeout",
         "90",
         "--ttl",
@@ -482,17 +446,8 @@ def test_good_reload_succeeds_on_every_worker_and_they_report_the_new_version(
 def test_broken_checkpoint_is_rejected_everywhere_and_versions_stay(fleet: Fleet) -> None:
     before = fleet.worker_versions()
     assert all(before[wid] is not None for wid in fleet.main_ids)
-    result = fleet.cli(
-        "reload-weights",
-        str(fleet.checkpoints["shape"]),
-        "--version",
-        "v-broken",
-        "-s",
-        "model=tiny",
-        "--wait",
-        "--wait-timeout",
-        "90",
-        "--json",
+    result = fleet.reload(
+        fleet.checkpoints["shape"], "v-broken", "model=tiny", "--wait-timeout", "90", "--json"
     )
     assert result.rc == 1, str(result)
     status = result.json()
@@ -513,16 +468,12 @@ def test_broken_checkpoint_is_rejected_everywhere_and_versions_stay(fleet: Fleet
 
 
 def test_reload_that_outlasts_its_ttl_times_out(fleet: Fleet) -> None:
-    result = fleet.cli(
-        "reload-weights",
-        str(fleet.checkpoints["good"]),
-        "--version",
+    result = fleet.reload(
+        fleet.checkpoints["good"],
         "v-late",
-        "-s",
         "role=ttl",
         "--ttl",
         "2",
-        "--wait",
         "--wait-timeout",
         "60",
         "--json",
@@ -552,30 +503,18 @@ def test_reload_that_outlasts_its_ttl_times_out(fleet: Fleet) -> None:
 
 
 def test_no_matching_worker_is_invalid_input(fleet: Fleet) -> None:
-    result = fleet.cli(
-        "reload-weights",
-        str(fleet.checkpoints["good"]),
-        "--version",
-        "v-nobody",
-        "-s",
-        "model=nobody-runs-this",
-        "--wait",
-    )
+    result = fleet.reload(fleet.checkpoints["good"], "v-nobody", "model=nobody-runs-this")
     assert result.rc == 3, str(result)
     assert "NO_MATCHING_WORKERS" in result.stderr
     assert result.stdout.strip() == ""  # nothing was published
 
 
 def test_unreachable_broker(fleet: Fleet) -> None:
-    closed = _free_port()  # bound and released: nothing listens there
-    result = fleet.cli(
-        "reload-weights",
-        str(fleet.checkpoints["good"]),
-        "--version",
+    closed = free_port()  # bound and released: nothing listens there
+    result = fleet.reload(
+        fleet.checkpoints["good"],
         "v-nowhere",
-        "-s",
         "model=tiny",
-        "--wait",
         "--bootstrap",
         f"127.0.0.1:{closed}",
         "--topic-prefix",
@@ -679,7 +618,7 @@ def test_coordinator_restarted_mid_rollout_reports_the_same_status(fleet: Fleet)
         fleet.start_coordinator()  # same settings, same port, nothing but the log to go on
         second_phase = fleet.api(f"/api/v1/rollouts/{rollout_id}")["phase"]
         final = fleet.terminal_rollout(rollout_id, timeout=90)
-        assert waiter.wait(60) == 0, _tail(waiter.log)
+        assert waiter.wait(60) == 0, tail(waiter.log, 25)
     finally:
         waiter.kill()
     assert final["phase"] == "succeeded", final
