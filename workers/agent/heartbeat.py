@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 from datetime import datetime
 
+from controlplane.wire.channels import HEARTBEATS
 from controlplane.wire.errors import BusError, ErrorCode
-from controlplane.wire.protocol import Degraded, Heartbeat, WorkerStatus, encode
-from controlplane.wire.topics import worker_key
+from controlplane.wire.protocol import Degraded, Heartbeat, WorkerStatus
 from workers.agent.producer import ProducerLink, PublishHealth
 from workers.agent.session import AgentLog, StopSignal, WorkerView
 from workers.agent.settings import WorkerSettings
@@ -50,8 +50,7 @@ class Heartbeater:
         self._started_at = started_at
         self._clock = clock
         self._log = log
-        self._topic = settings.kafka.topics.workers.name
-        self._key = worker_key(settings.worker_id)
+        self._topics = settings.kafka.topics
         self._seq = 0
         self._last_beat = 0.0  # time.monotonic() of the last heartbeat built
         self._wakeup = asyncio.Event()
@@ -112,10 +111,9 @@ class Heartbeater:
         producer = self._link.current
         limit = max(1.0, min(3 * self._settings.heartbeat_interval_s, producer.delivery_timeout_s))
         deadline = time.monotonic() + limit
+        topic, key, value = HEARTBEATS.record(self._topics, hb)
         try:
-            delivery = await producer.submit(
-                self._topic, encode(hb), key=self._key, timeout_s=limit
-            )
+            delivery = await producer.submit(topic, value, key=key, timeout_s=limit)
             try:
                 await delivery.wait(max(0.0, deadline - time.monotonic()))
             except BusError as exc:

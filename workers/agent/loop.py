@@ -46,9 +46,9 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from controlplane.kafka.bus import Consumer, Producer
+from controlplane.wire.channels import COMMANDS
 from controlplane.wire.errors import BusError, ControlPlaneError, ErrorCode
 from controlplane.wire.protocol import Degraded, WorkerStatus, utcnow
-from controlplane.wire.topics import worker_key
 from workers.agent import failpoints
 from workers.agent.commands import CommandPath, Handled, replayed
 from workers.agent.durable import Journal
@@ -162,8 +162,7 @@ class Agent:
         outbox = AckOutbox(
             link=link,
             health=health,
-            topic=self.topics.acks.name,
-            key=worker_key(self.worker_id),
+            topics=self.topics,
             stop=self._stop,
             clock=self.clock,
             log=self._log,
@@ -263,7 +262,7 @@ class Agent:
         is visible as live is always seen by it.
         """
         consumer, journal = session.consumer, session.journal
-        topic = self.topics.commands.name
+        topic = COMMANDS.topic(self.topics)
         await consumer.assign(topic, [0])
         committed = await consumer.committed(topic, 0)
         begin = (await consumer.beginning_offsets(topic))[0]
@@ -378,7 +377,7 @@ class Agent:
         if handled.acked:
             failpoints.hit("after_ack")
         try:
-            await session.consumer.commit(self.topics.commands.name, 0, next_offset)
+            await session.consumer.commit(COMMANDS.topic(self.topics), 0, next_offset)
         except BusError as exc:  # the local state still has it; Kafka catches up at the next one
             self._log(logging.WARNING, "commit of offset %d failed: %s", next_offset, exc)
 

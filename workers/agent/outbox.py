@@ -15,8 +15,10 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 
 from controlplane.kafka.bus import Delivery
+from controlplane.wire.channels import ACKS
 from controlplane.wire.errors import BusError, ErrorCode
-from controlplane.wire.protocol import Ack, encode
+from controlplane.wire.protocol import Ack
+from controlplane.wire.topics import Topics
 from workers.agent.producer import ProducerLink, PublishHealth
 from workers.agent.session import AgentLog, StopSignal
 
@@ -38,16 +40,14 @@ class AckOutbox:
         *,
         link: ProducerLink,
         health: PublishHealth,
-        topic: str,
-        key: bytes,
+        topics: Topics,
         stop: StopSignal,
         clock: Callable[[], datetime],
         log: AgentLog,
     ) -> None:
         self._link = link
         self._health = health
-        self._topic = topic
-        self._key = key
+        self._topics = topics
         self._stop = stop
         self._clock = clock
         self._log = log
@@ -105,8 +105,7 @@ class AckOutbox:
         :meth:`_failed`). After a stop this gives up at the stop's deadline (:meth:`_limit`)
         with :class:`AcksLeftUnpublished`.
         """
-        topic, key = self._topic, self._key
-        pending = [(ack, encode(ack)) for ack in acks]
+        pending = [ACKS.record(self._topics, ack) for ack in acks]  # (topic, key, value)
         deliveries: list[Delivery] = []  # of pending's first ones, in order, by `producer`
         producer = self._link.current
         began, began_mono = self._clock(), time.monotonic()
@@ -120,7 +119,7 @@ class AckOutbox:
                 queued = False
                 try:
                     while len(deliveries) < len(pending):
-                        value = pending[len(deliveries)][1]
+                        topic, key, value = pending[len(deliveries)]
                         deliveries.append(
                             await producer.submit(topic, value, key=key, timeout_s=limit)
                         )
