@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import subprocess
 import sys
@@ -41,24 +40,10 @@ from controlplane.wire.protocol import (
     decode_heartbeat,
 )
 from controlplane.wire.topics import worker_key
+from tests.factories import base_env, tail, worker_argv
 
 JSON = dict[str, Any]
 NODES = 3
-
-
-def base_env() -> dict[str, str]:
-    """Our environment without any FLEET_* setting of the person running the tests."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-    env.update(PJRT_DEVICE="CPU", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return env
-
-
-def tail(path: Path, lines: int = 40) -> str:
-    try:
-        text = path.read_text(errors="replace").splitlines()
-    except OSError as exc:
-        return f"<{exc}>"
-    return "\n".join(text[-lines:])
 
 
 async def until(
@@ -95,29 +80,16 @@ class WorkerProcess:
         self.worker_id = worker_id
         self.root = root
         self.log = root / f"{worker_id}.log"
-        self.argv = [
-            sys.executable,
-            "-m",
-            "workers",
-            "run",
-            "--id",
+        # The product's default heartbeat period: the liveness it gives is what is tested.
+        self.argv = worker_argv(
             worker_id,
-            "--runner",
-            "fake",
-            "--runner-options",
-            json.dumps(options),
-            "--bootstrap",
-            bootstrap,
-            "--topic-prefix",
-            prefix,
-            "--allow-root",
-            str(root / "ckpts"),
-            "--state-dir",
-            str(root / "state"),
-            # The product's default heartbeat period: the liveness it gives is what is tested.
-        ]
-        for key, value in labels.items():
-            self.argv += ["--label", f"{key}={value}"]
+            bootstrap=bootstrap,
+            prefix=prefix,
+            state_dir=root / "state",
+            options=options,
+            allow_root=root / "ckpts",
+            labels=labels,
+        )
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:

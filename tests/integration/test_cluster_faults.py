@@ -33,6 +33,7 @@ import pytest
 from controlplane.kafka.broker import LocalCluster
 from controlplane.wire.protocol import decode_command, decode_heartbeat
 from tests.conftest import partition_leader, say
+from tests.factories import heal
 from tests.faults import (
     NODES,
     CliRun,
@@ -67,11 +68,7 @@ HANG_S = 420.0
 @pytest.fixture
 def cluster(kafka_cluster: LocalCluster) -> Iterator[LocalCluster]:
     yield kafka_cluster
-    # Heal: whatever a test crashed comes back before the next one.
-    for node_id in range(1, NODES + 1):
-        if not kafka_cluster.node(node_id).status().running:
-            kafka_cluster.start_node(node_id, timeout=180)
-    kafka_cluster.wait_for_brokers(NODES, timeout=180)
+    heal(kafka_cluster, NODES)
 
 
 @pytest.fixture
