@@ -22,6 +22,20 @@ from bench.reload.measure import (
 )
 
 
+def section_out(
+    name: str, device: str, targets: dict[str, Any], nbytes: int, largest: int
+) -> dict[str, Any]:
+    """A device section's result, its runs still to come; says what is measured."""
+    print(f"{name}: {device}, {len(targets)} tensors, {nbytes / 1e9:.3f} GB", flush=True)
+    return {
+        "device": device,
+        "tensors": len(targets),
+        "bytes": nbytes,
+        "largest_tensor_bytes": largest,
+        "runs": [],
+    }
+
+
 def section_torch(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -76,15 +90,8 @@ def section_xla(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) ->
     targets, nbytes, largest = model_facts(runner)
     sync = torch_xla.sync
     r, c = args.repeats, args.cold_repeats
-    out: dict[str, Any] = {
-        "device": runner.describe().device,
-        "tensors": len(targets),
-        "bytes": nbytes,
-        "largest_tensor_bytes": largest,
-        "runs": [],
-    }
+    out = section_out("xla", runner.describe().device, targets, nbytes, largest)
     runs = out["runs"]
-    print(f"xla: {out['device']}, {len(targets)} tensors, {nbytes / 1e9:.3f} GB", flush=True)
     runs.append(
         measure(
             "ours: XlaRunner.reload_weights",
@@ -214,15 +221,8 @@ def section_cuda(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) -
     targets, nbytes, largest = model_facts(runner)
     sync = torch.cuda.synchronize
     r, c = args.repeats, args.cold_repeats
-    out: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(0),
-        "tensors": len(targets),
-        "bytes": nbytes,
-        "largest_tensor_bytes": largest,
-        "runs": [],
-    }
+    out = section_out("cuda", torch.cuda.get_device_name(0), targets, nbytes, largest)
     runs = out["runs"]
-    print(f"cuda: {out['device']}, {len(targets)} tensors, {nbytes / 1e9:.3f} GB", flush=True)
     runs.extend(h2d_baselines(nbytes, r))
     gc.collect()
     on_gpu: dict[str, Any] = {"gpu": True}
