@@ -12,7 +12,6 @@ import json
 import math
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -191,17 +190,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class Broker:
     """A private Apache Kafka broker on free ports in a temporary data dir (stopped on exit)."""
 
     def __init__(self, heap_mb: int = 1024) -> None:
         from controlplane.kafka.broker import BrokerConfig, LocalBroker
+        from controlplane.kafka.launch import free_port
 
         self._tmp = tempfile.TemporaryDirectory(prefix="bench-kafka-")
         self.broker = LocalBroker(

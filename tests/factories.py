@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -18,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from controlplane.kafka.launch import free_port as free_port  # one home; tests import it from here
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.protocol import (
     Ack,
@@ -42,13 +42,6 @@ T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
 def at(seconds: float, t0: datetime = T0) -> datetime:
     return t0 + timedelta(seconds=seconds)
-
-
-def free_port() -> int:
-    """A port nothing listens on now (bound and released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def fresh_topics(bootstrap: str, tag: str) -> KafkaSettings:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import cProfile
-import functools
 import json
 import os
 import sys
@@ -29,9 +28,15 @@ async def agent_host(cfg: dict[str, Any]) -> None:
         # A what-if for a product change: the agent's command consumer long-polls longer.
         import workers.agent.loop
 
-        workers.agent.loop.Consumer = functools.partial(  # type: ignore[misc]
-            workers.agent.loop.Consumer, fetch_max_wait_ms=cfg["fetch_wait_ms"]
-        )
+        # The agent passes fetch_max_wait_ms itself, so the what-if must override the call's
+        # keyword (a functools.partial's keyword loses to the call's).
+        consumer = workers.agent.loop.Consumer
+        wait_ms = cfg["fetch_wait_ms"]
+
+        def longer_poll(*args: Any, **kwargs: Any) -> Any:
+            return consumer(*args, **{**kwargs, "fetch_max_wait_ms": wait_ms})
+
+        workers.agent.loop.Consumer = longer_poll  # type: ignore[misc,assignment]
     kafka = KafkaSettings(
         bootstrap_servers=cfg["bootstrap"], topic_prefix=cfg["prefix"], client_id="bench-agent"
     )

@@ -208,7 +208,10 @@ def profile_summary(files: Sequence[str], commands: int, top: int = 18) -> dict[
     stats = pstats.Stats(*files, stream=io.StringIO())
     total = stats.total_tt  # type: ignore[attr-defined]
     rows = []
+    agent_steps = set()
     for (file, line, func), (_, ncalls, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
+        if f"{os.sep}workers{os.sep}agent{os.sep}" in file:
+            agent_steps.add(f"{Path(file).name}:{line}({func})")
         rows.append(
             {
                 "function": f"{Path(file).name}:{line}({func})",
@@ -228,7 +231,7 @@ def profile_summary(files: Sequence[str], commands: int, top: int = 18) -> dict[
             round(r["cumtime_s"] / max(commands, 1) * 1e3, 3),
         ]
         for r in rows
-        if r["function"].startswith(("agent.py:", "state.py:"))
+        if r["function"] in agent_steps
         or r["function"].endswith(
             ("(_send_produce_req)", "(commit_offsets)", "(_fetch_requests_routine)")
         )

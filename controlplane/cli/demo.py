@@ -14,7 +14,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,17 +24,12 @@ from rich.rule import Rule
 
 from controlplane.coordinator.follower import Follower
 from controlplane.kafka.broker import BrokerConfig, LocalBroker
+from controlplane.kafka.launch import free_port
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.errors import ControlPlaneError
 from controlplane.wire.protocol import WorkerStatus, utcnow
 
 LABELS = {"model": "tiny-lm"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Demo:
@@ -91,7 +85,7 @@ class Demo:
         self._step("1. a local Apache Kafka broker (KRaft)")
         self.broker = LocalBroker(
             BrokerConfig(
-                port=_free_port(), controller_port=_free_port(), data_dir=self.workdir / "broker"
+                port=free_port(), controller_port=free_port(), data_dir=self.workdir / "broker"
             )
         )
         t0 = time.monotonic()
@@ -118,7 +112,7 @@ class Demo:
 
     def _start_coordinator(self) -> str:
         self._step("3. the coordinator (status from the log, HTTP API, dashboard)")
-        port = _free_port()
+        port = free_port()
         token = secrets.token_urlsafe(16)
         env = {**self.env, "FLEET_COORDINATOR_API_TOKEN": token}
         self._spawn(

@@ -94,6 +94,13 @@ def alive(pid: int, proc: subprocess.Popen[bytes] | None = None) -> bool:
         return True
 
 
+def free_port() -> int:
+    """A local TCP port nothing listens on now (bound and released: another process may still take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def port_open(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.settimeout(0.5)

@@ -47,7 +47,7 @@ __all__ = [  # what runners, tests and benchmarks import (or patch) here
     "open_checkpoint",
 ]
 
-#: The names the copy engine had when it lived here (tests and bench/reload.py use them).
+#: The names the copy engine had when it lived here (tests and bench/reload/ use them).
 _Copier = Copier
 _byte_view = byte_view
 _read_exact = read_exact
