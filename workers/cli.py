@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 import typer
 
-from controlplane.wire.errors import ControlPlaneError, ErrorCode
+from controlplane.wire.errors import ControlPlaneError, LocalCode
 from controlplane.wire.exits import APP_SETTINGS, WORKER_EXITS, WorkerExit, error_line, worker_exit
 
 app = typer.Typer(
@@ -50,7 +50,7 @@ except ImportError:  # pragma: no cover - only without torch
 
 
 def _invalid(message: str) -> ControlPlaneError:
-    return ControlPlaneError(message, code=ErrorCode.SETTINGS_INVALID)
+    return ControlPlaneError(message, code=LocalCode.SETTINGS_INVALID)
 
 
 def _json_object(text: str | None, flag: str) -> dict[str, Any] | None:

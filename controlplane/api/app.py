@@ -42,7 +42,7 @@ from controlplane.coordinator.publisher import PublishUnconfirmed
 from controlplane.coordinator.service import RESYNC, Coordinator
 from controlplane.kafka.bus import Delivery
 from controlplane.rollout.models import RolloutPhase, RolloutStatus
-from controlplane.wire.errors import BusError, ControlPlaneError, ErrorCode
+from controlplane.wire.errors import BusError, ControlPlaneError, LocalCode
 
 log = logging.getLogger(__name__)
 
@@ -371,7 +371,7 @@ async def _refuse_unconfirmed(
     if pending is not None:
         raise ApiError(
             409,
-            ErrorCode.ROLLOUT_EXISTS.value,
+            LocalCode.ROLLOUT_EXISTS.value,
             f"rollout {rollout_id!r} was posted before (command {pending.command_id}) and its "
             "publish is not confirmed yet; this coordinator is still trying it: GET "
             f"/api/v1/rollouts/{rollout_id} until it shows",

@@ -26,7 +26,7 @@ from pydantic import (
 from controlplane.coordinator.publisher import MAX_TTL_S, PublishUnconfirmed, RolloutRequest
 from controlplane.rollout.models import WorkerLevel
 from controlplane.rollout.registry import WorkerView
-from controlplane.wire.errors import BusError, ControlPlaneError, ErrorCode
+from controlplane.wire.errors import BusError, ControlPlaneError, LocalCode, WireCode
 from controlplane.wire.protocol import (
     MAX_MESSAGE_BYTES,
     Command,
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 
 class ApiErrorCode(StrEnum):
-    """Codes of errors that exist only over HTTP; domain errors keep their ErrorCode."""
+    """Codes of errors that exist only over HTTP; domain errors keep their WireCode or LocalCode."""
 
     NOT_FOUND = "NOT_FOUND"
     ROLLOUT_NOT_FOUND = "ROLLOUT_NOT_FOUND"
@@ -110,9 +110,9 @@ def from_domain(exc: ControlPlaneError) -> ApiError:
             f"{exc.rollout_id}`) before posting it again, with the same rollout_id",
             details=[{"rollout_id": exc.rollout_id, "command_id": exc.command_id}],
         )
-    if exc.code in (ErrorCode.NO_MATCHING_WORKERS, ErrorCode.ROLLOUT_EXISTS):
+    if exc.code in (LocalCode.NO_MATCHING_WORKERS, LocalCode.ROLLOUT_EXISTS):
         status = 409
-    elif exc.code is ErrorCode.PUBLISH_OUTCOME_UNKNOWN:
+    elif exc.code is LocalCode.PUBLISH_OUTCOME_UNKNOWN:
         status = 504
     elif isinstance(exc, BusError):
         status = 503
@@ -212,18 +212,18 @@ def parse_rollout_request(body: bytes) -> tuple[CommandSpec, RolloutOptions]:
     """Validate a POST body exactly as the wire decoder validates a command (strict JSON)."""
     if len(body) > MAX_MESSAGE_BYTES:
         raise ApiError(
-            413, ErrorCode.MESSAGE_TOO_LARGE.value, f"body over {MAX_MESSAGE_BYTES} bytes"
+            413, WireCode.MESSAGE_TOO_LARGE.value, f"body over {MAX_MESSAGE_BYTES} bytes"
         )
     try:
         request = ROLLOUT_REQUEST.validate_json(body, strict=True)
     except ValidationError as exc:
         if any(e["type"] == "json_invalid" for e in exc.errors()):
             raise ApiError(
-                400, ErrorCode.MALFORMED_JSON.value, "the body is not valid JSON"
+                400, WireCode.MALFORMED_JSON.value, "the body is not valid JSON"
             ) from None
         raise ApiError(
             422,
-            ErrorCode.SCHEMA_INVALID.value,
+            WireCode.SCHEMA_INVALID.value,
             "invalid rollout request",
             details=validation_details(exc),
         ) from None

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from controlplane.api.app import create_app
 from controlplane.coordinator.service import Coordinator
 from controlplane.kafka.lifecycle import AsyncService
-from controlplane.wire.errors import ControlPlaneError, ErrorCode
+from controlplane.wire.errors import ControlPlaneError, LocalCode
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def _listen(host: str, port: int) -> socket.socket:
         return socket.create_server((host, port), family=family)
     except OSError as exc:
         raise ControlPlaneError(
-            f"cannot listen on {host}:{port}: {exc}", code=ErrorCode.PORT_IN_USE
+            f"cannot listen on {host}:{port}: {exc}", code=LocalCode.PORT_IN_USE
         ) from exc
 
 

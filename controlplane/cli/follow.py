@@ -19,7 +19,7 @@ from controlplane.coordinator.publisher import PublishUnconfirmed
 from controlplane.kafka.bus import health
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.rollout.models import RolloutStatus
-from controlplane.wire.errors import BusError, ErrorCode
+from controlplane.wire.errors import BusError, LocalCode
 from controlplane.wire.protocol import Command, utcnow
 
 
@@ -84,7 +84,7 @@ async def catch_up(follower: Follower, settings: KafkaSettings) -> None:
             raise BusError(
                 f"Kafka unreachable since {hms(since)} while reading the log "
                 f"({follower.settings.bootstrap_servers})",
-                code=ErrorCode.BROKER_UNAVAILABLE,
+                code=LocalCode.BROKER_UNAVAILABLE,
             )
     if follower.probe:
         await settle(follower, min(PROBE_PATIENCE_S, settings.delivery_timeout_ms / 1000))
@@ -214,7 +214,7 @@ async def follow(
                     raise BusError(
                         f"Kafka unreachable since {hms(down)}: gave up waiting for rollout "
                         f"{rollout_id} after {wait_timeout:g} s{phase}",
-                        code=ErrorCode.BROKER_UNAVAILABLE,
+                        code=LocalCode.BROKER_UNAVAILABLE,
                     )
                 if status is None and as_of is not None and rollout_id in follower.fleet:
                     status = follower.fleet.status(rollout_id, as_of)

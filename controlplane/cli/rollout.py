@@ -66,7 +66,13 @@ from controlplane.coordinator.publisher import (
 from controlplane.kafka.bus import Producer
 from controlplane.kafka.settings import DEFAULT_BOOTSTRAP, KafkaSettings
 from controlplane.rollout.models import RolloutStatus
-from controlplane.wire.errors import BusError, CommandRejected, ControlPlaneError, ErrorCode
+from controlplane.wire.errors import (
+    BusError,
+    CommandRejected,
+    ControlPlaneError,
+    LocalCode,
+    WireCode,
+)
 from controlplane.wire.exits import PHASE_EXITS, error_line
 from controlplane.wire.protocol import (
     CommandSpec,
@@ -187,7 +193,7 @@ async def _publish_and_maybe_wait(
             try:
                 status = await follow(follower, command.rollout_id, left, as_json)
             except BusError as exc:
-                if exc.code is not ErrorCode.BROKER_UNAVAILABLE:
+                if exc.code is not LocalCode.BROKER_UNAVAILABLE:
                     raise
                 # Published, then Kafka went away: exit 4 would say "not published".
                 typer.echo(error_line(exc), err=True)
@@ -335,7 +341,7 @@ def update_config(
 
 def _invalid(exc: Exception) -> NoReturn:
     """A spec the model refuses: SCHEMA_INVALID, exit 3."""
-    raise fail(ControlPlaneError(str(exc), code=ErrorCode.SCHEMA_INVALID))
+    raise fail(ControlPlaneError(str(exc), code=WireCode.SCHEMA_INVALID))
 
 
 def _check_ttl(ttl: float) -> None:

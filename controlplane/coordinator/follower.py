@@ -66,7 +66,7 @@ from controlplane.kafka.settings import KafkaSettings
 from controlplane.rollout.fleet import Fleet
 from controlplane.wire.ack_codec import AckLike
 from controlplane.wire.channels import ACKS, CHANNELS, COMMANDS, HEARTBEATS, Channel
-from controlplane.wire.errors import BusError, ErrorCode, ProtocolError
+from controlplane.wire.errors import BusError, LocalCode, ProtocolError
 from controlplane.wire.protocol import Command, Heartbeat
 
 log = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ class Follower(AsyncService):
                     self.probes_sent += 1
                 except BusError as exc:
                     log.debug("probe not written: %s", exc)
-                    if producer is not None and exc.code is not ErrorCode.PUBLISH_OUTCOME_UNKNOWN:
+                    if producer is not None and exc.code is not LocalCode.PUBLISH_OUTCOME_UNKNOWN:
                         # It gave up on a probe: the gap in its sequence numbers would make the
                         # broker refuse every later one (OutOfOrderSequenceNumber). A new one.
                         await producer.stop()

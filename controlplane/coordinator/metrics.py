@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 from controlplane.coordinator.follower import Batch
 from controlplane.rollout.models import RolloutPhase
 from controlplane.wire.ack_codec import AckLike
-from controlplane.wire.errors import ErrorCode
+from controlplane.wire.errors import LocalCode, WireCode
 from controlplane.wire.protocol import Command
 
 if TYPE_CHECKING:
@@ -64,10 +64,11 @@ class Sample(NamedTuple):
 #: sampled twice unless its command is seen again).
 MAX_TRACKED_COMMANDS: Final = 4096
 
-#: Label value of ack error codes that are not :class:`~controlplane.wire.errors.ErrorCode` values:
-#: the code is worker input, and every distinct label value is a new time series.
+#: Label value of ack error codes that are not ours (a :class:`~controlplane.wire.errors.WireCode`
+#: or :class:`~controlplane.wire.errors.LocalCode` value): the code is worker input, and every
+#: distinct label value is a new time series.
 OTHER_CODE: Final = "OTHER"
-_KNOWN_CODES: Final = frozenset(code.value for code in ErrorCode)
+_KNOWN_CODES: Final = frozenset(code.value for code in (*WireCode, *LocalCode))
 
 
 def code_label(code: str | None) -> str:

@@ -28,7 +28,7 @@ from controlplane.kafka.bus import Delivery, Producer, Record
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.rollout.registry import Registry
 from controlplane.wire.channels import COMMANDS
-from controlplane.wire.errors import BusError, CommandRejected, ErrorCode
+from controlplane.wire.errors import BusError, CommandRejected, LocalCode, WireCode
 from controlplane.wire.protocol import Command, CommandSpec, Selector, utcnow
 
 if TYPE_CHECKING:
@@ -53,12 +53,12 @@ def check_ttl(ttl_s: float) -> None:
     """Refuse a TTL above :data:`MAX_TTL_S` (TTL_TOO_LONG) or not positive (SCHEMA_INVALID)."""
     if not ttl_s > 0:
         raise CommandRejected(
-            f"ttl must be a positive number of seconds, got {ttl_s}", code=ErrorCode.SCHEMA_INVALID
+            f"ttl must be a positive number of seconds, got {ttl_s}", code=WireCode.SCHEMA_INVALID
         )
     if ttl_s > MAX_TTL_S:
         raise CommandRejected(
             f"ttl {ttl_s:g} s is longer than the maximum {MAX_TTL_S:g} s (7 days)",
-            code=ErrorCode.TTL_TOO_LONG,
+            code=WireCode.TTL_TOO_LONG,
         )
 
 
@@ -68,7 +68,7 @@ def check_new_rollout(rollout_id: str, known: Container[str]) -> None:
         raise CommandRejected(
             f"rollout {rollout_id!r} already exists in the log; choose another id "
             "(or let one be generated)",
-            code=ErrorCode.ROLLOUT_EXISTS,
+            code=LocalCode.ROLLOUT_EXISTS,
         )
 
 
@@ -105,7 +105,7 @@ def resolve_selector(selector: Selector, registry: Registry, now: datetime) -> S
         raise CommandRejected(
             f"no live worker matches {selector.model_dump(exclude_none=True)}; "
             "check `controlplane workers`",
-            code=ErrorCode.NO_MATCHING_WORKERS,
+            code=LocalCode.NO_MATCHING_WORKERS,
         )
     return selector.model_copy(update={"worker_ids": sorted(matched)})
 
@@ -163,7 +163,7 @@ class PublishUnconfirmed(BusError):
             f"rollout {command.rollout_id} (command {command.command_id}) may have been "
             f"published: {why}; check `controlplane status {command.rollout_id}` before "
             "publishing it again",
-            code=ErrorCode.PUBLISH_OUTCOME_UNKNOWN,
+            code=LocalCode.PUBLISH_OUTCOME_UNKNOWN,
         )
 
     @property
@@ -205,7 +205,7 @@ async def _send(
     try:
         return await delivery.wait(max(0.0, deadline - loop.time()))
     except BusError as exc:
-        if exc.code is not ErrorCode.PUBLISH_OUTCOME_UNKNOWN:
+        if exc.code is not LocalCode.PUBLISH_OUTCOME_UNKNOWN:
             raise
         why = (
             f"{delivery.topic} did not confirm it within {limit:g} s (Kafka unreachable, or "

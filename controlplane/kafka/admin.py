@@ -16,7 +16,7 @@ from aiokafka.errors import KafkaError, for_code
 from controlplane.kafka.client import ClientLifecycle, client_options, translate
 from controlplane.kafka.health import health
 from controlplane.kafka.settings import KafkaSettings
-from controlplane.wire.errors import BusError, ErrorCode, TopicMismatch
+from controlplane.wire.errors import BusError, LocalCode, TopicMismatch
 from controlplane.wire.topics import Topics, TopicSpec
 
 R = TypeVar("R")
@@ -72,7 +72,7 @@ class Admin(ClientLifecycle):
                     async with asyncio.timeout(attempt_s):
                         result = await call()
             except BusError as exc:
-                if exc.code is not ErrorCode.BROKER_UNAVAILABLE or time.monotonic() >= deadline:
+                if exc.code is not LocalCode.BROKER_UNAVAILABLE or time.monotonic() >= deadline:
                     raise
                 failed = True
             else:
@@ -101,7 +101,7 @@ class Admin(ClientLifecycle):
             raise BusError(
                 f"min.insync.replicas {min_isr} exceeds the replication factor {rf}: "
                 "no write to these topics could ever be acknowledged",
-                code=ErrorCode.SETTINGS_INVALID,
+                code=LocalCode.SETTINGS_INVALID,
             )
         specs = topics.all()
         existing = set(await self._retrying("listing topics", self._admin.list_topics))
@@ -133,9 +133,9 @@ class Admin(ClientLifecycle):
                 raise BusError(
                     f"creating topics with replication factor {rf} failed:\n  "
                     + "\n  ".join(failures),
-                    code=ErrorCode.SETTINGS_INVALID
+                    code=LocalCode.SETTINGS_INVALID
                     if {c for _, c, _ in _topic_errors(resp)} & {38, 40}
-                    else ErrorCode.KAFKA_ERROR,
+                    else LocalCode.KAFKA_ERROR,
                 )
         # Whatever we did not create ourselves is checked against what we need.
         present = [s for s in specs if s.name in existing]
@@ -178,7 +178,7 @@ class Admin(ClientLifecycle):
             cluster = await self._admin.describe_cluster()
             brokers = sorted(b["node_id"] for b in cluster.get("brokers", []))
             if not brokers:
-                raise BusError("the cluster reports no brokers", code=ErrorCode.BROKER_UNAVAILABLE)
+                raise BusError("the cluster reports no brokers", code=LocalCode.BROKER_UNAVAILABLE)
             # Another broker on each attempt: the one asked may be dead and not fenced yet.
             broker = brokers[attempt % len(brokers)]
             attempt += 1
@@ -289,7 +289,7 @@ async def probe(bootstrap: str, *, timeout: float = 10.0) -> ClusterInfo:
                 info = await admin._admin.describe_cluster()
     except TimeoutError:
         raise BusError(
-            f"no metadata from {bootstrap} within {timeout}s", code=ErrorCode.BROKER_UNAVAILABLE
+            f"no metadata from {bootstrap} within {timeout}s", code=LocalCode.BROKER_UNAVAILABLE
         ) from None
     finally:
         await admin.stop()

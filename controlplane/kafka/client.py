@@ -19,7 +19,7 @@ from aiokafka.helpers import create_ssl_context
 from controlplane.kafka.health import health, log
 from controlplane.kafka.lifecycle import AsyncService
 from controlplane.kafka.settings import KafkaSettings
-from controlplane.wire.errors import BusError, ErrorCode
+from controlplane.wire.errors import BusError, LocalCode
 
 #: ConsumerRecord.timestamp_type of a record stamped by the broker (topic config
 #: ``message.timestamp.type=LogAppendTime``); 0 is CreateTime (the producer's clock).
@@ -82,15 +82,15 @@ def translate(what: str) -> Iterator[None]:
     except (KafkaConnectionError, KafkaTimeoutError) as exc:
         health.failed(f"{what}: {exc}")
         raise BusError(
-            f"{what}: Kafka unreachable: {exc}", code=ErrorCode.BROKER_UNAVAILABLE
+            f"{what}: Kafka unreachable: {exc}", code=LocalCode.BROKER_UNAVAILABLE
         ) from exc
     except KafkaError as exc:
         retryable = bool(getattr(exc, "retriable", False))
-        code = ErrorCode.BROKER_UNAVAILABLE if retryable else ErrorCode.KAFKA_ERROR
+        code = LocalCode.BROKER_UNAVAILABLE if retryable else LocalCode.KAFKA_ERROR
         raise BusError(f"{what}: {type(exc).__name__}: {exc}", code=code) from exc
     except TimeoutError as exc:
         health.failed(f"{what}: timed out")
-        raise BusError(f"{what}: timed out", code=ErrorCode.BROKER_UNAVAILABLE) from exc
+        raise BusError(f"{what}: timed out", code=LocalCode.BROKER_UNAVAILABLE) from exc
 
 
 def client_options(settings: KafkaSettings) -> dict[str, Any]:

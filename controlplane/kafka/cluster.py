@@ -23,7 +23,7 @@ from controlplane.kafka.node import (
     BrokerStatus,
     LocalBroker,
 )
-from controlplane.wire.errors import BrokerError, ErrorCode
+from controlplane.wire.errors import BrokerError, LocalCode
 
 if TYPE_CHECKING:
     from controlplane.kafka.admin import ClusterInfo
@@ -79,21 +79,21 @@ class ClusterConfig:
         if self.nodes < 1:
             raise BrokerError(
                 f"a cluster needs at least 1 node, not {self.nodes}",
-                code=ErrorCode.SETTINGS_INVALID,
+                code=LocalCode.SETTINGS_INVALID,
             )
         clients, quorum = self.client_ports(), self.quorum_ports()
         if len(clients) != self.nodes or len(quorum) != self.nodes:
             raise BrokerError(
                 f"{self.nodes} nodes need {self.nodes} client and {self.nodes} controller ports "
                 f"(got {len(clients)} and {len(quorum)})",
-                code=ErrorCode.SETTINGS_INVALID,
+                code=LocalCode.SETTINGS_INVALID,
             )
         every = clients + quorum
         if len(set(every)) != len(every) or not all(0 < p < 65536 for p in every):
             raise BrokerError(
                 f"the cluster's ports must be distinct and valid: clients {clients}, "
                 f"controllers {quorum} (choose --port and --controller-port further apart)",
-                code=ErrorCode.SETTINGS_INVALID,
+                code=LocalCode.SETTINGS_INVALID,
             )
 
     def replication_properties(self) -> dict[str, str]:
@@ -146,12 +146,12 @@ class LocalCluster(Launched):
             raise BrokerError(
                 f"{self.data_dir} holds a cluster of {saved.get('nodes')} nodes, not "
                 f"{self.config.nodes}; use --nodes {saved.get('nodes')} or another --data-dir",
-                code=ErrorCode.SETTINGS_INVALID,
+                code=LocalCode.SETTINGS_INVALID,
             )
         if saved is None and (self.data_dir / "kraft-logs").exists():
             raise BrokerError(
                 f"{self.data_dir} holds a single-node broker; use another --data-dir for a cluster",
-                code=ErrorCode.SETTINGS_INVALID,
+                code=LocalCode.SETTINGS_INVALID,
             )
         self.cluster_id = str(saved["cluster_id"]) if saved else new_cluster_id()
         clients, quorum = self.config.client_ports(), self.config.quorum_ports()
@@ -206,7 +206,7 @@ class LocalCluster(Launched):
             raise BrokerError(
                 f"{data_dir / CLUSTER_FILE} is not a cluster layout this version wrote; "
                 "stop its nodes by hand and remove the directory",
-                code=ErrorCode.SETTINGS_INVALID,
+                code=LocalCode.SETTINGS_INVALID,
             ) from None
         return cls(config)
 
@@ -219,7 +219,7 @@ class LocalCluster(Launched):
         if not 1 <= node_id <= len(self.nodes):
             raise BrokerError(
                 f"no node {node_id}: this cluster's nodes are 1..{len(self.nodes)}",
-                code=ErrorCode.SETTINGS_INVALID,
+                code=LocalCode.SETTINGS_INVALID,
             )
         return self.nodes[node_id - 1]
 
@@ -279,7 +279,7 @@ class LocalCluster(Launched):
                     raise BrokerError(
                         f"node {i} exited with status {code}; last lines of {n.log_file}:\n"
                         f"{n.log_tail()}",
-                        code=ErrorCode.BROKER_DIED,
+                        code=LocalCode.BROKER_DIED,
                     )
 
         def address() -> str | None:
@@ -302,7 +302,7 @@ class LocalCluster(Launched):
         raise BrokerError(
             f"the cluster did not report {count} brokers within {timeout:.0f}s (last seen: {seen}"
             f"{'; ' + last_error if last_error else ''}); logs:\n{logs}",
-            code=ErrorCode.BROKER_START_TIMEOUT,
+            code=LocalCode.BROKER_START_TIMEOUT,
         )
 
     def status(self) -> ClusterStatus:

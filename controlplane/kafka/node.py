@@ -31,7 +31,7 @@ from controlplane.kafka.launch import (
     read_stripped,
     wait_for_metadata,
 )
-from controlplane.wire.errors import BrokerError, ErrorCode
+from controlplane.wire.errors import BrokerError, LocalCode
 
 DEFAULT_KAFKA_VERSION = "4.1.1"
 DEFAULT_PORT = 19092
@@ -130,7 +130,7 @@ class LocalBroker(Launched):
             raise BrokerError(
                 f"Java not found ({self.config.java!r} is not on PATH). Install a JDK {MIN_JAVA}+, "
                 "e.g. `apt-get install openjdk-17-jre-headless`.",
-                code=ErrorCode.JAVA_NOT_FOUND,
+                code=LocalCode.JAVA_NOT_FOUND,
             )
         try:
             out = subprocess.run(
@@ -138,14 +138,14 @@ class LocalBroker(Launched):
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise BrokerError(
-                f"could not run {java} -version: {exc}", code=ErrorCode.JAVA_NOT_FOUND
+                f"could not run {java} -version: {exc}", code=LocalCode.JAVA_NOT_FOUND
             ) from None
         text = out.stderr + out.stdout
         match = re.search(r'version "(\d+)(?:\.(\d+))?', text)
         if match is None:
             raise BrokerError(
                 f"could not read Java's version from {java!r}: {text.strip()[:200]!r}",
-                code=ErrorCode.JAVA_NOT_FOUND,
+                code=LocalCode.JAVA_NOT_FOUND,
             )
         major = int(match.group(1))
         if major == 1 and match.group(2):  # "1.8.0" style
@@ -154,7 +154,7 @@ class LocalBroker(Launched):
             raise BrokerError(
                 f"Apache Kafka {self.config.kafka_version} needs Java {MIN_JAVA}+, "
                 f"but {java} is Java {major}. Install a newer JDK or point --java at one.",
-                code=ErrorCode.JAVA_TOO_OLD,
+                code=LocalCode.JAVA_TOO_OLD,
             )
         return major
 
@@ -172,7 +172,7 @@ class LocalBroker(Launched):
             raise BrokerError(
                 f"Maven not found ({self.config.mvn!r} is not on PATH); it resolves Apache Kafka's "
                 "jars from Maven Central. Install it, e.g. `apt-get install maven`.",
-                code=ErrorCode.MAVEN_NOT_FOUND,
+                code=LocalCode.MAVEN_NOT_FOUND,
             )
         staging = libs.parent / "libs.partial"
         shutil.rmtree(staging, ignore_errors=True)
@@ -192,14 +192,14 @@ class LocalBroker(Launched):
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
             except (OSError, subprocess.TimeoutExpired) as exc:
                 raise BrokerError(
-                    f"Maven failed to run: {exc}", code=ErrorCode.JARS_UNRESOLVABLE
+                    f"Maven failed to run: {exc}", code=LocalCode.JARS_UNRESOLVABLE
                 ) from None
         if proc.returncode != 0 or not any(staging.glob("kafka_2.13-*.jar")):
             tail = indented_tail((proc.stdout + proc.stderr).splitlines(), 15)
             raise BrokerError(
                 f"could not resolve org.apache.kafka:kafka_2.13:{self.config.kafka_version} from "
                 f"Maven Central (mvn exit {proc.returncode}):\n{tail}",
-                code=ErrorCode.JARS_UNRESOLVABLE,
+                code=LocalCode.JARS_UNRESOLVABLE,
             )
         shutil.rmtree(libs, ignore_errors=True)
         staging.rename(libs)
@@ -216,7 +216,7 @@ class LocalBroker(Launched):
                     raise BrokerError(
                         f"port {port} on 127.0.0.1 is in use; stop what holds it "
                         f"(`ss -ltnp 'sport = :{port}'`) or choose other ports",
-                        code=ErrorCode.PORT_IN_USE,
+                        code=LocalCode.PORT_IN_USE,
                     ) from None
 
     # ------------------------------------------------------------------ lifecycle
@@ -398,7 +398,7 @@ class LocalBroker(Launched):
             raise BrokerError(
                 "formatting KRaft storage failed:\n"
                 + indented_tail((proc.stdout + proc.stderr).splitlines(), 15),
-                code=ErrorCode.BROKER_DIED,
+                code=LocalCode.BROKER_DIED,
             )
 
     def _wait_ready(self, timeout: float) -> None:
@@ -409,7 +409,7 @@ class LocalBroker(Launched):
                 raise BrokerError(
                     f"the broker exited with status {code} while starting; last lines of "
                     f"{self.log_file}:\n{self.log_tail()}",
-                    code=ErrorCode.BROKER_DIED,
+                    code=LocalCode.BROKER_DIED,
                 )
 
         def address() -> str | None:
@@ -422,7 +422,7 @@ class LocalBroker(Launched):
         raise BrokerError(
             f"the broker did not answer a metadata request within {timeout:.0f}s ({last_error}); "
             f"last lines of {self.log_file}:\n{self.log_tail()}",
-            code=ErrorCode.BROKER_START_TIMEOUT,
+            code=LocalCode.BROKER_START_TIMEOUT,
         )
 
     def _read_pid(self) -> int | None:

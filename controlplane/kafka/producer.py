@@ -13,7 +13,7 @@ from aiokafka import AIOKafkaProducer
 from controlplane.kafka.client import ClientLifecycle, Record, client_options, translate
 from controlplane.kafka.health import health, log
 from controlplane.kafka.settings import KafkaSettings
-from controlplane.wire.errors import BusError, ErrorCode
+from controlplane.wire.errors import BusError, LocalCode
 
 
 class Delivery:
@@ -51,7 +51,7 @@ class Delivery:
                     f"publishing to {self.topic}: not confirmed within {timeout_s:g} s; "
                     "the record may still be written (Kafka unreachable, or fewer in-sync "
                     "replicas than min.insync.replicas?)",
-                    code=ErrorCode.PUBLISH_OUTCOME_UNKNOWN,
+                    code=LocalCode.PUBLISH_OUTCOME_UNKNOWN,
                 ) from None
         health.succeeded()
         return Record(self.topic, meta.partition, meta.offset, self.key, self.value, meta.timestamp)
@@ -152,7 +152,7 @@ class Producer(ClientLifecycle):
                 raise BusError(
                     f"publishing to {topic}: Kafka did not describe the topic within {limit:g} s "
                     "(unreachable?); nothing was published",
-                    code=ErrorCode.BROKER_UNAVAILABLE,
+                    code=LocalCode.BROKER_UNAVAILABLE,
                 ) from None
         return Delivery(topic, key, value, future)
 

@@ -11,7 +11,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings.exceptions import SettingsError
 
-from controlplane.wire.errors import ControlPlaneError, ErrorCode
+from controlplane.wire.errors import ControlPlaneError, WireCode
 from controlplane.wire.topics import DEFAULT_PREFIX, Topics
 from controlplane.wire.validation import summarize
 
@@ -87,7 +87,7 @@ def load_settings(factory: Callable[..., S], **values: Any) -> S:
         return factory(**values)
     except ValidationError as exc:
         raise ControlPlaneError(
-            f"invalid settings: {summarize(exc, more=False)}", code=ErrorCode.SCHEMA_INVALID
+            f"invalid settings: {summarize(exc, more=False)}", code=WireCode.SCHEMA_INVALID
         ) from None
     except SettingsError as exc:  # e.g. a JSON-valued variable that is not JSON
-        raise ControlPlaneError(f"invalid settings: {exc}", code=ErrorCode.SCHEMA_INVALID) from None
+        raise ControlPlaneError(f"invalid settings: {exc}", code=WireCode.SCHEMA_INVALID) from None

@@ -23,7 +23,7 @@ from controlplane.rollout.models import (
 )
 from controlplane.rollout.registry import Registry
 from controlplane.rollout.track import Abort, End, Flights, Track, ending
-from controlplane.wire.errors import ErrorCode
+from controlplane.wire.errors import WireCode
 from controlplane.wire.protocol import AckState, Command, ReloadWeightsSpec, UpdateConfigSpec
 
 _NO_FLIGHTS: Flights = {}
@@ -61,7 +61,7 @@ def _expired_nack(ledger: WorkerLedger) -> bool:
         t is not None
         and t.state is AckState.REJECTED
         and t.error is not None
-        and t.error.code == ErrorCode.EXPIRED.value
+        and t.error.code == WireCode.EXPIRED.value
     )
 
 

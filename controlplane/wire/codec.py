@@ -16,7 +16,7 @@ from typing import Any, Final, TypeVar
 from pydantic import ValidationError
 from pydantic_core import from_json
 
-from controlplane.wire.errors import ErrorCode, ProtocolError
+from controlplane.wire.errors import ProtocolError, WireCode
 from controlplane.wire.messages import (
     IDENTIFIER_RE,
     MAX_MESSAGE_BYTES,
@@ -54,7 +54,7 @@ def _decode(model: type[M], data: bytes, max_bytes: int) -> M:
         command_id, rollout_id = _readable_ids(data[:_SNIFF_BYTES])
         raise _error(
             f"{model.__name__} of {len(data)} bytes exceeds the {max_bytes}-byte limit",
-            ErrorCode.MESSAGE_TOO_LARGE,
+            WireCode.MESSAGE_TOO_LARGE,
             command_id,
             rollout_id,
         )
@@ -71,7 +71,7 @@ def _decode(model: type[M], data: bytes, max_bytes: int) -> M:
         invalid = exc
     except RecursionError:
         raise _error(
-            "message nested too deeply", ErrorCode.SCHEMA_INVALID, *_readable_ids(data)
+            "message nested too deeply", WireCode.SCHEMA_INVALID, *_readable_ids(data)
         ) from None
     else:
         # schema_version has a Python default for our own producers, but the wire requires it.
@@ -97,18 +97,18 @@ def _refusal(
             return _malformed(data, first["msg"].removeprefix("Invalid JSON: "), offset)
     if not isinstance(raw, dict):
         return ProtocolError(
-            f"expected a JSON object, got {type(raw).__name__}", code=ErrorCode.SCHEMA_INVALID
+            f"expected a JSON object, got {type(raw).__name__}", code=WireCode.SCHEMA_INVALID
         )
     duplicate = _duplicate_key_refusal(model, data)
     if duplicate is not None:
         return duplicate
     version = raw.get("schema_version")
     if type(version) is not int or version != SCHEMA_VERSION or invalid is None:
-        code = ErrorCode.UNSUPPORTED_SCHEMA_VERSION
+        code = WireCode.UNSUPPORTED_SCHEMA_VERSION
         shown = _clip(repr(version), 64)
         text = f"unsupported schema_version {shown}; this build speaks {SCHEMA_VERSION}"
     else:
-        code = ErrorCode.SCHEMA_INVALID
+        code = WireCode.SCHEMA_INVALID
         text = f"invalid {model.__name__}: {_summarize(invalid)}"
     return _error(
         text,
@@ -131,7 +131,7 @@ def decode_heartbeat(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Hear
 
 
 def _error(
-    text: str, code: ErrorCode, command_id: str | None, rollout_id: str | None
+    text: str, code: WireCode, command_id: str | None, rollout_id: str | None
 ) -> ProtocolError:
     err = ProtocolError(_clip(text), code=code, command_id=command_id)
     err.rollout_id = rollout_id
@@ -184,7 +184,7 @@ def _duplicate_key_refusal(model: type[WireModel], data: bytes) -> ProtocolError
     except _DuplicateKey as dup:
         key = dup.key
     except (ValueError, RecursionError) as exc:  # pragma: no cover - pydantic's parser accepted
-        return _error(f"not valid JSON: {exc}", ErrorCode.MALFORMED_JSON, None, None)
+        return _error(f"not valid JSON: {exc}", WireCode.MALFORMED_JSON, None, None)
     else:
         return None
     top = _parse_pairs(data, _Pairs)
@@ -197,7 +197,7 @@ def _duplicate_key_refusal(model: type[WireModel], data: bytes) -> ProtocolError
     return _error(
         f"duplicate key {_clip(json.dumps(key, ensure_ascii=False), 80)} in a {model.__name__}: "
         "every key may appear once per object",
-        ErrorCode.DUPLICATE_KEY,
+        WireCode.DUPLICATE_KEY,
         ids["command_id"],
         ids["rollout_id"],
     )
@@ -220,7 +220,7 @@ def _malformed(data: bytes, detail: str, offset: int) -> ProtocolError:
             text = _describe(data, match[1] if match else detail, position, offset)
     else:
         text = _describe(data, match[1] if match else detail, position, offset)
-    return _error(text, ErrorCode.MALFORMED_JSON, *_readable_ids(data))
+    return _error(text, WireCode.MALFORMED_JSON, *_readable_ids(data))
 
 
 def _describe(data: bytes, what: str, position: int | None, offset: int) -> str:

@@ -1,7 +1,10 @@
 """Every error the control plane and its workers report, as one small tree.
 
-Each error has a stable machine-readable ``code`` (an :class:`ErrorCode`) that travels in acks,
-and says whether retrying the same thing could succeed. No I/O here.
+Each error has a stable machine-readable ``code`` and says whether retrying the same thing could
+succeed. Two sets of codes: a :class:`WireCode` travels in acks and heartbeats (a worker reports
+it, the coordinator folds it, the API and CLI show it); a :class:`LocalCode` is raised by a tool
+on its own side (publishing, Kafka, the local broker, a worker's start-up) and ends that tool's
+command with a line and an exit code, never in a message. No I/O here.
 
     ControlPlaneError
     ├── ProtocolError             untrusted bytes did not decode into our wire models
@@ -18,10 +21,11 @@ from __future__ import annotations
 from enum import StrEnum
 
 
-class ErrorCode(StrEnum):
-    """Stable codes. Never rename one: CI scripts and dashboards match on them."""
+class WireCode(StrEnum):
+    """Codes a worker sends in an ack's error or a heartbeat's ``degraded``. Never rename one:
+    CI scripts and dashboards match on them."""
 
-    # Decoding untrusted bytes (protocol.py).
+    # Decoding untrusted bytes (codec.py): a worker NACKs the command with them.
     MALFORMED_JSON = "MALFORMED_JSON"
     SCHEMA_INVALID = "SCHEMA_INVALID"
     UNSUPPORTED_SCHEMA_VERSION = "UNSUPPORTED_SCHEMA_VERSION"
@@ -32,7 +36,6 @@ class ErrorCode(StrEnum):
     TTL_TOO_LONG = "TTL_TOO_LONG"
     ISSUED_IN_FUTURE = "ISSUED_IN_FUTURE"
     PATH_NOT_ALLOWED = "PATH_NOT_ALLOWED"
-    NO_MATCHING_WORKERS = "NO_MATCHING_WORKERS"
     # Refused by the runner after validation, before any weight or setting changed.
     MODEL_NOT_LOADED = "MODEL_NOT_LOADED"
     WEIGHTS_UNREADABLE = "WEIGHTS_UNREADABLE"
@@ -49,13 +52,21 @@ class ErrorCode(StrEnum):
     RUNNER_FAILED = "RUNNER_FAILED"
     WORKER_SHUTTING_DOWN = "WORKER_SHUTTING_DOWN"
     INTERNAL = "INTERNAL"
-    # The worker itself (start-up, its state directory, its runner).
-    SETTINGS_INVALID = "SETTINGS_INVALID"
-    STATE_DIR_LOCKED = "STATE_DIR_LOCKED"
+    # Why a worker is degraded (its heartbeat's ``degraded.code``; also its exit).
     JOURNAL_WRITE_FAILED = "JOURNAL_WRITE_FAILED"
     RUNNER_LOAD_FAILED = "RUNNER_LOAD_FAILED"
-    # Publishing a rollout.
+
+
+class LocalCode(StrEnum):
+    """Codes a tool raises on its own side, never sent in a message. Never rename one either:
+    they end a command's output (``error: CODE: ...``) and choose its exit code."""
+
+    # Publishing a rollout (the CLI and the API, before anything is written).
+    NO_MATCHING_WORKERS = "NO_MATCHING_WORKERS"
     ROLLOUT_EXISTS = "ROLLOUT_EXISTS"
+    # A worker's start-up.
+    SETTINGS_INVALID = "SETTINGS_INVALID"
+    STATE_DIR_LOCKED = "STATE_DIR_LOCKED"
     # Kafka.
     BROKER_UNAVAILABLE = "BROKER_UNAVAILABLE"
     #: A publish the cluster did not confirm within the delivery timeout: the record may
@@ -74,41 +85,42 @@ class ErrorCode(StrEnum):
 
 
 #: Codes for which the same command may succeed later without being changed.
-RETRYABLE_CODES: frozenset[ErrorCode] = frozenset(
+RETRYABLE_CODES: frozenset[WireCode | LocalCode] = frozenset(
     {
-        ErrorCode.WEIGHTS_UNREADABLE,
-        ErrorCode.COMMAND_TIMEOUT,
-        ErrorCode.WORKER_SHUTTING_DOWN,
-        ErrorCode.BROKER_UNAVAILABLE,
-        ErrorCode.KAFKA_ERROR,
-        ErrorCode.PORT_IN_USE,
-        ErrorCode.BROKER_START_TIMEOUT,
+        WireCode.WEIGHTS_UNREADABLE,
+        WireCode.COMMAND_TIMEOUT,
+        WireCode.WORKER_SHUTTING_DOWN,
+        LocalCode.BROKER_UNAVAILABLE,
+        LocalCode.KAFKA_ERROR,
+        LocalCode.PORT_IN_USE,
+        LocalCode.BROKER_START_TIMEOUT,
     }
 )
 
 #: Codes meaning "refused before anything changed" (ack state ``rejected``, an xDS NACK);
 #: every other code on an ack means the command was attempted and ``failed``.
-REJECTION_CODES: frozenset[ErrorCode] = frozenset(
+REJECTION_CODES: frozenset[WireCode | LocalCode] = frozenset(
     {
-        ErrorCode.MALFORMED_JSON,
-        ErrorCode.SCHEMA_INVALID,
-        ErrorCode.UNSUPPORTED_SCHEMA_VERSION,
-        ErrorCode.MESSAGE_TOO_LARGE,
-        ErrorCode.DUPLICATE_KEY,
-        ErrorCode.EXPIRED,
-        ErrorCode.TTL_TOO_LONG,
-        ErrorCode.ISSUED_IN_FUTURE,
-        ErrorCode.PATH_NOT_ALLOWED,
-        ErrorCode.NO_MATCHING_WORKERS,
-        ErrorCode.MODEL_NOT_LOADED,
-        ErrorCode.WEIGHTS_UNREADABLE,
-        ErrorCode.WEIGHTS_MISSING,
-        ErrorCode.WEIGHTS_UNEXPECTED,
-        ErrorCode.WEIGHTS_SHAPE_MISMATCH,
-        ErrorCode.WEIGHTS_DTYPE_MISMATCH,
-        ErrorCode.CHECKSUM_MISMATCH,
-        ErrorCode.CONFIG_KEY_REJECTED,
-        ErrorCode.CONFIG_VALUE_INVALID,
+        WireCode.MALFORMED_JSON,
+        WireCode.SCHEMA_INVALID,
+        WireCode.UNSUPPORTED_SCHEMA_VERSION,
+        WireCode.MESSAGE_TOO_LARGE,
+        WireCode.DUPLICATE_KEY,
+        WireCode.EXPIRED,
+        WireCode.TTL_TOO_LONG,
+        WireCode.ISSUED_IN_FUTURE,
+        WireCode.PATH_NOT_ALLOWED,
+        WireCode.MODEL_NOT_LOADED,
+        WireCode.WEIGHTS_UNREADABLE,
+        WireCode.WEIGHTS_MISSING,
+        WireCode.WEIGHTS_UNEXPECTED,
+        WireCode.WEIGHTS_SHAPE_MISMATCH,
+        WireCode.WEIGHTS_DTYPE_MISMATCH,
+        WireCode.CHECKSUM_MISMATCH,
+        WireCode.CONFIG_KEY_REJECTED,
+        WireCode.CONFIG_VALUE_INVALID,
+        # The publisher's refusal: nothing was written.
+        LocalCode.NO_MATCHING_WORKERS,
     }
 )
 
@@ -116,12 +128,12 @@ REJECTION_CODES: frozenset[ErrorCode] = frozenset(
 class ControlPlaneError(Exception):
     """Base of every error we raise on purpose."""
 
-    default_code: ErrorCode = ErrorCode.INTERNAL
+    default_code: WireCode | LocalCode = WireCode.INTERNAL
 
-    def __init__(self, message: str, *, code: ErrorCode | None = None) -> None:
+    def __init__(self, message: str, *, code: WireCode | LocalCode | None = None) -> None:
         super().__init__(message)
         self.message = message
-        self.code: ErrorCode = code if code is not None else self.default_code
+        self.code: WireCode | LocalCode = code if code is not None else self.default_code
 
     @property
     def retryable(self) -> bool:
@@ -142,10 +154,14 @@ class ControlPlaneError(Exception):
 class ProtocolError(ControlPlaneError):
     """Bytes from the wire are not one of our messages."""
 
-    default_code = ErrorCode.SCHEMA_INVALID
+    default_code = WireCode.SCHEMA_INVALID
 
     def __init__(
-        self, message: str, *, code: ErrorCode | None = None, command_id: str | None = None
+        self,
+        message: str,
+        *,
+        code: WireCode | LocalCode | None = None,
+        command_id: str | None = None,
     ) -> None:
         super().__init__(message, code=code)
         #: The command id, when it could be read from the broken message (so it can be NACKed).
@@ -157,20 +173,20 @@ class CommandRejected(ControlPlaneError):
     """A valid command this worker refuses: expired, outside the allowed roots, no live worker
     matches it. Always raised with the code that says which (there is no default)."""
 
-    def __init__(self, message: str, *, code: ErrorCode) -> None:
+    def __init__(self, message: str, *, code: WireCode | LocalCode) -> None:
         super().__init__(message, code=code)
 
 
 class RunnerError(ControlPlaneError):
     """The model runner refused (validation) or failed (application) a command."""
 
-    default_code = ErrorCode.RUNNER_FAILED
+    default_code = WireCode.RUNNER_FAILED
 
 
 class WeightsCorrupted(RunnerError):
     """A reload failed after copying began: parameters are a mix of two checkpoints."""
 
-    default_code = ErrorCode.WEIGHTS_CORRUPTED
+    default_code = WireCode.WEIGHTS_CORRUPTED
 
     def __init__(self, message: str, *, from_version: str | None, to_version: str) -> None:
         super().__init__(message)
@@ -181,13 +197,13 @@ class WeightsCorrupted(RunnerError):
 class BusError(ControlPlaneError):
     """Kafka failed us; raised only in controlplane/kafka, which translates aiokafka's errors."""
 
-    default_code = ErrorCode.KAFKA_ERROR
+    default_code = LocalCode.KAFKA_ERROR
 
 
 class TopicMismatch(BusError):
     """An existing topic does not have the partitions or configs that topics.py declares."""
 
-    default_code = ErrorCode.TOPIC_MISMATCH
+    default_code = LocalCode.TOPIC_MISMATCH
 
     def __init__(self, message: str, *, differences: list[str]) -> None:
         super().__init__(message)
@@ -197,4 +213,4 @@ class TopicMismatch(BusError):
 class BrokerError(ControlPlaneError):
     """The local Apache Kafka broker (broker.py) could not be provisioned or started."""
 
-    default_code = ErrorCode.BROKER_DIED
+    default_code = LocalCode.BROKER_DIED

@@ -13,7 +13,7 @@ from enum import IntEnum
 from types import MappingProxyType
 from typing import TypedDict
 
-from controlplane.wire.errors import ControlPlaneError, ErrorCode
+from controlplane.wire.errors import ControlPlaneError, LocalCode, WireCode
 
 
 class CliExit(IntEnum):
@@ -41,29 +41,29 @@ class WorkerExit(IntEnum):
 
 
 #: `controlplane`: an error whose code is not here exits :attr:`CliExit.FAILED`.
-CLI_EXITS: Mapping[ErrorCode, CliExit] = MappingProxyType(
+CLI_EXITS: Mapping[WireCode | LocalCode, CliExit] = MappingProxyType(
     {
-        ErrorCode.BROKER_UNAVAILABLE: CliExit.UNREACHABLE,
-        ErrorCode.PUBLISH_OUTCOME_UNKNOWN: CliExit.UNKNOWN,
-        ErrorCode.SCHEMA_INVALID: CliExit.INVALID,
-        ErrorCode.PATH_NOT_ALLOWED: CliExit.INVALID,
-        ErrorCode.NO_MATCHING_WORKERS: CliExit.INVALID,
-        ErrorCode.TTL_TOO_LONG: CliExit.INVALID,
-        ErrorCode.ROLLOUT_EXISTS: CliExit.INVALID,
-        ErrorCode.SETTINGS_INVALID: CliExit.INVALID,
+        LocalCode.BROKER_UNAVAILABLE: CliExit.UNREACHABLE,
+        LocalCode.PUBLISH_OUTCOME_UNKNOWN: CliExit.UNKNOWN,
+        WireCode.SCHEMA_INVALID: CliExit.INVALID,
+        WireCode.PATH_NOT_ALLOWED: CliExit.INVALID,
+        LocalCode.NO_MATCHING_WORKERS: CliExit.INVALID,
+        WireCode.TTL_TOO_LONG: CliExit.INVALID,
+        LocalCode.ROLLOUT_EXISTS: CliExit.INVALID,
+        LocalCode.SETTINGS_INVALID: CliExit.INVALID,
     }
 )
 
 #: `fleet-worker run`: an error whose code is not here exits :attr:`WorkerExit.ERROR`.
-WORKER_EXITS: Mapping[ErrorCode, WorkerExit] = MappingProxyType(
+WORKER_EXITS: Mapping[WireCode | LocalCode, WorkerExit] = MappingProxyType(
     {
-        ErrorCode.SETTINGS_INVALID: WorkerExit.SETTINGS,
-        ErrorCode.BROKER_UNAVAILABLE: WorkerExit.KAFKA,
-        ErrorCode.KAFKA_ERROR: WorkerExit.KAFKA,
-        ErrorCode.TOPIC_MISMATCH: WorkerExit.KAFKA,
-        ErrorCode.STATE_DIR_LOCKED: WorkerExit.STATE_DIR_LOCKED,
-        ErrorCode.JOURNAL_WRITE_FAILED: WorkerExit.JOURNAL,
-        ErrorCode.RUNNER_LOAD_FAILED: WorkerExit.RUNNER,
+        LocalCode.SETTINGS_INVALID: WorkerExit.SETTINGS,
+        LocalCode.BROKER_UNAVAILABLE: WorkerExit.KAFKA,
+        LocalCode.KAFKA_ERROR: WorkerExit.KAFKA,
+        LocalCode.TOPIC_MISMATCH: WorkerExit.KAFKA,
+        LocalCode.STATE_DIR_LOCKED: WorkerExit.STATE_DIR_LOCKED,
+        WireCode.JOURNAL_WRITE_FAILED: WorkerExit.JOURNAL,
+        WireCode.RUNNER_LOAD_FAILED: WorkerExit.RUNNER,
     }
 )
 
@@ -97,7 +97,7 @@ def error_line(error: ControlPlaneError) -> str:
 
 def internal_line(exc: BaseException) -> str:
     """The one line for anything unexpected (a bug): still no traceback."""
-    return f"error: {ErrorCode.INTERNAL}: {type(exc).__name__}: {exc}"
+    return f"error: {WireCode.INTERNAL}: {type(exc).__name__}: {exc}"
 
 
 class AppSettings(TypedDict):

@@ -20,10 +20,15 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    GetCoreSchemaHandler,
+    GetPydanticSchema,
     JsonValue,
     StringConstraints,
     model_validator,
 )
+from pydantic_core import CoreSchema, core_schema
+
+from controlplane.wire.errors import WireCode
 
 SCHEMA_VERSION: Final = 1
 #: Messages above this size are refused before parsing (Kafka's default max is 1 MiB too).
@@ -123,6 +128,25 @@ Timestamp = Annotated[
     ),
 ]
 SchemaVersion = Annotated[Literal[1], BeforeValidator(_exact_int)]
+
+_WIRE_CODES: Final = {code.value: code for code in WireCode}
+
+
+def _wire_code(code: str) -> WireCode | str:
+    """A code this protocol defines as its :class:`WireCode`; any other stays a plain str
+    (another producer's code: the coordinator shows it and its metrics fold it)."""
+    known = _WIRE_CODES.get(code)
+    return known if known is not None else str(code)
+
+
+def _error_code_schema(_source: object, handler: GetCoreSchemaHandler) -> CoreSchema:
+    """Validated as the string it is on the wire (same errors, same JSON Schema), then typed."""
+    text = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    return core_schema.no_info_after_validator_function(_wire_code, handler.generate_schema(text))
+
+
+#: An ack's error code: a :class:`WireCode`, or the str of a code it does not define.
+ErrorCodeValue = Annotated[WireCode | str, GetPydanticSchema(_error_code_schema)]
 
 
 def utcnow() -> datetime:
@@ -275,9 +299,7 @@ _TERMINAL = frozenset({AckState.SUCCEEDED, AckState.FAILED, AckState.REJECTED})
 
 
 class AckError(WireModel):
-    code: Annotated[str, StringConstraints(min_length=1, max_length=64)] = Field(
-        description="An ErrorCode value."
-    )
+    code: ErrorCodeValue = Field(description="An ErrorCode value.")
     message: Annotated[str, StringConstraints(max_length=4096)]
     retryable: bool = False
 

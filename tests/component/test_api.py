@@ -30,7 +30,7 @@ from controlplane.coordinator.service import (
     CoordinatorSettings,
 )
 from controlplane.kafka.settings import KafkaSettings
-from controlplane.wire.errors import ControlPlaneError, ErrorCode
+from controlplane.wire.errors import ControlPlaneError, LocalCode
 from controlplane.wire.protocol import (
     Ack,
     AckError,
@@ -394,7 +394,7 @@ async def test_the_coordinator_refuses_a_rollout_id_already_in_the_log(
         await coordinator.create_rollout(
             ReloadWeightsSpec(path="/ckpt", version="v9"), Selector(), rollout_id="r-old"
         )
-    assert caught.value.code is ErrorCode.ROLLOUT_EXISTS
+    assert caught.value.code is LocalCode.ROLLOUT_EXISTS
 
 
 @pytest.mark.parametrize("interval", [1e300, float("inf"), float("nan")])

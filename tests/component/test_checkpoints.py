@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from controlplane.wire.errors import ErrorCode
+from controlplane.wire.errors import WireCode
 from tests.component.conftest import TINY
 from workers.demo.checkpoints import (
     BROKEN_CODES,
@@ -123,6 +123,6 @@ def test_cli_write_and_broken(tmp_path: Path) -> None:
         checkpoint_app, ["broken", "shape", str(tmp_path / "s"), "--model-kwargs", kwargs]
     )
     assert out.exit_code == 0, out.output
-    assert json.loads(out.output)["code"] == ErrorCode.WEIGHTS_SHAPE_MISMATCH.value
+    assert json.loads(out.output)["code"] == WireCode.WEIGHTS_SHAPE_MISMATCH.value
     bad = cli.invoke(checkpoint_app, ["write", str(tmp_path / "x"), "--model-kwargs", "[1]"])
     assert bad.exit_code != 0

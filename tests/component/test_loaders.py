@@ -13,7 +13,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from controlplane.wire.errors import CommandRejected, ErrorCode, RunnerError, WeightsCorrupted
+from controlplane.wire.errors import (
+    CommandRejected,
+    LocalCode,
+    RunnerError,
+    WeightsCorrupted,
+    WireCode,
+)
 from workers.demo.checkpoints import sha256_manifest, write_safetensors
 from workers.weights.loaders import _Copier, load_checkpoint, module_targets, open_checkpoint
 
@@ -41,7 +47,9 @@ def load(path: Path, dst: dict[str, torch.Tensor], **kw: Any) -> Any:
     return load_checkpoint(path, dst, version="v1", from_version="v0", **kw)
 
 
-def code_of(path: Path, dst: dict[str, torch.Tensor] | None = None, **kw: Any) -> ErrorCode:
+def code_of(
+    path: Path, dst: dict[str, torch.Tensor] | None = None, **kw: Any
+) -> WireCode | LocalCode:
     dst = dst if dst is not None else targets()
     before = {k: v.clone() for k, v in dst.items()}
     with pytest.raises(RunnerError) as info:
@@ -121,17 +129,17 @@ def test_insane_headers_are_unreadable(
 ) -> None:
     path = header_file(tmp_path / "m.safetensors", header, data, length)
     assert (
-        code_of(path, {"w": torch.zeros(4, 3), "b": torch.zeros(3)}) is ErrorCode.WEIGHTS_UNREADABLE
+        code_of(path, {"w": torch.zeros(4, 3), "b": torch.zeros(3)}) is WireCode.WEIGHTS_UNREADABLE
     )
 
 
 def test_tiny_file_and_duplicate_tensor_across_files(tmp_path: Path) -> None:
     (tmp_path / "short.safetensors").write_bytes(b"\1\2\3")
-    assert code_of(tmp_path / "short.safetensors") is ErrorCode.WEIGHTS_UNREADABLE
+    assert code_of(tmp_path / "short.safetensors") is WireCode.WEIGHTS_UNREADABLE
     both = tmp_path / "dup"
     write_safetensors(both / "a.safetensors", {"w": torch.ones(4, 3)})
     write_safetensors(both / "b.safetensors", {"w": torch.ones(4, 3)})
-    assert code_of(both, {"w": torch.zeros(4, 3)}) is ErrorCode.WEIGHTS_UNREADABLE
+    assert code_of(both, {"w": torch.zeros(4, 3)}) is WireCode.WEIGHTS_UNREADABLE
 
 
 def test_index_must_agree_with_the_shards(tmp_path: Path) -> None:
@@ -143,14 +151,14 @@ def test_index_must_agree_with_the_shards(tmp_path: Path) -> None:
     load(index, dst)
     assert torch.equal(dst["w"], torch.ones(4, 3))
     index.write_text(json.dumps({"weight_map": {"w": "s2.safetensors", "b": "s2.safetensors"}}))
-    assert code_of(index, dict(dst)) is ErrorCode.WEIGHTS_UNREADABLE
+    assert code_of(index, dict(dst)) is WireCode.WEIGHTS_UNREADABLE
     # A shard the index does not name is not part of the checkpoint.
     index.write_text(json.dumps({"weight_map": {"w": "s1.safetensors"}}))
-    assert code_of(index, dict(dst)) is ErrorCode.WEIGHTS_MISSING
+    assert code_of(index, dict(dst)) is WireCode.WEIGHTS_MISSING
     write_safetensors(tmp_path / "s1.safetensors", {"w": torch.ones(4, 3), "b": torch.ones(3)})
-    assert code_of(index, dict(dst)) is ErrorCode.WEIGHTS_UNREADABLE  # s1 holds b, index omits it
+    assert code_of(index, dict(dst)) is WireCode.WEIGHTS_UNREADABLE  # s1 holds b, index omits it
     index.write_text(json.dumps({"weight_map": {"w": "s1.safetensors", "c": "s1.safetensors"}}))
-    assert code_of(index, dict(dst)) is ErrorCode.WEIGHTS_UNREADABLE
+    assert code_of(index, dict(dst)) is WireCode.WEIGHTS_UNREADABLE
 
 
 def test_names_shapes_dtypes(tmp_path: Path) -> None:
@@ -158,16 +166,16 @@ def test_names_shapes_dtypes(tmp_path: Path) -> None:
     path = tmp_path / "m.safetensors"
 
     write_safetensors(path, {k: v for k, v in src.items() if k != "steps"})
-    assert code_of(path) is ErrorCode.WEIGHTS_MISSING
+    assert code_of(path) is WireCode.WEIGHTS_MISSING
     write_safetensors(path, {**src, "extra": torch.ones(1)})
-    assert code_of(path) is ErrorCode.WEIGHTS_UNEXPECTED
-    assert code_of(path, strict=False) is ErrorCode.WEIGHTS_UNEXPECTED  # even when not strict
+    assert code_of(path) is WireCode.WEIGHTS_UNEXPECTED
+    assert code_of(path, strict=False) is WireCode.WEIGHTS_UNEXPECTED  # even when not strict
     write_safetensors(path, {**src, "w": torch.ones(3, 4)})
-    assert code_of(path) is ErrorCode.WEIGHTS_SHAPE_MISMATCH
+    assert code_of(path) is WireCode.WEIGHTS_SHAPE_MISMATCH
     write_safetensors(path, {**src, "b": src["b"].float()})
-    assert code_of(path) is ErrorCode.WEIGHTS_DTYPE_MISMATCH
+    assert code_of(path) is WireCode.WEIGHTS_DTYPE_MISMATCH
     write_safetensors(path, {})
-    assert code_of(path, strict=False) is ErrorCode.WEIGHTS_MISSING  # nothing at all to load
+    assert code_of(path, strict=False) is WireCode.WEIGHTS_MISSING  # nothing at all to load
 
 
 def test_messages_name_the_first_few_offenders(tmp_path: Path) -> None:
@@ -195,10 +203,10 @@ def test_sha256_manifest(tmp_path: Path) -> None:
     assert list(good) == ["m.safetensors"]
     load(path, targets(), sha256=good)
     wrong = {"m.safetensors": "0" * 64}
-    assert code_of(path, sha256=wrong) is ErrorCode.CHECKSUM_MISMATCH
+    assert code_of(path, sha256=wrong) is WireCode.CHECKSUM_MISMATCH
     # Every data file must be covered; a listed file that is not there is unreadable.
-    assert code_of(path, sha256={"other.safetensors": "0" * 64}) is ErrorCode.CHECKSUM_MISMATCH
-    assert code_of(path, sha256={**good, "config.json": "0" * 64}) is ErrorCode.WEIGHTS_UNREADABLE
+    assert code_of(path, sha256={"other.safetensors": "0" * 64}) is WireCode.CHECKSUM_MISMATCH
+    assert code_of(path, sha256={**good, "config.json": "0" * 64}) is WireCode.WEIGHTS_UNREADABLE
     (tmp_path / "config.json").write_text("{}")
     import hashlib
 
@@ -206,7 +214,7 @@ def test_sha256_manifest(tmp_path: Path) -> None:
     load(path, targets(), sha256=extra)
     with pytest.raises(CommandRejected) as info:
         load(path, targets(), sha256={**good, "../m.safetensors": "0" * 64})
-    assert info.value.code is ErrorCode.PATH_NOT_ALLOWED
+    assert info.value.code is WireCode.PATH_NOT_ALLOWED
 
 
 def test_tied_weights_load_once_under_either_name(tmp_path: Path) -> None:
@@ -237,8 +245,8 @@ def test_progress_and_cancel(tmp_path: Path) -> None:
 
     cancel = threading.Event()
     cancel.set()
-    assert code_of(path, cancel=cancel) is ErrorCode.COMMAND_TIMEOUT
-    assert code_of(path, cancel=cancel, sha256=sha256_manifest(path)) is ErrorCode.COMMAND_TIMEOUT
+    assert code_of(path, cancel=cancel) is WireCode.COMMAND_TIMEOUT
+    assert code_of(path, cancel=cancel, sha256=sha256_manifest(path)) is WireCode.COMMAND_TIMEOUT
 
     cancel = threading.Event()
 
@@ -249,7 +257,7 @@ def test_progress_and_cancel(tmp_path: Path) -> None:
     with pytest.raises(WeightsCorrupted) as info:  # one reader: no chunk is read ahead
         load(path, targets(), cancel=cancel, progress=cancel_after_first, read_threads=1)
     assert (info.value.from_version, info.value.to_version) == ("v0", "v1")
-    assert info.value.code is ErrorCode.WEIGHTS_CORRUPTED and "1 of 4" in info.value.message
+    assert info.value.code is WireCode.WEIGHTS_CORRUPTED and "1 of 4" in info.value.message
 
 
 def test_truncation_after_copy_began_is_a_short_read_not_a_crash(tmp_path: Path) -> None:
@@ -475,7 +483,7 @@ def _not_allowed(path: Path, dst: dict[str, torch.Tensor], **kw: Any) -> Command
     before = {k: v.clone() for k, v in dst.items()}
     with pytest.raises(CommandRejected) as info:
         load(path, dst, **kw)
-    assert info.value.code is ErrorCode.PATH_NOT_ALLOWED, info.value
+    assert info.value.code is WireCode.PATH_NOT_ALLOWED, info.value
     assert all(torch.equal(before[k], dst[k]) for k in dst), "a refused reload touched a tensor"
     return info.value
 

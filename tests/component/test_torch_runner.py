@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from controlplane.wire.errors import ErrorCode, RunnerError, WeightsCorrupted
+from controlplane.wire.errors import RunnerError, WeightsCorrupted, WireCode
 from controlplane.wire.protocol import ReloadWeightsSpec
 from tests.component.conftest import TINY, MakeCheckpoint, MakeRunner
 from workers.demo.checkpoints import (
@@ -104,7 +104,7 @@ def test_sha256_manifest_ok_and_mismatch(
     before = runner.forward_logits(IDS)
     with pytest.raises(RunnerError) as info:
         runner.reload_weights(spec(other, "v5", sha256=tampered), other)
-    assert info.value.code is ErrorCode.CHECKSUM_MISMATCH
+    assert info.value.code is WireCode.CHECKSUM_MISMATCH
     assert torch.equal(runner.forward_logits(IDS), before)
     assert runner.describe().weights_version == "v4"
 
@@ -137,7 +137,7 @@ def test_non_strict_partial_reload(make_runner: MakeRunner, tmp_path: Path) -> N
     write_safetensors(path, head)
     with pytest.raises(RunnerError) as info:
         runner.reload_weights(spec(path, "head"), path)
-    assert info.value.code is ErrorCode.WEIGHTS_MISSING
+    assert info.value.code is WireCode.WEIGHTS_MISSING
     result = runner.reload_weights(spec(path, "head", strict=False), path)
     assert result.tensors == len(head) == 3
     want = tiny_lm(**TINY, seed=0)
@@ -177,10 +177,10 @@ def test_update_config_is_all_or_nothing_and_observable(make_runner: MakeRunner)
         "sampling_seed": "integer",
     }
     for bad, code in [
-        ({"max_new_tokens": 5, "max_tokens": 5}, ErrorCode.CONFIG_KEY_REJECTED),
-        ({"max_new_tokens": 5, "temperature": -1.0}, ErrorCode.CONFIG_VALUE_INVALID),
-        ({"max_new_tokens": True}, ErrorCode.CONFIG_VALUE_INVALID),
-        ({"max_new_tokens": 0}, ErrorCode.CONFIG_VALUE_INVALID),
+        ({"max_new_tokens": 5, "max_tokens": 5}, WireCode.CONFIG_KEY_REJECTED),
+        ({"max_new_tokens": 5, "temperature": -1.0}, WireCode.CONFIG_VALUE_INVALID),
+        ({"max_new_tokens": True}, WireCode.CONFIG_VALUE_INVALID),
+        ({"max_new_tokens": 0}, WireCode.CONFIG_VALUE_INVALID),
     ]:
         with pytest.raises(RunnerError) as info:
             runner.update_config(bad)
@@ -206,13 +206,13 @@ def test_model_not_loaded(make_runner: MakeRunner, make_checkpoint: MakeCheckpoi
     path = make_checkpoint(1)
     with pytest.raises(RunnerError) as info:
         runner.reload_weights(spec(path, "v1"), path)
-    assert info.value.code is ErrorCode.MODEL_NOT_LOADED and info.value.is_rejection
+    assert info.value.code is WireCode.MODEL_NOT_LOADED and info.value.is_rejection
     runner.load()
     assert runner.describe().weights_version == "init"
     runner.close()
     with pytest.raises(RunnerError) as info:
         runner.reload_weights(spec(path, "v1"), path)
-    assert info.value.code is ErrorCode.MODEL_NOT_LOADED
+    assert info.value.code is WireCode.MODEL_NOT_LOADED
     runner.close()  # idempotent
 
 
@@ -270,7 +270,7 @@ def test_truncated_during_a_slow_reload_degrades_then_recovers(
     assert described.weights_version == "init"  # never advanced by a failure
     with pytest.raises(RunnerError) as info:
         runner.generate(IDS)  # a half-written model does not serve
-    assert info.value.code is ErrorCode.WEIGHTS_CORRUPTED
+    assert info.value.code is WireCode.WEIGHTS_CORRUPTED
 
     good = make_checkpoint(12)
     runner.reload_weights(spec(good, "v12"), good)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from controlplane.wire.errors import CommandRejected, ErrorCode, RunnerError
+from controlplane.wire.errors import CommandRejected, RunnerError, WireCode
 from controlplane.wire.protocol import ReloadWeightsSpec
 from tests.component.conftest import TINY
 from workers.demo.checkpoints import sha256_manifest, write_checkpoint
@@ -142,12 +142,12 @@ def test_sidecar_starts_and_applies_config_when_server_info_fails(
         assert ok.config == {"load_config": {"load_format": "safetensors"}}
         with pytest.raises(RunnerError) as caught:
             runner.update_config({"load_config.no_such_field": 1})
-        assert caught.value.code is ErrorCode.CONFIG_KEY_REJECTED
+        assert caught.value.code is WireCode.CONFIG_KEY_REJECTED
         # Our own checks still stand before vLLM is asked.
         for overrides, code in (
-            ({"load_config.load_format": "bogus"}, ErrorCode.CONFIG_VALUE_INVALID),
-            ({"load_config.ignore_patterns": ["*"]}, ErrorCode.CONFIG_KEY_REJECTED),
-            ({"model_config.max_logprobs": 3}, ErrorCode.CONFIG_KEY_REJECTED),
+            ({"load_config.load_format": "bogus"}, WireCode.CONFIG_VALUE_INVALID),
+            ({"load_config.ignore_patterns": ["*"]}, WireCode.CONFIG_KEY_REJECTED),
+            ({"model_config.max_logprobs": 3}, WireCode.CONFIG_KEY_REJECTED),
         ):
             with pytest.raises(RunnerError) as caught:
                 runner.update_config(overrides)
@@ -171,7 +171,7 @@ def test_sidecar_uses_server_info_when_it_answers(
         assert "load_config.load_format" in described.accepts
         with pytest.raises(RunnerError) as caught:
             runner.update_config({"load_config.no_such_field": 1})
-        assert caught.value.code is ErrorCode.CONFIG_KEY_REJECTED
+        assert caught.value.code is WireCode.CONFIG_KEY_REJECTED
     finally:
         runner.close()
     # Refused by our own check against the known fields: vLLM never saw it.
@@ -265,7 +265,7 @@ def test_a_file_rewritten_while_it_is_copied_is_refused_and_never_loaded(
     monkeypatch.setattr(vllm_runner, "snapshot_checkpoint", rewrite_then_copy)
     with pytest.raises(RunnerError) as caught:
         runner.reload_weights(ReloadWeightsSpec(path=str(v2), version="v2", sha256=manifest), v2)
-    want = ErrorCode.CHECKSUM_MISMATCH if sha256 else ErrorCode.WEIGHTS_UNREADABLE
+    want = WireCode.CHECKSUM_MISMATCH if sha256 else WireCode.WEIGHTS_UNREADABLE
     assert caught.value.code is want, caught.value
     assert fake.loaded == []  # vLLM was never asked
     assert made and not made[0].exists()  # the refused snapshot is gone
@@ -332,5 +332,5 @@ def test_a_hugging_face_cache_layout_inside_the_roots_is_snapshotted(
     outside = resolve_weights_path(str(snapshot_dir), [cache / "snapshots"])
     with pytest.raises(CommandRejected) as caught:
         runner.reload_weights(ReloadWeightsSpec(path=str(outside), version="v3"), outside)
-    assert caught.value.code is ErrorCode.PATH_NOT_ALLOWED
+    assert caught.value.code is WireCode.PATH_NOT_ALLOWED
     assert len(fake.loaded) == 1

@@ -18,7 +18,7 @@ from aiokafka.protocol.admin import DeleteGroupsRequest
 
 from controlplane.kafka.bus import Consumer
 from controlplane.kafka.settings import KafkaSettings
-from controlplane.wire.errors import BusError, ControlPlaneError, ErrorCode, RunnerError
+from controlplane.wire.errors import BusError, ControlPlaneError, RunnerError, WireCode
 from controlplane.wire.protocol import (
     Ack,
     AckState,
@@ -87,16 +87,16 @@ class RecordingRunner:
         self, spec: ReloadWeightsSpec, path: Path, *, cancel: threading.Event | None = None
     ) -> ReloadResult:
         if not self.loaded:
-            raise RunnerError("no model is loaded", code=ErrorCode.MODEL_NOT_LOADED)
+            raise RunnerError("no model is loaded", code=WireCode.MODEL_NOT_LOADED)
         if spec.version.startswith("bad-"):
             raise RunnerError(
                 "tensor w has shape [2] in the checkpoint, [3] in the model",
-                code=ErrorCode.WEIGHTS_SHAPE_MISMATCH,
+                code=WireCode.WEIGHTS_SHAPE_MISMATCH,
             )
         end = time.monotonic() + self.delay_s
         while time.monotonic() < end or (self.gate is not None and not self.gate.is_set()):
             if cancel is not None and cancel.is_set():
-                raise RunnerError("cancelled before copying", code=ErrorCode.COMMAND_TIMEOUT)
+                raise RunnerError("cancelled before copying", code=WireCode.COMMAND_TIMEOUT)
             time.sleep(0.01)
         self.applied.append(spec.version)
         self.version = spec.version
@@ -105,7 +105,7 @@ class RecordingRunner:
     def update_config(self, overrides: dict[str, Any]) -> RunnerDescription:
         if set(overrides) - {"max_new_tokens"}:
             raise RunnerError(
-                f"unknown keys {sorted(overrides)}", code=ErrorCode.CONFIG_KEY_REJECTED
+                f"unknown keys {sorted(overrides)}", code=WireCode.CONFIG_KEY_REJECTED
             )
         self.config.update(overrides)
         return self.describe()
@@ -653,7 +653,7 @@ async def test_a_journal_that_cannot_be_written_stops_the_worker_with_a_coded_er
                 (hb := latest(items, "w1")) is not None and hb.status is WorkerStatus.STOPPED
             )
         )
-    assert raised.value.code is ErrorCode.JOURNAL_WRITE_FAILED
+    assert raised.value.code is WireCode.JOURNAL_WRITE_FAILED
     assert "No space left on device" in raised.value.message
     assert runner.applied == ["v2"] and runner.closed
     # Its accepted and running acks may be out; its outcome is not: it was never durable.

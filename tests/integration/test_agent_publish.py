@@ -27,7 +27,7 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from controlplane.kafka.broker import LocalCluster
 from controlplane.kafka.bus import Consumer, Delivery, Producer
 from controlplane.kafka.settings import KafkaSettings
-from controlplane.wire.errors import BusError, ErrorCode
+from controlplane.wire.errors import BusError, LocalCode
 from controlplane.wire.protocol import AckState, Heartbeat, ReloadWeightsSpec, decode_ack
 from tests import factories
 from tests.factories import weights_dir
@@ -270,7 +270,7 @@ class _Refused:
         self.topic = topic
 
     async def wait(self, timeout_s: float) -> Any:
-        raise BusError("publishing: the producer gave up (injected)", code=ErrorCode.KAFKA_ERROR)
+        raise BusError("publishing: the producer gave up (injected)", code=LocalCode.KAFKA_ERROR)
 
 
 class _LandedButGivenUp:
@@ -285,7 +285,7 @@ class _LandedButGivenUp:
 
     async def wait(self, timeout_s: float) -> Any:
         await self.delivery.wait(timeout_s)
-        raise BusError("publishing: the producer gave up (injected)", code=ErrorCode.KAFKA_ERROR)
+        raise BusError("publishing: the producer gave up (injected)", code=LocalCode.KAFKA_ERROR)
 
 
 @pytest.mark.parametrize("fault", ["unqueued", "given-up", "given-up-landed"])

@@ -18,7 +18,7 @@ from controlplane.kafka.broker import (
     default_cache_dir,
 )
 from controlplane.kafka.bus import probe_sync
-from controlplane.wire.errors import BrokerError, ErrorCode
+from controlplane.wire.errors import BrokerError, LocalCode
 from tests.conftest import free_port
 
 
@@ -42,7 +42,7 @@ def test_no_java(tmp_path: Path) -> None:
     broker = LocalBroker(_config(tmp_path, java="no-such-java-binary"))
     with pytest.raises(BrokerError) as info:
         broker.start()
-    assert info.value.code is ErrorCode.JAVA_NOT_FOUND
+    assert info.value.code is LocalCode.JAVA_NOT_FOUND
     assert "Java not found" in info.value.message
 
 
@@ -51,7 +51,7 @@ def test_java_too_old(tmp_path: Path) -> None:
     broker = LocalBroker(_config(tmp_path, java=java))
     with pytest.raises(BrokerError) as info:
         broker.start()
-    assert info.value.code is ErrorCode.JAVA_TOO_OLD
+    assert info.value.code is LocalCode.JAVA_TOO_OLD
     assert "Java 11" in info.value.message
 
 
@@ -59,7 +59,7 @@ def test_java_8_style_version_is_too_old(tmp_path: Path) -> None:
     java = _fake_exe(tmp_path, "java", "echo 'java version \"1.8.0_392\"' >&2\n")
     with pytest.raises(BrokerError) as info:
         LocalBroker(_config(tmp_path, java=java)).check_java()
-    assert info.value.code is ErrorCode.JAVA_TOO_OLD
+    assert info.value.code is LocalCode.JAVA_TOO_OLD
 
 
 def test_real_java_is_accepted(tmp_path: Path) -> None:
@@ -70,7 +70,7 @@ def test_no_maven_with_empty_cache(tmp_path: Path) -> None:
     broker = LocalBroker(_config(tmp_path, mvn="no-such-mvn", cache_dir=tmp_path / "cache"))
     with pytest.raises(BrokerError) as info:
         broker.start()
-    assert info.value.code is ErrorCode.MAVEN_NOT_FOUND
+    assert info.value.code is LocalCode.MAVEN_NOT_FOUND
 
 
 @pytest.mark.slow
@@ -80,7 +80,7 @@ def test_jars_unresolvable(tmp_path: Path) -> None:
     )
     with pytest.raises(BrokerError) as info:
         broker.ensure_jars()
-    assert info.value.code is ErrorCode.JARS_UNRESOLVABLE
+    assert info.value.code is LocalCode.JARS_UNRESOLVABLE
     assert "0.0.0-does-not-exist" in info.value.message
     assert not (tmp_path / "cache" / "kafka-0.0.0-does-not-exist" / "libs").exists()
 
@@ -92,7 +92,7 @@ def test_port_in_use(tmp_path: Path) -> None:
         sock.listen()
         with pytest.raises(BrokerError) as info:
             LocalBroker(config).start()
-    assert info.value.code is ErrorCode.PORT_IN_USE
+    assert info.value.code is LocalCode.PORT_IN_USE
     assert str(config.port) in info.value.message
 
 
@@ -102,7 +102,7 @@ def test_broker_that_dies_during_start_shows_its_log(tmp_path: Path) -> None:
     broker = LocalBroker(_config(tmp_path, overrides={"num.io.threads": "0"}))
     with pytest.raises(BrokerError) as info:
         broker.start(timeout=90)
-    assert info.value.code in (ErrorCode.BROKER_DIED,)
+    assert info.value.code in (LocalCode.BROKER_DIED,)
     assert "last lines" in info.value.message or "formatting" in info.value.message
     assert not broker.status().running
 
@@ -242,19 +242,19 @@ def test_cluster_nodes_share_one_static_quorum(tmp_path: Path) -> None:
 def test_cluster_bad_layout_is_a_coded_error(tmp_path: Path, kw: dict[str, object]) -> None:
     with pytest.raises(BrokerError) as info:
         LocalCluster(ClusterConfig(data_dir=tmp_path / "c", **kw))  # type: ignore[arg-type]
-    assert info.value.code is ErrorCode.SETTINGS_INVALID
+    assert info.value.code is LocalCode.SETTINGS_INVALID
 
 
 def test_cluster_refuses_a_single_broker_dir_and_unknown_nodes(tmp_path: Path) -> None:
     (tmp_path / "c" / "kraft-logs").mkdir(parents=True)
     with pytest.raises(BrokerError) as info:
         LocalCluster(ClusterConfig(nodes=3, data_dir=tmp_path / "c"))
-    assert info.value.code is ErrorCode.SETTINGS_INVALID
+    assert info.value.code is LocalCode.SETTINGS_INVALID
     assert "single-node" in info.value.message
     cluster = LocalCluster(ClusterConfig(nodes=2, data_dir=tmp_path / "d"))
     with pytest.raises(BrokerError) as info:
         cluster.stop_node(3)
-    assert info.value.code is ErrorCode.SETTINGS_INVALID
+    assert info.value.code is LocalCode.SETTINGS_INVALID
 
 
 @pytest.mark.kafka
@@ -311,7 +311,7 @@ def test_a_cluster_node_that_dies_during_start_shows_its_log(tmp_path: Path) -> 
     try:
         with pytest.raises(BrokerError) as info:
             cluster.start(timeout=120)
-        assert info.value.code is ErrorCode.BROKER_DIED
+        assert info.value.code is LocalCode.BROKER_DIED
         assert "exited with status" in info.value.message and "broker.log" in info.value.message
         assert cluster.status().running_nodes == []
     finally:

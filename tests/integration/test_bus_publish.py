@@ -26,7 +26,7 @@ from aiokafka.errors import KafkaError
 from controlplane.kafka.broker import LocalCluster
 from controlplane.kafka.bus import Consumer, Producer, Record
 from controlplane.kafka.settings import KafkaSettings
-from controlplane.wire.errors import BusError, ErrorCode
+from controlplane.wire.errors import BusError, LocalCode
 from controlplane.wire.topics import Topics
 from tests.conftest import free_port
 
@@ -173,7 +173,7 @@ async def test_below_min_isr_a_publish_is_unknown_in_time_and_lands_once_when_wa
             with pytest.raises(BusError) as info:
                 async with asyncio.timeout(HANG_S):
                     await producer.send(topic, b"maybe", key=b"k", timeout_s=3)
-            assert info.value.code is ErrorCode.PUBLISH_OUTCOME_UNKNOWN
+            assert info.value.code is LocalCode.PUBLISH_OUTCOME_UNKNOWN
             assert "may still be written" in info.value.message
             # submit() + wait(): the same record is waited on again, never sent twice.
             delivery = await producer.submit(topic, b"once", key=b"k", timeout_s=10)
@@ -201,7 +201,7 @@ async def test_a_send_to_a_topic_the_cluster_lacks_is_broker_unavailable(
         with pytest.raises(BusError) as info:
             async with asyncio.timeout(HANG_S):
                 await producer.send(f"x{uuid.uuid4().hex[:10]}.nowhere", b"v", timeout_s=2)
-    assert info.value.code is ErrorCode.BROKER_UNAVAILABLE
+    assert info.value.code is LocalCode.BROKER_UNAVAILABLE
     assert "nothing was published" in info.value.message
 
 
@@ -214,4 +214,4 @@ async def test_a_producer_on_an_unreachable_bootstrap_is_broker_unavailable() ->
     with pytest.raises(BusError) as info:
         async with asyncio.timeout(HANG_S), Producer(settings) as producer:
             await producer.send("anything", b"v")
-    assert info.value.code is ErrorCode.BROKER_UNAVAILABLE
+    assert info.value.code is LocalCode.BROKER_UNAVAILABLE

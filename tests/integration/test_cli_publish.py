@@ -20,7 +20,7 @@ from controlplane.coordinator.publisher import MAX_TTL_S, build_command
 from controlplane.kafka.broker import LocalCluster
 from controlplane.kafka.bus import Producer
 from controlplane.kafka.settings import KafkaSettings
-from controlplane.wire.errors import CommandRejected, ErrorCode
+from controlplane.wire.errors import CommandRejected, WireCode
 from controlplane.wire.protocol import (
     Selector,
     UpdateConfigSpec,
@@ -128,7 +128,7 @@ def test_a_ttl_over_the_maximum_is_refused_before_kafka() -> None:
             issuer="t",
             ttl_s=MAX_TTL_S * 2,
         )
-    assert info.value.code is ErrorCode.TTL_TOO_LONG
+    assert info.value.code is WireCode.TTL_TOO_LONG
     proc = cli("update-config", "--set", "a=1", "--all", "--ttl", str(MAX_TTL_S), "-b", dead)
     assert proc.returncode == 4, proc.stdout + proc.stderr  # the maximum itself is allowed
 

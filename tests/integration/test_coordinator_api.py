@@ -26,7 +26,7 @@ from controlplane.api.server import ApiServer
 from controlplane.coordinator.service import Coordinator, CoordinatorSettings
 from controlplane.kafka.broker import LocalCluster
 from controlplane.kafka.settings import KafkaSettings
-from controlplane.wire.errors import BusError, ErrorCode
+from controlplane.wire.errors import BusError, LocalCode
 from controlplane.wire.protocol import ReloadWeightsSpec, encode
 from tests.factories import running_agent
 from tests.fleet import make_command, publish
@@ -217,9 +217,9 @@ async def test_post_follow_and_restart(kafka: KafkaSettings, tmp_path: Path) -> 
 
 
 def test_kafka_unreachable_is_503_and_an_unknown_outcome_504() -> None:
-    down = from_domain(BusError("no broker", code=ErrorCode.BROKER_UNAVAILABLE))
+    down = from_domain(BusError("no broker", code=LocalCode.BROKER_UNAVAILABLE))
     assert (down.status, down.info.code, down.info.retryable) == (503, "BROKER_UNAVAILABLE", True)
-    unknown = from_domain(BusError("?", code=ErrorCode.PUBLISH_OUTCOME_UNKNOWN))
+    unknown = from_domain(BusError("?", code=LocalCode.PUBLISH_OUTCOME_UNKNOWN))
     assert (unknown.status, unknown.info.retryable) == (504, False)
 
 

@@ -15,7 +15,7 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from controlplane.kafka.broker import LocalCluster
 from controlplane.kafka.bus import LOG_APPEND_TIME, Admin, Consumer, Producer, Record
 from controlplane.kafka.settings import KafkaSettings
-from controlplane.wire.errors import BusError, ErrorCode, TopicMismatch
+from controlplane.wire.errors import BusError, LocalCode, TopicMismatch
 from controlplane.wire.topics import Topics
 from tests.factories import fresh_topics
 
@@ -39,7 +39,7 @@ async def test_ensure_reports_partition_and_config_differences(kafka_bootstrap: 
         await admin.ensure_topics(Topics(prefix=prefix, retention_ms=60_000))
         with pytest.raises(TopicMismatch) as info:
             await admin.ensure_topics(settings.topics)
-    assert info.value.code is ErrorCode.TOPIC_MISMATCH
+    assert info.value.code is LocalCode.TOPIC_MISMATCH
     assert any(f"{prefix}.commands: retention.ms=60000" in d for d in info.value.differences), (
         info.value.differences
     )
@@ -211,7 +211,7 @@ async def test_a_topic_made_by_hand_with_another_min_insync_is_reported(
     async with Admin(settings) as ours:
         with pytest.raises(TopicMismatch) as info:
             await ours.ensure_topics(settings.topics)
-    assert info.value.code is ErrorCode.TOPIC_MISMATCH
+    assert info.value.code is LocalCode.TOPIC_MISMATCH
     assert info.value.differences == [
         f"{prefix}.acks: min.insync.replicas={other}, expected {want}"
     ]
@@ -255,7 +255,7 @@ async def test_more_replicas_than_brokers_is_a_coded_error_in_the_brokers_words(
         with pytest.raises(BusError) as info:
             async with asyncio.timeout(60):
                 await admin.ensure_topics(settings.topics)
-    assert info.value.code is ErrorCode.SETTINGS_INVALID
+    assert info.value.code is LocalCode.SETTINGS_INVALID
     message = info.value.message
     assert message.startswith(f"creating topics with replication factor {brokers + 1} failed")
     assert f"{prefix}.commands: INVALID_REPLICATION_FACTOR (38): " in message
@@ -273,7 +273,7 @@ async def test_min_insync_above_the_replication_factor_is_refused_before_creatin
             await admin.ensure_topics(
                 Topics(prefix=prefix, replication_factor=1, min_insync_replicas=2)
             )
-    assert info.value.code is ErrorCode.SETTINGS_INVALID
+    assert info.value.code is LocalCode.SETTINGS_INVALID
     assert "min.insync.replicas 2 exceeds the replication factor 1" in info.value.message
     assert not {t.name for t in settings.topics.all()} & set(await _topic_names(kafka_bootstrap))
 

@@ -29,7 +29,7 @@ from controlplane.kafka.settings import KafkaSettings
 from controlplane.rollout.fleet import Fleet
 from controlplane.wire import ack_codec
 from controlplane.wire.ack_codec import MAX_RESULT_DEPTH, AckLike, FastAck, decode_ack_fast
-from controlplane.wire.errors import ErrorCode, ProtocolError
+from controlplane.wire.errors import LocalCode, ProtocolError, WireCode
 from controlplane.wire.protocol import (
     MAX_MESSAGE_BYTES,
     Ack,
@@ -107,7 +107,7 @@ def assert_same(view: AckLike, model: Ack) -> None:
     assert same_json(view.result, model.result)
 
 
-Outcome = FastAck | Ack | tuple[ErrorCode, str, str | None, str | None]
+Outcome = FastAck | Ack | tuple[WireCode | LocalCode, str, str | None, str | None]
 
 
 def outcome(decode: Callable[[bytes], Any], data: bytes) -> Outcome:
@@ -229,6 +229,25 @@ def test_a_plain_json_ack_takes_the_fast_path(no_fallback: mock.MagicMock) -> No
     view = assert_agree(dumps(wire()))
     assert view is not None
     assert view.timings.started_at == T0 + timedelta(microseconds=500_000)
+
+
+@pytest.mark.parametrize(
+    ("code", "typed"), [("EXPIRED", WireCode), ("KAFKA_ERROR", str), ("NOT_OURS", str)]
+)
+def test_an_error_code_is_a_wire_code_or_a_str_and_equal_on_both_paths(
+    code: str, typed: type, no_fallback: mock.MagicMock
+) -> None:
+    """The canonical decoder types a code of the wire as WireCode and keeps any other (a local
+    code, another producer's) a str; the fast path keeps the str it read. Equal and hash-equal,
+    so the fold reads them alike, and the status models type it as the canonical decoder does."""
+    error = {"code": code, "message": "m", "retryable": False}
+    view = assert_agree(dumps(wire(state="failed", error=error)))
+    model = decode_ack(dumps(wire(state="failed", error=error)))
+    assert view is not None and view.error is not None and model.error is not None
+    assert (type(view.error.code), type(model.error.code)) == (str, typed)
+    assert hash(view.error.code) == hash(model.error.code)
+    back = ack_codec.as_model_error(view.error)
+    assert back == model.error and type(back.code) is typed
 
 
 def result_depth(value: Any) -> int:
@@ -360,13 +379,13 @@ def refused(data: bytes) -> ProtocolError:
 def test_date_time_forms_msgspec_takes_and_we_refuse(stamp: str, field: str) -> None:
     data = stamped(field, stamp)
     assert msgspec_accepts(data)
-    assert refused(data).code is ErrorCode.SCHEMA_INVALID
+    assert refused(data).code is WireCode.SCHEMA_INVALID
 
 
 def test_a_space_hidden_in_an_escape_is_seen() -> None:
     data = dumps(wire()).replace(b"2025-06-01T12:00:02.25Z", b"2025-06-01\\u002012:00:02.25Z")
     assert msgspec_accepts(data)
-    assert refused(data).code is ErrorCode.SCHEMA_INVALID
+    assert refused(data).code is WireCode.SCHEMA_INVALID
 
 
 def test_escapes_that_both_accept_give_equal_values() -> None:
@@ -396,7 +415,7 @@ def test_digits_past_the_microsecond_round_alike(
 
 def test_rounding_past_year_9999_is_refused_by_both() -> None:
     data = dumps(wire(sent_at="9999-12-31T23:59:59.9999995Z"))
-    assert refused(data).code is ErrorCode.SCHEMA_INVALID
+    assert refused(data).code is WireCode.SCHEMA_INVALID
     assert_agree(dumps(wire(sent_at="9999-12-31T23:59:59.9999994Z")))
 
 
@@ -406,7 +425,7 @@ def test_rounding_past_year_9999_is_refused_by_both() -> None:
 def test_non_finite_numbers_in_result_are_refused_by_both(number: bytes) -> None:
     data = dumps(wire(result={"x": 0})).replace(b'"x":0', b'"x":' + number)
     err = refused(data)
-    assert err.code in (ErrorCode.SCHEMA_INVALID, ErrorCode.MALFORMED_JSON)
+    assert err.code in (WireCode.SCHEMA_INVALID, WireCode.MALFORMED_JSON)
 
 
 @pytest.mark.parametrize("digits", [19, 20, 40, 4300, 4301, 5000])
@@ -437,15 +456,13 @@ def test_long_float_mantissas_agree() -> None:
 @pytest.mark.parametrize("text", ['"\\ud800"', '"\\udc00"', '"a\\ud800b"', '"\\ud800\\u0041"'])
 def test_lone_surrogates_are_refused_by_both(text: str) -> None:
     data = dumps(wire(result={"x": 0})).replace(b'"x":0', b'"x":' + text.encode())
-    assert refused(data).code is ErrorCode.MALFORMED_JSON
-    assert refused(data.replace(b'"v42"', text.encode())).code is ErrorCode.MALFORMED_JSON
+    assert refused(data).code is WireCode.MALFORMED_JSON
+    assert refused(data.replace(b'"v42"', text.encode())).code is WireCode.MALFORMED_JSON
 
 
 def test_raw_invalid_utf8_is_refused_by_both() -> None:
     for junk in (b"\xed\xa0\x80", b"\xc0\x80", b"\xff"):
-        assert refused(dumps(wire()).replace(b"v42", b"v" + junk)).code is (
-            ErrorCode.MALFORMED_JSON
-        )
+        assert refused(dumps(wire()).replace(b"v42", b"v" + junk)).code is (WireCode.MALFORMED_JSON)
 
 
 DUPLICATES: dict[str, tuple[bytes, bytes]] = {
@@ -492,7 +509,7 @@ def test_duplicate_keys_are_refused_by_both(find: bytes, write: bytes) -> None:
     data = dumps(wire())
     assert find in data
     err = refused(data.replace(find, write, 1))
-    assert err.code is ErrorCode.DUPLICATE_KEY
+    assert err.code is WireCode.DUPLICATE_KEY
     assert err.rollout_id == "r-1"
 
 
@@ -508,7 +525,7 @@ def test_a_repeated_key_anywhere_is_refused_by_both(data: st.DataObject) -> None
     if data.draw(st.booleans()):
         items.reverse()
     wire_bytes = dump(replace_node(tree, target, Pairs(tuple(items)))).encode()
-    assert refused(wire_bytes).code is ErrorCode.DUPLICATE_KEY
+    assert refused(wire_bytes).code is WireCode.DUPLICATE_KEY
 
 
 def test_the_same_key_in_different_objects_takes_the_fast_path(no_fallback: mock.MagicMock) -> None:
@@ -565,7 +582,7 @@ def test_attempt_is_bounded_by_2_to_the_53_in_both() -> None:
     assert view is not None and view.attempt == 2**53
     assert fallback.call_count == 0
     for attempt in (2**53 + 1, 2**64):
-        assert refused(dumps(wire(attempt=attempt))).code is ErrorCode.SCHEMA_INVALID
+        assert refused(dumps(wire(attempt=attempt))).code is WireCode.SCHEMA_INVALID
 
 
 @pytest.mark.parametrize(
@@ -615,7 +632,7 @@ def test_date_times_out_of_range_are_refused_by_both(stamp: str, field: str, ok:
 def test_identifiers_must_fullmatch(ident: str, field: str) -> None:
     data = dumps(wire(**{field: ident}))
     assert msgspec_accepts(data)
-    assert refused(data).code is ErrorCode.SCHEMA_INVALID
+    assert refused(data).code is WireCode.SCHEMA_INVALID
 
 
 def test_identifier_edges_are_accepted(no_fallback: mock.MagicMock) -> None:
@@ -629,27 +646,27 @@ def test_the_identifier_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> Non
     for i in range(50):
         assert_agree(dumps(wire(worker_id=f"w-{i}", command_id=f"c-{i}")))
         assert len(ack_codec._valid_ids) <= 8
-    assert refused(dumps(wire(worker_id="w-1\n"))).code is ErrorCode.SCHEMA_INVALID
+    assert refused(dumps(wire(worker_id="w-1\n"))).code is WireCode.SCHEMA_INVALID
 
 
 @pytest.mark.parametrize("version", [None, True, 1.0, 1.5, 0, 2, "1", [1], -0])
 def test_schema_version_must_be_the_integer_one(version: Any) -> None:
     value = wire(schema_version=version)
     err = refused(dumps(value))
-    assert err.code is ErrorCode.UNSUPPORTED_SCHEMA_VERSION
+    assert err.code is WireCode.UNSUPPORTED_SCHEMA_VERSION
     del value["schema_version"]
-    assert refused(dumps(value)).code is ErrorCode.UNSUPPORTED_SCHEMA_VERSION
+    assert refused(dumps(value)).code is WireCode.UNSUPPORTED_SCHEMA_VERSION
 
 
 def test_schema_version_written_as_float_text() -> None:
     for text in (b"1.0", b"1e0", b"true"):
         data = dumps(wire()).replace(b'"schema_version":1', b'"schema_version":' + text)
-        assert refused(data).code is ErrorCode.UNSUPPORTED_SCHEMA_VERSION
+        assert refused(data).code is WireCode.UNSUPPORTED_SCHEMA_VERSION
 
 
 @pytest.mark.parametrize("attempt", [0, -1, True, 1.0, "1", None])
 def test_attempt_must_be_a_positive_integer(attempt: Any) -> None:
-    assert refused(dumps(wire(attempt=attempt))).code is ErrorCode.SCHEMA_INVALID
+    assert refused(dumps(wire(attempt=attempt))).code is WireCode.SCHEMA_INVALID
 
 
 @pytest.mark.parametrize(
@@ -696,12 +713,12 @@ def test_bom_and_size_limit_behave_as_the_canonical_decoder() -> None:
     data = dumps(wire())
     view = assert_agree(b"\xef\xbb\xbf" + data)
     assert view is not None
-    assert refused(b"\xef\xbb\xbf\xef\xbb\xbf" + data).code is ErrorCode.MALFORMED_JSON
+    assert refused(b"\xef\xbb\xbf\xef\xbb\xbf" + data).code is WireCode.MALFORMED_JSON
     big = dumps(wire(result={"pad": "x" * MAX_MESSAGE_BYTES}))
-    assert refused(big).code is ErrorCode.MESSAGE_TOO_LARGE
+    assert refused(big).code is WireCode.MESSAGE_TOO_LARGE
     small = outcome(lambda d: decode_ack(d, max_bytes=100), data)
     assert outcome(lambda d: decode_ack_fast(d, max_bytes=100), data) == small
-    assert isinstance(small, tuple) and small[0] is ErrorCode.MESSAGE_TOO_LARGE
+    assert isinstance(small, tuple) and small[0] is WireCode.MESSAGE_TOO_LARGE
     assert small[2] == "r-1.c1"  # sniffed for the NACK
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.wire.errors import ControlPlaneError, ErrorCode
+from controlplane.wire.errors import ControlPlaneError, WireCode
 from controlplane.wire.protocol import Ack, AckState, ReloadWeightsSpec, Timings
 from workers.agent import failpoints
 from workers.agent.durable import ConfigApplied, Journal, journal_error
@@ -129,7 +129,7 @@ async def test_a_failed_sync_is_reported_once_as_journal_write_failed(
         await journal.commit_outcome(ack("c1"), None)
     with pytest.raises(ControlPlaneError) as second:
         await journal.commit_published(["c1"], 2)
-    assert [e.code for e in failures] == [ErrorCode.JOURNAL_WRITE_FAILED] * 2
+    assert [e.code for e in failures] == [WireCode.JOURNAL_WRITE_FAILED] * 2
     assert first.value is second.value is failures[0]  # what on_failure returns is raised
     assert isinstance(first.value.__cause__, ControlPlaneError)  # WorkerState's own error
 
@@ -140,13 +140,13 @@ async def test_the_journal_sync_failpoint_fails_like_a_full_disk(
     monkeypatch.setenv(failpoints.ENV, "journal_sync=enospc")
     with pytest.raises(ControlPlaneError):
         await journal.commit_published((), 1)
-    assert failures[0].code is ErrorCode.JOURNAL_WRITE_FAILED
+    assert failures[0].code is WireCode.JOURNAL_WRITE_FAILED
     assert "No space left on device (failpoint journal_sync)" in failures[0].message
 
 
 def test_journal_error_keeps_a_coded_one_and_wraps_anything_else(tmp_path: Path) -> None:
-    coded = ControlPlaneError("disk", code=ErrorCode.JOURNAL_WRITE_FAILED)
+    coded = ControlPlaneError("disk", code=WireCode.JOURNAL_WRITE_FAILED)
     assert journal_error(coded, tmp_path) is coded
     wrapped = journal_error(ValueError("bad"), tmp_path)
-    assert wrapped.code is ErrorCode.JOURNAL_WRITE_FAILED
+    assert wrapped.code is WireCode.JOURNAL_WRITE_FAILED
     assert wrapped.message == f"cannot write the journal in {tmp_path}: ValueError: bad"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.wire.errors import ControlPlaneError, ErrorCode
+from controlplane.wire.errors import ControlPlaneError, LocalCode, WireCode
 from controlplane.wire.protocol import (
     Ack,
     AckState,
@@ -54,7 +54,7 @@ def settings(tmp_path: Path) -> WorkerSettings:
     )
 
 
-def rejected(found: Path | ControlPlaneError | None) -> ErrorCode:
+def rejected(found: Path | ControlPlaneError | None) -> WireCode | LocalCode:
     assert isinstance(found, ControlPlaneError), found
     return found.code
 
@@ -71,13 +71,13 @@ def test_precheck_resolves_the_weights_path_of_a_valid_reload(
 @pytest.mark.parametrize(
     ("issued", "ttl_s", "now", "code"),
     [
-        (T0, 600.0, T0 + timedelta(seconds=601), ErrorCode.EXPIRED),
-        (T0 + timedelta(seconds=61), 600.0, T0, ErrorCode.ISSUED_IN_FUTURE),
-        (T0, 3601.0, T0, ErrorCode.TTL_TOO_LONG),
+        (T0, 600.0, T0 + timedelta(seconds=601), WireCode.EXPIRED),
+        (T0 + timedelta(seconds=61), 600.0, T0, WireCode.ISSUED_IN_FUTURE),
+        (T0, 3601.0, T0, WireCode.TTL_TOO_LONG),
     ],
 )
 def test_precheck_rejects_in_the_order_expiry_issue_time_ttl(
-    settings: WorkerSettings, issued: datetime, ttl_s: float, now: datetime, code: ErrorCode
+    settings: WorkerSettings, issued: datetime, ttl_s: float, now: datetime, code: WireCode
 ) -> None:
     config = UpdateConfigSpec(overrides={"max_new_tokens": 3})
     assert rejected(precheck(command(config, issued=issued, ttl_s=ttl_s), now, settings)) is code
@@ -85,7 +85,7 @@ def test_precheck_rejects_in_the_order_expiry_issue_time_ttl(
 
 def test_precheck_rejects_a_path_outside_the_allowed_roots(settings: WorkerSettings) -> None:
     spec = ReloadWeightsSpec(path="/etc/passwd", version="v2")
-    assert rejected(precheck(command(spec), T0, settings)) is ErrorCode.PATH_NOT_ALLOWED
+    assert rejected(precheck(command(spec), T0, settings)) is WireCode.PATH_NOT_ALLOWED
 
 
 def test_a_replayed_ack_counts_an_attempt_and_says_so() -> None:

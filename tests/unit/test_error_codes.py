@@ -2,7 +2,8 @@
 
 A code that nothing emits is a promise to CI scripts and dashboards that nothing keeps. Plain
 text checks over the tree: the source (``controlplane/``, ``workers/``, outside ``errors.py``
-itself) must write ``ErrorCode.NAME`` somewhere, and some test must name its value.
+itself) must write ``WireCode.NAME`` or ``LocalCode.NAME`` somewhere, and some test must name
+its value.
 """
 
 from __future__ import annotations
@@ -12,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.wire.errors import REJECTION_CODES, RETRYABLE_CODES, CommandRejected, ErrorCode
+from controlplane.wire.errors import (
+    REJECTION_CODES,
+    RETRYABLE_CODES,
+    CommandRejected,
+    LocalCode,
+    WireCode,
+)
+from controlplane.wire.protocol import AckError
 
 ROOT = Path(__file__).resolve().parents[2]
 ERRORS_PY = ROOT / "controlplane" / "wire" / "errors.py"
@@ -31,18 +39,18 @@ SOURCE = _read(
     ]
 )
 TESTS = _read([path for path in (ROOT / "tests").rglob("*.py") if path != Path(__file__)])
-CODES = list(ErrorCode)
+CODES: list[WireCode | LocalCode] = [*WireCode, *LocalCode]
 
 
 @pytest.mark.parametrize("code", CODES, ids=str)
-def test_every_code_is_emitted_by_the_source(code: ErrorCode) -> None:
-    assert re.search(rf"\bErrorCode\.{code.name}\b", SOURCE), (
+def test_every_code_is_emitted_by_the_source(code: WireCode | LocalCode) -> None:
+    assert re.search(rf"\b{type(code).__name__}\.{code.name}\b", SOURCE), (
         f"nothing in controlplane/ or workers/ emits {code.value}: emit it or remove it"
     )
 
 
 @pytest.mark.parametrize("code", CODES, ids=str)
-def test_every_code_is_named_by_a_test(code: ErrorCode) -> None:
+def test_every_code_is_named_by_a_test(code: WireCode | LocalCode) -> None:
     assert re.search(rf"\b{code.value}\b", TESTS), f"no test names {code.value}"
 
 
@@ -51,25 +59,48 @@ def test_the_module_that_defines_the_codes_is_the_one_left_out() -> None:
     assert ERRORS_PY.is_file()
 
 
+def test_no_code_is_both_wire_and_local() -> None:
+    """One value, one meaning: a code either travels in messages or stays with its tool."""
+    assert not {code.value for code in WireCode} & {code.value for code in LocalCode}
+    assert all(code.name == code.value for code in CODES)
+
+
+@pytest.mark.parametrize(
+    ("code", "typed"),
+    [
+        ("EXPIRED", WireCode),
+        (WireCode.RUNNER_FAILED, WireCode),
+        (LocalCode.KAFKA_ERROR, str),  # not a code of the wire: as another producer's would be
+        ("SOMEONE_ELSES", str),
+    ],
+)
+def test_an_ack_error_code_is_a_wire_code_or_kept_as_a_str(code: str, typed: type) -> None:
+    error = AckError(code=code, message="m")
+    assert type(error.code) is typed and error.code == code
+    again = AckError.model_validate_json(error.model_dump_json())
+    assert again == error and type(again.code) is typed
+    assert error.model_dump_json() == f'{{"code":"{code}","message":"m","retryable":false}}'
+
+
 def test_the_code_sets_hold_only_codes_that_exist() -> None:
     assert set(RETRYABLE_CODES) <= set(CODES)
     assert set(REJECTION_CODES) <= set(CODES)
-    assert not RETRYABLE_CODES & {ErrorCode.MALFORMED_JSON, ErrorCode.DUPLICATE_KEY}
+    assert not RETRYABLE_CODES & {WireCode.MALFORMED_JSON, WireCode.DUPLICATE_KEY}
 
 
 def test_signature_codes_come_back_with_their_emitter() -> None:
     """Signing is its own issue: its codes are added with the code that emits them."""
-    assert "SIGNATURE_INVALID" not in ErrorCode.__members__
+    assert "SIGNATURE_INVALID" not in {code.name for code in CODES}
 
 
 def test_a_refused_command_always_says_why() -> None:
     """CommandRejected has no default code: each raise names the reason."""
     with pytest.raises(TypeError):
         CommandRejected("refused")  # type: ignore[call-arg]
-    err = CommandRejected("expired", code=ErrorCode.EXPIRED)
-    assert (err.code, err.is_rejection, err.retryable) == (ErrorCode.EXPIRED, True, False)
+    err = CommandRejected("expired", code=WireCode.EXPIRED)
+    assert (err.code, err.is_rejection, err.retryable) == (WireCode.EXPIRED, True, False)
 
 
 def test_codes_without_an_emitter_are_gone() -> None:
     """UNSUPPORTED_COMMAND had none: the command kinds are a closed union the decoder enforces."""
-    assert "UNSUPPORTED_COMMAND" not in ErrorCode.__members__
+    assert "UNSUPPORTED_COMMAND" not in {code.name for code in CODES}

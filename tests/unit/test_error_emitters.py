@@ -21,22 +21,22 @@ from aiokafka.errors import (
 
 from controlplane.kafka.broker import BrokerConfig, LocalBroker
 from controlplane.kafka.bus import translate
-from controlplane.wire.errors import BrokerError, BusError, ErrorCode
+from controlplane.wire.errors import BrokerError, BusError, LocalCode
 from tests.factories import free_port
 
 
 @pytest.mark.parametrize(
     ("error", "code"),
     [
-        (TopicAuthorizationFailedError(), ErrorCode.KAFKA_ERROR),
-        (UnknownTopicOrPartitionError(), ErrorCode.BROKER_UNAVAILABLE),  # retriable in aiokafka
-        (NotLeaderForPartitionError(), ErrorCode.BROKER_UNAVAILABLE),
-        (KafkaConnectionError("refused"), ErrorCode.BROKER_UNAVAILABLE),
-        (TimeoutError(), ErrorCode.BROKER_UNAVAILABLE),
+        (TopicAuthorizationFailedError(), LocalCode.KAFKA_ERROR),
+        (UnknownTopicOrPartitionError(), LocalCode.BROKER_UNAVAILABLE),  # retriable in aiokafka
+        (NotLeaderForPartitionError(), LocalCode.BROKER_UNAVAILABLE),
+        (KafkaConnectionError("refused"), LocalCode.BROKER_UNAVAILABLE),
+        (TimeoutError(), LocalCode.BROKER_UNAVAILABLE),
     ],
     ids=lambda v: type(v).__name__ if isinstance(v, Exception) else str(v),
 )
-def test_kafka_errors_are_translated_to_codes(error: Exception, code: ErrorCode) -> None:
+def test_kafka_errors_are_translated_to_codes(error: Exception, code: LocalCode) -> None:
     with pytest.raises(BusError) as caught, translate("publishing"):
         raise error
     assert caught.value.code is code
@@ -65,7 +65,7 @@ def test_a_broker_that_never_answers_is_broker_start_timeout(tmp_path: Path) -> 
             silent.kill()
         silent.wait()
     err = caught.value
-    assert err.code is ErrorCode.BROKER_START_TIMEOUT
+    assert err.code is LocalCode.BROKER_START_TIMEOUT
     assert err.retryable
     assert "did not answer a metadata request" in err.message
     assert "still starting..." in err.message  # the log's tail, to see why

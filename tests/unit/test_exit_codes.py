@@ -21,7 +21,7 @@ from controlplane.cli.common import app as controlplane_app
 from controlplane.kafka import bus
 from controlplane.kafka.broker import LocalBroker
 from controlplane.rollout.models import RolloutPhase
-from controlplane.wire.errors import ControlPlaneError, ErrorCode
+from controlplane.wire.errors import ControlPlaneError, LocalCode, WireCode
 from controlplane.wire.exits import (
     CLI_EXITS,
     PHASE_EXITS,
@@ -34,6 +34,8 @@ from controlplane.wire.exits import (
 from workers import cli as worker_cli
 from workers.agent import loop as agent_module
 
+#: Every code, wire and local: both command lines map each.
+CODES: list[WireCode | LocalCode] = [*WireCode, *LocalCode]
 README = Path(__file__).resolve().parents[2] / "README.md"
 ROLLOUTS_MD = Path(__file__).resolve().parents[2] / "docs" / "rollouts.md"
 
@@ -72,13 +74,13 @@ def test_the_worker_codes_are_the_ones_readme_documents() -> None:
     assert set(documented) == {int(e) for e in WorkerExit}, text
     for number, code in documented.items():
         if code:
-            assert WORKER_EXITS[ErrorCode(code)] == number, (code, number)
+            assert WORKER_EXITS[{c.value: c for c in CODES}[code]] == number, (code, number)
     assert documented[WorkerExit.SETTINGS] == "SETTINGS_INVALID"
-    assert "Kafka" in text and WORKER_EXITS[ErrorCode.BROKER_UNAVAILABLE] == 4
+    assert "Kafka" in text and WORKER_EXITS[LocalCode.BROKER_UNAVAILABLE] == 4
 
 
 def test_every_error_code_maps_to_a_documented_exit() -> None:
-    for code in ErrorCode:
+    for code in CODES:
         error = ControlPlaneError("x", code=code)
         assert cli_exit(error) in (Exit.FAILED, Exit.INVALID, Exit.UNREACHABLE, Exit.UNKNOWN)
         assert worker_exit(error) in set(WorkerExit) - {WorkerExit.OK}
@@ -116,9 +118,9 @@ def invoke(app: typer.Typer, args: list[str]) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
-@pytest.mark.parametrize("code", list(ErrorCode))
+@pytest.mark.parametrize("code", CODES)
 def test_controlplane_fail_maps_every_code(
-    monkeypatch: pytest.MonkeyPatch, code: ErrorCode
+    monkeypatch: pytest.MonkeyPatch, code: WireCode | LocalCode
 ) -> None:
     """Through ``fail``: a command's own ``except ControlPlaneError`` (broker install)."""
 
@@ -150,17 +152,17 @@ class _Failing:
     ("error", "exit_code", "line"),
     [
         (
-            ControlPlaneError("down", code=ErrorCode.BROKER_UNAVAILABLE),
+            ControlPlaneError("down", code=LocalCode.BROKER_UNAVAILABLE),
             Exit.UNREACHABLE,
             "error: BROKER_UNAVAILABLE: down",
         ),
         (
-            ControlPlaneError("maybe", code=ErrorCode.PUBLISH_OUTCOME_UNKNOWN),
+            ControlPlaneError("maybe", code=LocalCode.PUBLISH_OUTCOME_UNKNOWN),
             Exit.UNKNOWN,
             "error: PUBLISH_OUTCOME_UNKNOWN: maybe",
         ),
         (
-            ControlPlaneError("differs", code=ErrorCode.TOPIC_MISMATCH),
+            ControlPlaneError("differs", code=LocalCode.TOPIC_MISMATCH),
             Exit.FAILED,
             "error: TOPIC_MISMATCH: differs",
         ),
@@ -200,7 +202,7 @@ def test_controlplane_a_missing_java_exits_1() -> None:
 @pytest.mark.parametrize(
     ("error", "exit_code", "line"),
     [
-        (ControlPlaneError("x", code=ErrorCode.SCHEMA_INVALID), 1, "error: SCHEMA_INVALID: x"),
+        (ControlPlaneError("x", code=WireCode.SCHEMA_INVALID), 1, "error: SCHEMA_INVALID: x"),
         (KeyError("k"), 5, "error: INTERNAL: KeyError: 'k'"),
     ],
 )
@@ -226,9 +228,9 @@ def test_controlplane_last_net(
 # --------------------------------------------------------------------------- fleet-worker
 
 
-@pytest.mark.parametrize("code", list(ErrorCode))
+@pytest.mark.parametrize("code", CODES)
 def test_worker_run_maps_every_code(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, code: ErrorCode
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, code: WireCode | LocalCode
 ) -> None:
     """Whatever stops the agent: the line and the exit of its code."""
 

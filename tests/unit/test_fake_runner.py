@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.wire.errors import ErrorCode, RunnerError, WeightsCorrupted
+from controlplane.wire.errors import RunnerError, WeightsCorrupted, WireCode
 from controlplane.wire.protocol import ReloadWeightsSpec
 from workers.runners.fake_runner import FakeRunner
 
@@ -39,11 +39,11 @@ def test_model_not_loaded_and_missing_path(ckpt: Path) -> None:
     runner = FakeRunner({})
     with pytest.raises(RunnerError) as info:
         runner.reload_weights(spec("v1", ckpt), ckpt)
-    assert info.value.code is ErrorCode.MODEL_NOT_LOADED
+    assert info.value.code is WireCode.MODEL_NOT_LOADED
     runner.load()
     with pytest.raises(RunnerError) as info:
         runner.reload_weights(spec("v1", ckpt.parent / "nope"), ckpt.parent / "nope")
-    assert info.value.code is ErrorCode.WEIGHTS_UNREADABLE
+    assert info.value.code is WireCode.WEIGHTS_UNREADABLE
 
 
 def test_a_scripted_load_failure_leaves_no_model(ckpt: Path) -> None:
@@ -53,7 +53,7 @@ def test_a_scripted_load_failure_leaves_no_model(ckpt: Path) -> None:
     assert not runner.describe().model_loaded and runner.describe().weights_version is None
     with pytest.raises(RunnerError) as info:
         runner.reload_weights(spec("v1", ckpt), ckpt)
-    assert info.value.code is ErrorCode.MODEL_NOT_LOADED
+    assert info.value.code is WireCode.MODEL_NOT_LOADED
 
 
 def test_scripted_failure_and_corruption(ckpt: Path) -> None:
@@ -61,7 +61,7 @@ def test_scripted_failure_and_corruption(ckpt: Path) -> None:
     runner.load()
     with pytest.raises(RunnerError) as info:
         runner.reload_weights(spec("fail-1", ckpt), ckpt)
-    assert info.value.code is ErrorCode.RUNNER_FAILED
+    assert info.value.code is WireCode.RUNNER_FAILED
     assert runner.describe().degraded is None
     with pytest.raises(WeightsCorrupted) as corrupted:
         runner.reload_weights(spec("corrupt-2", ckpt), ckpt)
@@ -80,7 +80,7 @@ def test_delay_is_cancellable(ckpt: Path) -> None:
     cancel.set()
     with pytest.raises(RunnerError) as info:
         runner.reload_weights(spec("v1", ckpt), ckpt, cancel=cancel)
-    assert info.value.code is ErrorCode.COMMAND_TIMEOUT
+    assert info.value.code is WireCode.COMMAND_TIMEOUT
     assert runner.describe().weights_version == "init"
 
 
@@ -93,5 +93,5 @@ def test_update_config_is_validated(ckpt: Path) -> None:
     assert after.config["max_new_tokens"] == 8 and after.config_digest != before.config_digest
     with pytest.raises(RunnerError) as info:
         runner.update_config({"max_new_tokens": 9, "nope": 1})
-    assert info.value.code is ErrorCode.CONFIG_KEY_REJECTED
+    assert info.value.code is WireCode.CONFIG_KEY_REJECTED
     assert runner.describe().config["max_new_tokens"] == 8

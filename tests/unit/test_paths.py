@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.wire.errors import CommandRejected, ErrorCode, RunnerError
+from controlplane.wire.errors import CommandRejected, RunnerError, WireCode
 from workers.weights.paths import checkpoint_files, relative_member, resolve_weights_path
 
 
@@ -23,7 +23,7 @@ def root(tmp_path: Path) -> Path:
 def rejected(path: str, roots: list[Path]) -> CommandRejected:
     with pytest.raises(CommandRejected) as info:
         resolve_weights_path(path, roots)
-    assert info.value.code is ErrorCode.PATH_NOT_ALLOWED
+    assert info.value.code is WireCode.PATH_NOT_ALLOWED
     assert info.value.is_rejection
     return info.value
 
@@ -82,7 +82,7 @@ def test_any_of_several_roots(root: Path, tmp_path: Path) -> None:
 def unreadable(path: Path) -> RunnerError:
     with pytest.raises(RunnerError) as info:
         checkpoint_files(path)
-    assert info.value.code is ErrorCode.WEIGHTS_UNREADABLE
+    assert info.value.code is WireCode.WEIGHTS_UNREADABLE
     return info.value
 
 
@@ -152,7 +152,7 @@ def test_index_naming_files_outside_the_checkpoint_is_refused(tmp_path: Path, na
     index.write_text(json.dumps({"weight_map": {"a": name}}))
     with pytest.raises(CommandRejected) as info:
         checkpoint_files(index)
-    assert info.value.code is ErrorCode.PATH_NOT_ALLOWED
+    assert info.value.code is WireCode.PATH_NOT_ALLOWED
 
 
 def test_missing_and_non_checkpoint_paths_are_unreadable(tmp_path: Path) -> None:
@@ -179,7 +179,7 @@ def test_relative_member() -> None:
 def not_allowed(path: Path, roots: list[Path] | None = None) -> CommandRejected:
     with pytest.raises(CommandRejected) as info:
         checkpoint_files(path, roots)
-    assert info.value.code is ErrorCode.PATH_NOT_ALLOWED
+    assert info.value.code is WireCode.PATH_NOT_ALLOWED
     return info.value
 
 

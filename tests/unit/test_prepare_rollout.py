@@ -7,7 +7,7 @@ import pytest
 
 from controlplane.coordinator.publisher import RolloutRequest, build_command, prepare_rollout
 from controlplane.rollout.fleet import Fleet
-from controlplane.wire.errors import CommandRejected, ErrorCode
+from controlplane.wire.errors import CommandRejected, LocalCode, WireCode
 from controlplane.wire.protocol import ReloadWeightsSpec, Selector
 from tests.factories import at, heartbeat
 
@@ -35,7 +35,7 @@ def test_liveness_is_judged_at_as_of_not_at_now() -> None:
     request = RolloutRequest(SPEC, Selector(labels={"model": "tiny"}))
     with pytest.raises(CommandRejected) as caught:
         prepare_rollout(request, fleet(), as_of=at(500), now=at(1), issuer="me@cli")
-    assert caught.value.code is ErrorCode.NO_MATCHING_WORKERS
+    assert caught.value.code is LocalCode.NO_MATCHING_WORKERS
 
 
 def test_a_rollout_id_in_the_log_is_refused_before_anything_else() -> None:
@@ -47,7 +47,7 @@ def test_a_rollout_id_in_the_log_is_refused_before_anything_else() -> None:
     request = RolloutRequest(SPEC, Selector(labels={"model": "nobody"}), rollout_id="r-old")
     with pytest.raises(CommandRejected) as caught:
         prepare_rollout(request, known, as_of=at(1), now=at(1), issuer="me@cli")
-    assert caught.value.code is ErrorCode.ROLLOUT_EXISTS
+    assert caught.value.code is LocalCode.ROLLOUT_EXISTS
     fresh = RolloutRequest(SPEC, Selector(worker_ids=["w3"]), rollout_id="r-new")
     command = prepare_rollout(fresh, known, as_of=at(1), now=at(1), issuer="me@cli")
     assert (command.rollout_id, command.selector.worker_ids) == ("r-new", ["w3"])
@@ -58,4 +58,4 @@ def test_a_ttl_over_the_maximum_is_refused() -> None:
     request = RolloutRequest(SPEC, Selector(worker_ids=["w1"]), ttl_s=1e9)
     with pytest.raises(CommandRejected) as caught:
         prepare_rollout(request, fleet(), as_of=at(1), now=at(1), issuer="me@cli")
-    assert caught.value.code is ErrorCode.TTL_TOO_LONG
+    assert caught.value.code is WireCode.TTL_TOO_LONG

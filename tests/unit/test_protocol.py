@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from controlplane.wire.errors import ErrorCode, ProtocolError
+from controlplane.wire.errors import ProtocolError, WireCode
 from controlplane.wire.protocol import (
     MAX_MESSAGE_BYTES,
     Ack,
@@ -81,7 +81,7 @@ def ack(state: AckState = AckState.SUCCEEDED, **fields: Any) -> Ack:
         "sent_at": T0 + timedelta(seconds=1),
     }
     if state in (AckState.FAILED, AckState.REJECTED):
-        values["error"] = AckError(code=ErrorCode.WEIGHTS_MISSING, message="no tensor 'w'")
+        values["error"] = AckError(code=WireCode.WEIGHTS_MISSING, message="no tensor 'w'")
     values.update(fields)
     return Ack(**values)
 
@@ -164,7 +164,7 @@ def valid_messages() -> list[tuple[str, Message]]:
                 AckState.REJECTED,
                 kind=None,
                 error=AckError(
-                    code=ErrorCode.SCHEMA_INVALID, message="spec: missing", retryable=False
+                    code=WireCode.SCHEMA_INVALID, message="spec: missing", retryable=False
                 ),
             ),
         ),
@@ -191,7 +191,7 @@ def valid_messages() -> list[tuple[str, Message]]:
             heartbeat(
                 status=WorkerStatus.DEGRADED,
                 degraded=Degraded(
-                    code=ErrorCode.WEIGHTS_CORRUPTED,
+                    code=WireCode.WEIGHTS_CORRUPTED,
                     message="copy failed at layer 12",
                     from_version=None,
                     to_version="v42",
@@ -311,7 +311,7 @@ def test_expiry_must_be_after_issue(delta: timedelta) -> None:
         reload_command(expires_at=T0 + delta)
     data = dumps(command_dict(expires_at=(T0 + delta).isoformat()))
     err = refusal(data)
-    assert err.code is ErrorCode.SCHEMA_INVALID
+    assert err.code is WireCode.SCHEMA_INVALID
     assert "expires_at must be after issued_at" in err.message
 
 
@@ -355,7 +355,7 @@ def test_ack_terminal_states() -> None:
 def test_unsuccessful_ack_without_error_is_refused_on_the_wire() -> None:
     raw = json.loads(encode(ack(AckState.FAILED)))
     raw["error"] = None
-    assert refusal(dumps(raw), decode_ack).code is ErrorCode.SCHEMA_INVALID
+    assert refusal(dumps(raw), decode_ack).code is WireCode.SCHEMA_INVALID
 
 
 def test_timings_duration() -> None:
@@ -398,7 +398,7 @@ def test_identifier_refused(field: str, value: str) -> None:
     with pytest.raises(ValidationError):
         reload_command(**{field: value})
     err = refusal(dumps(command_dict(**{field: value})))
-    assert err.code is ErrorCode.SCHEMA_INVALID
+    assert err.code is WireCode.SCHEMA_INVALID
     assert field in err.message
 
 
@@ -493,7 +493,7 @@ def test_a_huge_heartbeat_interval_is_refused_on_the_wire() -> None:
     for interval in (b"1e300", b"3600.5", b"1" + b"0" * 400):
         data = encode(heartbeat()).replace(b'"interval_s":2.0', b'"interval_s":' + interval)
         err = refusal(data, decode_heartbeat)
-        assert err.code is ErrorCode.SCHEMA_INVALID
+        assert err.code is WireCode.SCHEMA_INVALID
         assert "interval_s" in err.message
 
 
@@ -514,7 +514,7 @@ def test_counters_are_bounded_by_2_to_the_53(kind: str, field: str) -> None:
     for value in (2**53 + 1, 2**64, 10**4000):
         raw[field] = value
         err = refusal(dumps(raw), DECODERS[kind])
-        assert err.code is ErrorCode.SCHEMA_INVALID
+        assert err.code is WireCode.SCHEMA_INVALID
         assert field in err.message
 
 
@@ -543,7 +543,7 @@ def test_date_times_out_of_range_are_refused(value: str) -> None:
     ]
     for decoder, raw in cases:
         err = refusal(dumps(raw), decoder)
-        assert err.code is ErrorCode.SCHEMA_INVALID
+        assert err.code is WireCode.SCHEMA_INVALID
         assert "date-time out of range" in err.message
         assert "1970-01-01T00:00:00Z and 9000-01-01T00:00:00Z" in err.message
     with pytest.raises(ValidationError, match="out of range"):
@@ -573,7 +573,7 @@ def test_discriminator_on_spec_kind() -> None:
     ]
     for spec in refused:
         err = refusal(dumps(command_dict(spec=spec)))
-        assert err.code is ErrorCode.SCHEMA_INVALID, spec
+        assert err.code is WireCode.SCHEMA_INVALID, spec
         assert "spec" in err.message
     with pytest.raises(ValidationError):
         Command.model_validate({**command_dict(), "spec": {"kind": "restart"}})
@@ -593,17 +593,17 @@ def test_extra_fields_are_forbidden(mutate: Any) -> None:
     raw = command_dict()
     mutate(raw)
     err = refusal(dumps(raw))
-    assert err.code is ErrorCode.SCHEMA_INVALID
+    assert err.code is WireCode.SCHEMA_INVALID
     assert "Extra inputs are not permitted" in err.message
 
 
 def test_extra_fields_are_forbidden_in_acks_and_heartbeats() -> None:
     raw = json.loads(encode(ack()))
     raw["timings"]["queued_at"] = "2025-06-01T12:00:00Z"
-    assert refusal(dumps(raw), decode_ack).code is ErrorCode.SCHEMA_INVALID
+    assert refusal(dumps(raw), decode_ack).code is WireCode.SCHEMA_INVALID
     raw = json.loads(encode(heartbeat()))
     raw["gpu_count"] = 8
-    assert refusal(dumps(raw), decode_heartbeat).code is ErrorCode.SCHEMA_INVALID
+    assert refusal(dumps(raw), decode_heartbeat).code is WireCode.SCHEMA_INVALID
     with pytest.raises(ValidationError):
         Heartbeat.model_validate({**raw})
 
@@ -632,14 +632,14 @@ def test_extra_fields_are_forbidden_in_acks_and_heartbeats() -> None:
 )
 def test_naive_or_non_rfc3339_datetimes_are_refused(value: str) -> None:
     err = refusal(dumps(command_dict(issued_at=value, expires_at="2100-01-01T00:00:00Z")))
-    assert err.code is ErrorCode.SCHEMA_INVALID
+    assert err.code is WireCode.SCHEMA_INVALID
     assert "issued_at" in err.message
 
 
 @pytest.mark.parametrize("value", [1748779200, 1748779200.5, True, None, [], {}])
 def test_datetimes_must_be_strings(value: Any) -> None:
     err = refusal(dumps(command_dict(issued_at=value, expires_at="2100-01-01T00:00:00Z")))
-    assert err.code is ErrorCode.SCHEMA_INVALID
+    assert err.code is WireCode.SCHEMA_INVALID
 
 
 def test_naive_datetimes_are_refused_in_python() -> None:
@@ -667,7 +667,7 @@ def test_naive_datetimes_are_refused_in_python() -> None:
 )
 def test_no_lax_type_coercion_on_the_wire(field: str, value: Any) -> None:
     """The decoder is as strict as the published schema: "30" is not a number, 0 is not false."""
-    assert refusal(dumps(command_dict(**{field: value}))).code is ErrorCode.SCHEMA_INVALID
+    assert refusal(dumps(command_dict(**{field: value}))).code is WireCode.SCHEMA_INVALID
 
 
 def test_messages_are_frozen() -> None:
@@ -900,7 +900,7 @@ def test_duplicate_keys_are_refused_anywhere(
     data = pretty(duplicated_base(kind))
     assert find in data
     err = refusal(data.replace(find, write.replace(b"\\n", b"\n"), 1), DECODERS[kind.split("_")[0]])
-    assert err.code is ErrorCode.DUPLICATE_KEY
+    assert err.code is WireCode.DUPLICATE_KEY
     assert f'duplicate key "{key}"' in err.message
     assert_nackable(err)
 
@@ -936,7 +936,7 @@ def test_the_same_key_in_different_objects_is_no_duplicate() -> None:
 
 def test_a_duplicate_key_is_refused_before_the_schema_version() -> None:
     data = pretty(command_dict(schema_version=2)).replace(b'"issuer"', b'"issuer": "x", "issuer"')
-    assert refusal(data).code is ErrorCode.DUPLICATE_KEY
+    assert refusal(data).code is WireCode.DUPLICATE_KEY
 
 
 # --------------------------------------------------------------------------- decode errors
@@ -970,7 +970,7 @@ def test_a_duplicate_key_is_refused_before_the_schema_version() -> None:
 @pytest.mark.parametrize("kind", sorted(DECODERS))
 def test_malformed_json(kind: str, data: bytes) -> None:
     err = refusal(data, DECODERS[kind])
-    assert err.code is ErrorCode.MALFORMED_JSON
+    assert err.code is WireCode.MALFORMED_JSON
     assert err.command_id is None
     assert_nackable(err)
 
@@ -978,14 +978,14 @@ def test_malformed_json(kind: str, data: bytes) -> None:
 def test_truncated_command_is_malformed() -> None:
     data = encode(reload_command())
     for cut in (1, len(data) // 2, len(data) - 1):
-        assert refusal(data[:cut]).code is ErrorCode.MALFORMED_JSON
+        assert refusal(data[:cut]).code is WireCode.MALFORMED_JSON
 
 
 @pytest.mark.parametrize("data", [b"[]", b"[1, 2]", b"42", b"1.5", b'"text"', b"null", b"true"])
 @pytest.mark.parametrize("kind", sorted(DECODERS))
 def test_not_an_object(kind: str, data: bytes) -> None:
     err = refusal(data, DECODERS[kind])
-    assert err.code is ErrorCode.SCHEMA_INVALID
+    assert err.code is WireCode.SCHEMA_INVALID
     assert "expected a JSON object" in err.message
 
 
@@ -996,7 +996,7 @@ def test_missing_required_field(missing: str) -> None:
     raw = command_dict()
     del raw[missing]
     err = refusal(dumps(raw))
-    assert err.code is ErrorCode.SCHEMA_INVALID
+    assert err.code is WireCode.SCHEMA_INVALID
     assert missing in err.message
     assert_nackable(err)
 
@@ -1007,7 +1007,7 @@ def test_unsupported_schema_version(kind: str, version: Any) -> None:
     raw = json.loads(encode(MINIMAL[kind]))
     raw["schema_version"] = version
     err = refusal(dumps(raw), DECODERS[kind])
-    assert err.code is ErrorCode.UNSUPPORTED_SCHEMA_VERSION
+    assert err.code is WireCode.UNSUPPORTED_SCHEMA_VERSION
     assert "this build speaks 1" in err.message
     assert_nackable(err)
 
@@ -1016,13 +1016,13 @@ def test_unsupported_schema_version(kind: str, version: Any) -> None:
 def test_missing_schema_version_is_unsupported(kind: str) -> None:
     raw = json.loads(encode(MINIMAL[kind]))
     del raw["schema_version"]
-    assert refusal(dumps(raw), DECODERS[kind]).code is ErrorCode.UNSUPPORTED_SCHEMA_VERSION
+    assert refusal(dumps(raw), DECODERS[kind]).code is WireCode.UNSUPPORTED_SCHEMA_VERSION
 
 
 def test_future_schema_version_is_unsupported_whatever_else_changed() -> None:
     raw = command_dict(schema_version=2, spec={"kind": "restart_engine"}, priority="high")
     err = refusal(dumps(raw))
-    assert err.code is ErrorCode.UNSUPPORTED_SCHEMA_VERSION
+    assert err.code is WireCode.UNSUPPORTED_SCHEMA_VERSION
     assert (err.command_id, err.rollout_id) == ("cmd-42", "rollout-42")
 
 
@@ -1032,7 +1032,7 @@ def test_message_too_large() -> None:
     )
     data = dumps(raw)
     err = refusal(data)
-    assert err.code is ErrorCode.MESSAGE_TOO_LARGE
+    assert err.code is WireCode.MESSAGE_TOO_LARGE
     assert str(len(data)) in err.message
     assert err.command_id == "cmd-42"  # read from the head of the message, for the NACK
     assert_nackable(err)
@@ -1043,14 +1043,14 @@ def test_message_too_large_with_a_custom_limit(kind: str) -> None:
     data = encode(MINIMAL[kind])
     assert DECODERS[kind](data, max_bytes=len(data)) is not None
     err = refusal(data, lambda d: DECODERS[kind](d, max_bytes=len(data) - 1))
-    assert err.code is ErrorCode.MESSAGE_TOO_LARGE
+    assert err.code is WireCode.MESSAGE_TOO_LARGE
 
 
 def test_message_too_large_keeps_both_ids() -> None:
     raw = command_dict(spec={"kind": "update_config", "overrides": {"b": "x" * MAX_MESSAGE_BYTES}})
     err = refusal(dumps(raw))
     assert (err.code, err.command_id, err.rollout_id) == (
-        ErrorCode.MESSAGE_TOO_LARGE,
+        WireCode.MESSAGE_TOO_LARGE,
         "cmd-42",
         "rollout-42",
     )
@@ -1058,7 +1058,7 @@ def test_message_too_large_keeps_both_ids() -> None:
 
 def test_message_too_large_checked_before_parsing() -> None:
     err = refusal(b"\xff" * (MAX_MESSAGE_BYTES + 1))
-    assert err.code is ErrorCode.MESSAGE_TOO_LARGE
+    assert err.code is WireCode.MESSAGE_TOO_LARGE
     assert err.command_id is None
 
 
@@ -1067,7 +1067,7 @@ def test_limit_is_inclusive() -> None:
     padded = data + b" " * (MAX_MESSAGE_BYTES - len(data))
     assert len(padded) == MAX_MESSAGE_BYTES
     assert decode_command(padded).command_id == "cmd-42"
-    assert refusal(padded + b" ").code is ErrorCode.MESSAGE_TOO_LARGE
+    assert refusal(padded + b" ").code is WireCode.MESSAGE_TOO_LARGE
 
 
 # --------------------------------------------------------------------------- ids for the NACK
@@ -1089,7 +1089,7 @@ def test_limit_is_inclusive() -> None:
 )
 def test_command_id_recovered_from_a_broken_but_readable_command(broken: dict[str, Any]) -> None:
     err = refusal(dumps(command_dict(**broken)))
-    assert err.code in (ErrorCode.SCHEMA_INVALID, ErrorCode.UNSUPPORTED_SCHEMA_VERSION)
+    assert err.code in (WireCode.SCHEMA_INVALID, WireCode.UNSUPPORTED_SCHEMA_VERSION)
     assert err.command_id == "cmd-42"
     assert err.rollout_id == "rollout-42"
     assert_nackable(err)
@@ -1146,7 +1146,7 @@ MALFORMED_BUT_READABLE: dict[str, tuple[bytes, str]] = {
 )
 def test_malformed_but_readable_records_keep_their_ids(data: bytes, says: str) -> None:
     err = refusal(data)
-    assert err.code is ErrorCode.MALFORMED_JSON
+    assert err.code is WireCode.MALFORMED_JSON
     assert re.search(says, err.message), err.message
     assert "UTF-8" not in err.message or "invalid UTF-8" in says
     assert (err.command_id, err.rollout_id) == ("cmd-42", "rollout-42")
@@ -1157,7 +1157,7 @@ def test_malformed_but_readable_records_keep_their_ids(data: bytes, says: str) -
 def test_malformed_acks_and_heartbeats_keep_their_ids_too(kind: str) -> None:
     data = encode(MINIMAL[kind])
     err = refusal(data[:-3], DECODERS[kind])
-    assert err.code is ErrorCode.MALFORMED_JSON
+    assert err.code is WireCode.MALFORMED_JSON
     if kind == "ack":
         assert (err.command_id, err.rollout_id) == ("cmd-1", "rollout-1")
     else:
@@ -1185,7 +1185,7 @@ UNREADABLE: dict[str, bytes] = {
 @pytest.mark.parametrize("data", UNREADABLE.values(), ids=list(UNREADABLE))
 def test_ids_that_are_not_plainly_readable_are_not_guessed(data: bytes) -> None:
     err = refusal(data)
-    assert err.code is ErrorCode.MALFORMED_JSON
+    assert err.code is WireCode.MALFORMED_JSON
     assert err.command_id is None
     if data.startswith(b'{"a": [1 2]'):
         assert err.rollout_id is None
@@ -1206,7 +1206,7 @@ def test_the_damage_is_found_after_the_ids_too() -> None:
 )
 def test_ids_that_an_ack_could_not_carry_are_not_recovered(bad_id: Any) -> None:
     err = refusal(dumps(command_dict(command_id=bad_id, rollout_id=bad_id, spec={})))
-    assert err.code is ErrorCode.SCHEMA_INVALID
+    assert err.code is WireCode.SCHEMA_INVALID
     assert err.command_id is None
     assert err.rollout_id is None
     assert_nackable(err)
@@ -1246,16 +1246,16 @@ def test_refusal_lists_several_problems() -> None:
 
 
 PROTOCOL_CODES = [
-    ErrorCode.MALFORMED_JSON,
-    ErrorCode.SCHEMA_INVALID,
-    ErrorCode.UNSUPPORTED_SCHEMA_VERSION,
-    ErrorCode.MESSAGE_TOO_LARGE,
-    ErrorCode.DUPLICATE_KEY,
+    WireCode.MALFORMED_JSON,
+    WireCode.SCHEMA_INVALID,
+    WireCode.UNSUPPORTED_SCHEMA_VERSION,
+    WireCode.MESSAGE_TOO_LARGE,
+    WireCode.DUPLICATE_KEY,
 ]
 
 
 @pytest.mark.parametrize("code", PROTOCOL_CODES)
-def test_protocol_codes_are_rejections_and_not_retryable(code: ErrorCode) -> None:
+def test_protocol_codes_are_rejections_and_not_retryable(code: WireCode) -> None:
     err = ProtocolError("x", code=code)
     assert err.is_rejection
     assert not err.retryable

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from controlplane.wire.errors import ErrorCode, ProtocolError
+from controlplane.wire.errors import LocalCode, ProtocolError, WireCode
 from controlplane.wire.protocol import (
     Ack,
     AckError,
@@ -140,7 +140,7 @@ def acks(draw: st.DrawFn) -> Ack:
     error = None
     if needs_error or (may_error and draw(st.booleans())):
         error = AckError(
-            code=draw(st.sampled_from(ErrorCode)),
+            code=draw(st.sampled_from([*WireCode, *LocalCode])),
             message=draw(st.text(max_size=200)),
             retryable=draw(st.booleans()),
         )
@@ -217,7 +217,7 @@ def assert_model_or_protocol_error(name: str, data: bytes) -> Message | None:
         message: Message = DECODERS[name](data)
     except ProtocolError as err:
         event(f"refused: {err.code}")
-        assert isinstance(err.code, ErrorCode)
+        assert isinstance(err.code, WireCode)
         assert err.code in PROTOCOL_CODES
         assert isinstance(err.message, str)
         assert len(err.message) <= 1024
@@ -517,7 +517,7 @@ def test_a_repeated_key_anywhere_is_refused(name: str, data: st.DataObject) -> N
     with pytest.raises(ProtocolError) as caught:
         DECODERS[name](wire)
     err = caught.value
-    assert err.code is ErrorCode.DUPLICATE_KEY, err
+    assert err.code is WireCode.DUPLICATE_KEY, err
     assert json.dumps(key, ensure_ascii=False)[:60] in err.message
     assert_nackable(err)
     if target is tree and key == "command_id" and again != tree[key]:
@@ -548,7 +548,7 @@ def test_huge_numbers_are_refused(name: str, data: st.DataObject) -> None:
     raw[field] = number
     with pytest.raises(ProtocolError) as caught:
         DECODERS[name](dump(raw).encode())
-    assert caught.value.code in (ErrorCode.SCHEMA_INVALID, ErrorCode.MALFORMED_JSON)
+    assert caught.value.code in (WireCode.SCHEMA_INVALID, WireCode.MALFORMED_JSON)
     assert_nackable(caught.value)
 
 

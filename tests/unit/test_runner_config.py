@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pydantic import Field
 
-from controlplane.wire.errors import ErrorCode, RunnerError
+from controlplane.wire.errors import RunnerError, WireCode
 from workers.runners.base import (
     RUNNERS,
     ReloadResult,
@@ -60,7 +60,7 @@ def test_overrides_apply_and_leave_the_original_alone() -> None:
 def test_bad_values_are_rejected(overrides: dict[str, Any]) -> None:
     with pytest.raises(RunnerError) as info:
         apply_overrides(Config(), overrides)
-    assert info.value.code is ErrorCode.CONFIG_VALUE_INVALID
+    assert info.value.code is WireCode.CONFIG_VALUE_INVALID
     assert info.value.is_rejection
     assert next(iter(overrides)) in info.value.message
 
@@ -69,7 +69,7 @@ def test_unknown_keys_are_rejected_all_or_nothing() -> None:
     current = Config(max_new_tokens=4)
     with pytest.raises(RunnerError) as info:
         apply_overrides(current, {"max_new_tokens": 8, "max_tokens": 8, "beam": 2})
-    assert info.value.code is ErrorCode.CONFIG_KEY_REJECTED
+    assert info.value.code is WireCode.CONFIG_KEY_REJECTED
     assert "beam" in info.value.message and "max_tokens" in info.value.message
     assert current.max_new_tokens == 4
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, create_model, model_validator
 
-from controlplane.wire.errors import ErrorCode, RunnerError
+from controlplane.wire.errors import RunnerError, WireCode
 from workers.runners.base import RunnerConfig, apply_overrides, parse_options
 
 #: Seven integer keys, a to g: two more than a message lists.
@@ -18,7 +18,7 @@ Seven = create_model("Seven", __base__=RunnerConfig, **SEVEN_KEYS)
 def test_config_values_past_the_fifth_are_counted() -> None:
     with pytest.raises(RunnerError) as refused:
         apply_overrides(Seven(), {k: "x" for k in "abcdefg"})
-    assert refused.value.code is ErrorCode.CONFIG_VALUE_INVALID
+    assert refused.value.code is WireCode.CONFIG_VALUE_INVALID
     got = "Input should be a valid integer (got 'x')"
     assert refused.value.message == (
         f"invalid config value(s): a: {got}; b: {got}; c: {got}; d: {got}; e: {got}; ... and 2 more"

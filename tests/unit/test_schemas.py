@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 from jsonschema import Draft202012Validator, FormatChecker
 
-from controlplane.wire.errors import ErrorCode, ProtocolError
+from controlplane.wire.errors import ProtocolError, WireCode
 from controlplane.wire.protocol import encode, json_schemas
 from controlplane.wire.schema_export import (
     EXPORT_COMMAND,
@@ -310,7 +310,7 @@ def test_invalid_messages_are_refused_by_schema_and_decoder(
     assert schema_errors(name, instance), f"the {name} schema accepted {case}"
     with pytest.raises(ProtocolError) as caught:
         DECODERS[name](json.dumps(instance).encode())
-    assert caught.value.code in (ErrorCode.SCHEMA_INVALID, ErrorCode.UNSUPPORTED_SCHEMA_VERSION)
+    assert caught.value.code in (WireCode.SCHEMA_INVALID, WireCode.UNSUPPORTED_SCHEMA_VERSION)
 
 
 def test_rules_beyond_a_schema_are_the_decoders() -> None:
@@ -319,4 +319,4 @@ def test_rules_beyond_a_schema_are_the_decoders() -> None:
     assert schema_errors("command", instance) == []
     with pytest.raises(ProtocolError) as caught:
         DECODERS["command"](json.dumps(instance).encode())
-    assert caught.value.code is ErrorCode.SCHEMA_INVALID
+    assert caught.value.code is WireCode.SCHEMA_INVALID

@@ -6,7 +6,7 @@ import pytest
 
 from controlplane.coordinator.service import CoordinatorSettings
 from controlplane.kafka.settings import KafkaSettings, load_settings
-from controlplane.wire.errors import ControlPlaneError, ErrorCode
+from controlplane.wire.errors import ControlPlaneError, WireCode
 from controlplane.wire.topics import Topics, default_min_insync_replicas
 from workers.agent.settings import WorkerSettings
 
@@ -69,7 +69,7 @@ def test_kafka_settings_pass_replication_to_the_topics() -> None:
 def test_min_insync_above_the_factor_is_a_coded_settings_error() -> None:
     with pytest.raises(ControlPlaneError) as info:
         load_settings(KafkaSettings, replication_factor=2, min_insync_replicas=3)
-    assert info.value.code is ErrorCode.SCHEMA_INVALID
+    assert info.value.code is WireCode.SCHEMA_INVALID
     assert "min_insync_replicas 3 exceeds replication_factor 2" in info.value.message
 
 

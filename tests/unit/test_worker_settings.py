@@ -9,7 +9,7 @@ import pytest
 from pydantic import Field
 
 from controlplane.kafka.settings import load_settings
-from controlplane.wire.errors import ControlPlaneError, ErrorCode
+from controlplane.wire.errors import ControlPlaneError, LocalCode
 from controlplane.wire.protocol import MAX_HEARTBEAT_INTERVAL_S, MAX_LEASE_S, Heartbeat
 from workers.agent import settings as settings_module
 from workers.agent.settings import WorkerSettings, load_worker_settings, worker_dir_name
@@ -49,7 +49,7 @@ def test_what_a_heartbeat_carries_is_checked_when_the_settings_are_built(
     (field,) = values
     with pytest.raises(ControlPlaneError) as refused:
         load_worker_settings(**values)
-    assert refused.value.code is ErrorCode.SETTINGS_INVALID and field in refused.value.message
+    assert refused.value.code is LocalCode.SETTINGS_INVALID and field in refused.value.message
 
 
 def test_any_rule_of_the_wire_applies_to_the_settings_it_comes_from(
@@ -64,7 +64,7 @@ def test_any_rule_of_the_wire_applies_to_the_settings_it_comes_from(
     assert load_worker_settings(heartbeat_interval_s=60).heartbeat_interval_s == 60
     with pytest.raises(ControlPlaneError, match="heartbeat_interval_s") as refused:
         load_worker_settings(heartbeat_interval_s=61)
-    assert refused.value.code is ErrorCode.SETTINGS_INVALID
+    assert refused.value.code is LocalCode.SETTINGS_INVALID
 
 
 def test_each_worker_id_has_its_own_state_directory(tmp_path: Path) -> None:
@@ -111,7 +111,7 @@ def test_a_lease_shorter_than_a_period_or_too_long_is_refused(
 ) -> None:
     with pytest.raises(ControlPlaneError) as refused:
         load_worker_settings(**values)
-    assert refused.value.code is ErrorCode.SETTINGS_INVALID
+    assert refused.value.code is LocalCode.SETTINGS_INVALID
     assert "lease_s" in refused.value.message and words in refused.value.message
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.wire.errors import ControlPlaneError, ErrorCode
+from controlplane.wire.errors import ControlPlaneError, LocalCode, WireCode
 from controlplane.wire.protocol import Ack, AckError, AckState, ReloadWeightsSpec, Timings
 from workers.agent import journal as state_module
 from workers.agent.journal import WorkerState
@@ -194,7 +194,7 @@ def test_a_failed_sync_stays_staged_and_the_retry_replays_to_the_same_state(
     st.record(ack("c1"), published=False)
     with pytest.raises(ControlPlaneError) as failed:
         st.sync()
-    assert failed.value.code is ErrorCode.JOURNAL_WRITE_FAILED
+    assert failed.value.code is WireCode.JOURNAL_WRITE_FAILED
     assert "Input/output error" in failed.value.message and str(tmp_path) in failed.value.message
     assert st.dirty  # not known durable: staged again
     st.add_config({"max_new_tokens": 4})
@@ -258,7 +258,7 @@ def test_a_second_open_of_the_directory_is_refused_until_the_first_closes(tmp_pa
     first = WorkerState.open(tmp_path)
     with pytest.raises(ControlPlaneError) as refused:
         WorkerState.open(tmp_path)
-    assert refused.value.code is ErrorCode.STATE_DIR_LOCKED
+    assert refused.value.code is LocalCode.STATE_DIR_LOCKED
     assert str(tmp_path) in refused.value.message
     assert f"pid {os.getpid()}" in refused.value.message
     first.record(ack("c1"), published=False)  # the holder is untouched
@@ -286,7 +286,7 @@ def test_the_lock_is_held_by_another_process_until_it_dies(tmp_path: Path) -> No
         assert holder.stdout is not None and holder.stdout.readline() == "open\n"
         with pytest.raises(ControlPlaneError, match=f"pid {holder.pid}") as refused:
             WorkerState.open(tmp_path)
-        assert refused.value.code is ErrorCode.STATE_DIR_LOCKED
+        assert refused.value.code is LocalCode.STATE_DIR_LOCKED
     finally:
         holder.kill()  # no close(): the kernel releases the lock with the process
         holder.communicate()
@@ -304,7 +304,7 @@ def test_an_open_that_fails_leaves_the_directory_unlocked(
     monkeypatch.setattr(os, "write", full)
     with pytest.raises(ControlPlaneError) as failed:
         WorkerState.open(tmp_path)
-    assert failed.value.code is ErrorCode.JOURNAL_WRITE_FAILED
+    assert failed.value.code is WireCode.JOURNAL_WRITE_FAILED
     assert "No space left on device" in failed.value.message
     monkeypatch.undo()
     st = WorkerState.open(tmp_path)
@@ -344,7 +344,7 @@ def test_a_full_disk_is_a_coded_error_and_the_retry_replays_to_the_same_state(
     disk.full, disk.half_written = True, half_written
     with pytest.raises(ControlPlaneError) as failed:
         st.sync()
-    assert failed.value.code is ErrorCode.JOURNAL_WRITE_FAILED
+    assert failed.value.code is WireCode.JOURNAL_WRITE_FAILED
     assert "No space left on device" in failed.value.message
     assert st.dirty
     with pytest.raises(ControlPlaneError):  # still full: still staged
@@ -373,7 +373,7 @@ def test_close_never_raises_logs_what_it_lost_and_unlocks(
             raise KeyError("the first error")
         finally:
             error = st.close()
-    assert error is not None and error.code is ErrorCode.JOURNAL_WRITE_FAILED
+    assert error is not None and error.code is WireCode.JOURNAL_WRITE_FAILED
     assert "1 journal line(s) not written" in caplog.text and "c-lost" in caplog.text
     assert st.close() is None  # closed: nothing more to do
     disk.full = False
@@ -393,7 +393,7 @@ def test_a_failed_compaction_keeps_the_journal_and_what_was_staged(
     disk.full = True
     with pytest.raises(ControlPlaneError) as failed:
         st.compact()
-    assert failed.value.code is ErrorCode.JOURNAL_WRITE_FAILED
+    assert failed.value.code is WireCode.JOURNAL_WRITE_FAILED
     assert st.dirty and not (tmp_path / "state.tmp").exists()
     disk.full = False
     st.sync()

@@ -8,7 +8,7 @@ from tests.vllm.conftest import SKIP_REASON
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
 
-from controlplane.wire.errors import ErrorCode, RunnerError
+from controlplane.wire.errors import RunnerError, WireCode
 from workers.runners.vllm_config import check_overrides, normalize_overrides, translate_config_error
 from workers.runners.vllm_runner import VllmRunnerOptions
 from workers.runners.vllm_sidecar import SidecarError, is_loopback_url, worker_message
@@ -19,7 +19,7 @@ FIELDS = {
 }
 
 
-def code_of(overrides: dict[str, object], *, model_config_ok: bool = True) -> ErrorCode | None:
+def code_of(overrides: dict[str, object], *, model_config_ok: bool = True) -> WireCode | None:
     try:
         check_overrides(normalize_overrides(overrides), FIELDS, model_config_ok=model_config_ok)
     except RunnerError as exc:
@@ -38,27 +38,27 @@ def test_nested_and_dotted_forms_merge_and_a_later_key_wins() -> None:
 @pytest.mark.parametrize(
     ("overrides", "code"),
     [
-        ({"foo_config": {}}, ErrorCode.CONFIG_KEY_REJECTED),
-        ({"foo_config.x": 1}, ErrorCode.CONFIG_KEY_REJECTED),
-        ({"load_config": {"no_such_field": 1}}, ErrorCode.CONFIG_KEY_REJECTED),
-        ({"model_config": {"_hf_config_revision": "x"}}, ErrorCode.CONFIG_KEY_REJECTED),
-        ({"load_config": 5}, ErrorCode.CONFIG_VALUE_INVALID),
-        ({"load_config": [1]}, ErrorCode.CONFIG_VALUE_INVALID),
-        ({"load_config": {"load_format": "bogus"}}, ErrorCode.CONFIG_VALUE_INVALID),
-        ({"load_config": {"load_format": "dummy"}}, ErrorCode.CONFIG_VALUE_INVALID),
-        ({"load_config": {"ignore_patterns": ["*.safetensors"]}}, ErrorCode.CONFIG_KEY_REJECTED),
+        ({"foo_config": {}}, WireCode.CONFIG_KEY_REJECTED),
+        ({"foo_config.x": 1}, WireCode.CONFIG_KEY_REJECTED),
+        ({"load_config": {"no_such_field": 1}}, WireCode.CONFIG_KEY_REJECTED),
+        ({"model_config": {"_hf_config_revision": "x"}}, WireCode.CONFIG_KEY_REJECTED),
+        ({"load_config": 5}, WireCode.CONFIG_VALUE_INVALID),
+        ({"load_config": [1]}, WireCode.CONFIG_VALUE_INVALID),
+        ({"load_config": {"load_format": "bogus"}}, WireCode.CONFIG_VALUE_INVALID),
+        ({"load_config": {"load_format": "dummy"}}, WireCode.CONFIG_VALUE_INVALID),
+        ({"load_config": {"ignore_patterns": ["*.safetensors"]}}, WireCode.CONFIG_KEY_REJECTED),
         ({"load_config": {"load_format": "safetensors"}}, None),
         ({"load_config.use_tqdm_on_load": False}, None),
         ({"model_config": {"max_logprobs": 3}}, None),
     ],
 )
-def test_checks_before_vllm(overrides: dict[str, object], code: ErrorCode | None) -> None:
+def test_checks_before_vllm(overrides: dict[str, object], code: WireCode | None) -> None:
     assert code_of(overrides) == code
 
 
 def test_model_config_is_refused_where_vllm_cannot_apply_it() -> None:
     assert code_of({"model_config": {"max_logprobs": 3}}, model_config_ok=False) == (
-        ErrorCode.CONFIG_KEY_REJECTED
+        WireCode.CONFIG_KEY_REJECTED
     )
     assert code_of({"model_config": {}}, model_config_ok=False) is None
 
@@ -66,33 +66,33 @@ def test_model_config_is_refused_where_vllm_cannot_apply_it() -> None:
 def test_non_mapping_overrides_are_invalid() -> None:
     with pytest.raises(RunnerError) as caught:
         normalize_overrides(5)  # type: ignore[arg-type]
-    assert caught.value.code is ErrorCode.CONFIG_VALUE_INVALID
+    assert caught.value.code is WireCode.CONFIG_VALUE_INVALID
 
 
 @pytest.mark.parametrize(
     ("message", "code"),
     [
         ("Config override 'foo_config' is not supported. Supported configs: load_config, "
-         "model_config", ErrorCode.CONFIG_KEY_REJECTED),
-        ("LoadConfig.no_such_field is not a valid config field", ErrorCode.CONFIG_KEY_REJECTED),
-        ("'int' object has no attribute 'items'", ErrorCode.CONFIG_VALUE_INVALID),
-        ("Field '_hf_config_revision' not found in ModelConfig.", ErrorCode.CONFIG_KEY_REJECTED),
-        ("something else entirely", ErrorCode.RUNNER_FAILED),
+         "model_config", WireCode.CONFIG_KEY_REJECTED),
+        ("LoadConfig.no_such_field is not a valid config field", WireCode.CONFIG_KEY_REJECTED),
+        ("'int' object has no attribute 'items'", WireCode.CONFIG_VALUE_INVALID),
+        ("Field '_hf_config_revision' not found in ModelConfig.", WireCode.CONFIG_KEY_REJECTED),
+        ("something else entirely", WireCode.RUNNER_FAILED),
     ],
 )  # fmt: skip
-def test_vllm_messages_translate_raw_and_wrapped(message: str, code: ErrorCode) -> None:
+def test_vllm_messages_translate_raw_and_wrapped(message: str, code: WireCode) -> None:
     wrapped = (
         f"Call to collective_rpc method failed: Worker failed with error '{message}', "
         "please check the stack trace above for the root cause"
     )
     assert worker_message(wrapped) == message
     assert translate_config_error(ValueError(message), "0.32.0", dry_run=False).code is code
-    over_http = SidecarError("HTTP 500", code=ErrorCode.RUNNER_FAILED, status=500, detail=wrapped)
+    over_http = SidecarError("HTTP 500", code=WireCode.RUNNER_FAILED, status=500, detail=wrapped)
     assert translate_config_error(over_http, "0.32.0", dry_run=False).code is code
 
 
 def test_a_transport_failure_keeps_its_code() -> None:
-    timeout = SidecarError("timed out", code=ErrorCode.COMMAND_TIMEOUT)
+    timeout = SidecarError("timed out", code=WireCode.COMMAND_TIMEOUT)
     assert translate_config_error(timeout, "0.32.0", dry_run=False) is timeout
 
 

@@ -22,7 +22,7 @@ from tests.vllm.conftest import SKIP_REASON
 pytest.importorskip("vllm", reason=SKIP_REASON)
 
 from controlplane.kafka.settings import KafkaSettings
-from controlplane.wire.errors import ErrorCode, RunnerError
+from controlplane.wire.errors import RunnerError, WireCode
 from controlplane.wire.protocol import Ack, AckState, ReloadWeightsSpec, UpdateConfigSpec
 from tests.fleet import acks_tail, make_command, settled, terminal
 from tests.vllm.conftest import (
@@ -216,7 +216,7 @@ async def test_a_failing_vllm_reload_restores_the_old_weights(
     spec = ReloadWeightsSpec(path=str(ckpts.v2), version="v2")
     with pytest.raises(RunnerError) as caught:
         await asyncio.to_thread(runner.reload_weights, spec, ckpts.v2)
-    assert caught.value.code is ErrorCode.RUNNER_FAILED, caught.value
+    assert caught.value.code is WireCode.RUNNER_FAILED, caught.value
     assert "restored 'v1'" in caught.value.message
     described = runner.describe()
     assert described.degraded is None and described.weights_version == "v1"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, assert_never
 
-from controlplane.wire.errors import ControlPlaneError, ErrorCode
+from controlplane.wire.errors import ControlPlaneError, WireCode
 from controlplane.wire.protocol import (
     AckError,
     AckState,
@@ -75,16 +75,14 @@ async def apply(
     timeout = command.timeout_s or default_timeout_s
     task = asyncio.ensure_future(asyncio.to_thread(call))
     deadline = time.monotonic() + timeout
-    reason: ErrorCode | None = None
+    reason: WireCode | None = None
     while not task.done():
         limit = deadline
         drain = stop.drain_deadline()
         if drain is not None:
             limit = min(limit, drain)
         if time.monotonic() >= limit:
-            reason = (
-                ErrorCode.WORKER_SHUTTING_DOWN if limit < deadline else ErrorCode.COMMAND_TIMEOUT
-            )
+            reason = WireCode.WORKER_SHUTTING_DOWN if limit < deadline else WireCode.COMMAND_TIMEOUT
             cancel.set()
             log(
                 logging.WARNING,
@@ -100,7 +98,7 @@ async def apply(
         return Outcome(
             AckState.FAILED,
             AckError(
-                code=reason or ErrorCode.COMMAND_TIMEOUT,
+                code=reason or WireCode.COMMAND_TIMEOUT,
                 retryable=True,
                 message=f"runner did not stop within {_CANCEL_GRACE_S:.0f}s of cancellation",
             ),
@@ -109,7 +107,7 @@ async def apply(
         value = task.result()
     except ControlPlaneError as exc:
         error = ack_error(exc)
-        if reason is not None and exc.code is ErrorCode.COMMAND_TIMEOUT:
+        if reason is not None and exc.code is WireCode.COMMAND_TIMEOUT:
             error = AckError(code=reason, message=exc.message, retryable=True)
         elif reason is not None:
             error = AckError(
@@ -122,7 +120,7 @@ async def apply(
         log(logging.ERROR, "runner raised %r", exc, command_id=command.command_id)
         return Outcome(
             AckState.FAILED,
-            AckError(code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}"),
+            AckError(code=WireCode.INTERNAL, message=f"{type(exc).__name__}: {exc}"),
         )
     if isinstance(spec, ReloadWeightsSpec) and isinstance(value, ReloadResult):
         return Outcome(AckState.SUCCEEDED, result=value.as_dict(), applied=spec)
@@ -135,5 +133,5 @@ async def apply(
         )
     return Outcome(  # pragma: no cover - a runner returned the wrong type
         AckState.FAILED,
-        AckError(code=ErrorCode.INTERNAL, message=f"runner returned {type(value).__name__}"),
+        AckError(code=WireCode.INTERNAL, message=f"runner returned {type(value).__name__}"),
     )

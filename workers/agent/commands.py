@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.kafka.bus import Record
-from controlplane.wire.errors import CommandRejected, ControlPlaneError, ErrorCode, ProtocolError
+from controlplane.wire.errors import CommandRejected, ControlPlaneError, ProtocolError, WireCode
 from controlplane.wire.protocol import (
     Ack,
     AckError,
@@ -71,7 +71,7 @@ def precheck(
     if command.is_expired(now):
         return CommandRejected(
             f"command expired at {command.expires_at.isoformat()} (worker clock {now.isoformat()})",
-            code=ErrorCode.EXPIRED,
+            code=WireCode.EXPIRED,
         )
     skew = timedelta(seconds=settings.max_clock_skew_s)
     if command.issued_at > now + skew:
@@ -79,14 +79,14 @@ def precheck(
             f"command issued at {command.issued_at.isoformat()}, in the future of the worker"
             f" clock {now.isoformat()} by more than max_clock_skew_s"
             f" ({settings.max_clock_skew_s:g}s)",
-            code=ErrorCode.ISSUED_IN_FUTURE,
+            code=WireCode.ISSUED_IN_FUTURE,
         )
     ttl = (command.expires_at - command.issued_at).total_seconds()
     if ttl > settings.max_ttl_s:
         return CommandRejected(
             f"command TTL of {ttl:.0f}s (issued_at to expires_at) exceeds max_ttl_s"
             f" ({settings.max_ttl_s:g}s)",
-            code=ErrorCode.TTL_TOO_LONG,
+            code=WireCode.TTL_TOO_LONG,
         )
     if isinstance(command.spec, ReloadWeightsSpec):
         try:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from controlplane.wire.errors import ControlPlaneError, ErrorCode
+from controlplane.wire.errors import ControlPlaneError, WireCode
 from controlplane.wire.protocol import Ack, ReloadWeightsSpec
 from workers.agent import failpoints
 from workers.agent.journal import Outcome, WorkerState
@@ -106,9 +106,9 @@ class Journal:
 
 def journal_error(exc: Exception, directory: Path) -> ControlPlaneError:
     """``exc`` as JOURNAL_WRITE_FAILED (WorkerState raises it so; anything else is wrapped)."""
-    if isinstance(exc, ControlPlaneError) and exc.code is ErrorCode.JOURNAL_WRITE_FAILED:
+    if isinstance(exc, ControlPlaneError) and exc.code is WireCode.JOURNAL_WRITE_FAILED:
         return exc
     return ControlPlaneError(
         f"cannot write the journal in {directory}: {type(exc).__name__}: {exc}",
-        code=ErrorCode.JOURNAL_WRITE_FAILED,
+        code=WireCode.JOURNAL_WRITE_FAILED,
     )

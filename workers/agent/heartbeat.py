@@ -14,7 +14,7 @@ from collections.abc import Callable
 from datetime import datetime
 
 from controlplane.wire.channels import HEARTBEATS
-from controlplane.wire.errors import BusError, ErrorCode
+from controlplane.wire.errors import BusError, LocalCode
 from controlplane.wire.protocol import Degraded, Heartbeat, WorkerStatus
 from workers.agent.producer import ProducerLink, PublishHealth
 from workers.agent.session import AgentLog, StopSignal, WorkerView
@@ -117,7 +117,7 @@ class Heartbeater:
             try:
                 await delivery.wait(max(0.0, deadline - time.monotonic()))
             except BusError as exc:
-                if exc.code is not ErrorCode.PUBLISH_OUTCOME_UNKNOWN:  # gave up on it
+                if exc.code is not LocalCode.PUBLISH_OUTCOME_UNKNOWN:  # gave up on it
                     await self._link.renew(producer, exc)
                 raise
         except BusError as exc:  # logged when they start failing, not each time

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from controlplane.wire.errors import ControlPlaneError, ErrorCode, ProtocolError
+from controlplane.wire.errors import ControlPlaneError, LocalCode, ProtocolError, WireCode
 from controlplane.wire.protocol import Ack, ReloadWeightsSpec, decode_ack, encode
 
 log = logging.getLogger(__name__)
@@ -382,7 +382,7 @@ _APPEND_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
 
 def _write_failed(what: str, exc: Exception) -> ControlPlaneError:
     reason = (exc.strerror if isinstance(exc, OSError) else None) or f"{type(exc).__name__}: {exc}"
-    return ControlPlaneError(f"{what}: {reason}", code=ErrorCode.JOURNAL_WRITE_FAILED)
+    return ControlPlaneError(f"{what}: {reason}", code=WireCode.JOURNAL_WRITE_FAILED)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -423,7 +423,7 @@ def _lock(directory: Path) -> int:
         raise ControlPlaneError(
             f"worker state directory {directory} is in use by another agent{holder}: run one"
             " agent per worker id and state directory",
-            code=ErrorCode.STATE_DIR_LOCKED,
+            code=LocalCode.STATE_DIR_LOCKED,
         ) from None
     except BaseException:
         os.close(fd)

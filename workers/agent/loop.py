@@ -47,7 +47,7 @@ from datetime import datetime
 
 from controlplane.kafka.bus import Consumer, Producer
 from controlplane.wire.channels import COMMANDS
-from controlplane.wire.errors import BusError, ControlPlaneError, ErrorCode
+from controlplane.wire.errors import BusError, ControlPlaneError, WireCode
 from controlplane.wire.protocol import Degraded, WorkerStatus, utcnow
 from workers.agent import failpoints
 from workers.agent.commands import CommandPath, Handled, replayed
@@ -307,7 +307,7 @@ class Agent:
             message = f"{type(exc).__name__}: {message}"
             self._log(logging.ERROR, "runner failed to load its model: %s", message)
             self._view.degraded = Degraded(
-                code=ErrorCode.RUNNER_LOAD_FAILED.value,
+                code=WireCode.RUNNER_LOAD_FAILED.value,
                 message=message[:4096],
                 since=self.clock(),
             )

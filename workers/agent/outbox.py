@@ -16,7 +16,7 @@ from datetime import datetime
 
 from controlplane.kafka.bus import Delivery
 from controlplane.wire.channels import ACKS
-from controlplane.wire.errors import BusError, ErrorCode
+from controlplane.wire.errors import BusError, LocalCode
 from controlplane.wire.protocol import Ack
 from controlplane.wire.topics import Topics
 from workers.agent.producer import ProducerLink, PublishHealth
@@ -128,7 +128,7 @@ class AckOutbox:
                         continue  # a stop came: its deadline bounds the waits from now on
                 except BusError as exc:
                     self._failed(exc, began, timed_out=limit)
-                    if exc.code is ErrorCode.PUBLISH_OUTCOME_UNKNOWN:
+                    if exc.code is LocalCode.PUBLISH_OUTCOME_UNKNOWN:
                         continue  # still queued: wait on the same records
                     if queued:  # the producer gave up on it: hand it over again, and all after
                         deliveries.clear()
@@ -151,7 +151,7 @@ class AckOutbox:
     def _failed(self, exc: BusError, began: datetime, *, timed_out: float) -> None:
         """Said once when acks go unconfirmed (then at DEBUG), with how many and why."""
         if (
-            exc.code is ErrorCode.PUBLISH_OUTCOME_UNKNOWN
+            exc.code is LocalCode.PUBLISH_OUTCOME_UNKNOWN
             and timed_out < self._link.current.delivery_timeout_s
         ):
             return  # a wait cut short by a stop's deadline, not a failure

@@ -15,7 +15,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from controlplane.kafka.settings import KafkaSettings, load_settings
-from controlplane.wire.errors import ControlPlaneError, ErrorCode
+from controlplane.wire.errors import ControlPlaneError, LocalCode
 from controlplane.wire.protocol import (
     MAX_LEASE_S,
     MAX_MESSAGE_BYTES,
@@ -203,4 +203,4 @@ def load_worker_settings(**values: Any) -> WorkerSettings:
     try:
         return load_settings(WorkerSettings, **values)
     except ControlPlaneError as exc:
-        raise ControlPlaneError(exc.message, code=ErrorCode.SETTINGS_INVALID) from None
+        raise ControlPlaneError(exc.message, code=LocalCode.SETTINGS_INVALID) from None

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from controlplane.wire.errors import ErrorCode
+from controlplane.wire.errors import WireCode
 from workers.weights.paths import checkpoint_files, open_member
 
 if TYPE_CHECKING:
@@ -40,15 +40,15 @@ class BrokenKind(StrEnum):
 
 
 #: The error each broken kind must produce when reloaded (strictly, with its manifest).
-BROKEN_CODES: dict[BrokenKind, ErrorCode] = {
-    BrokenKind.MISSING: ErrorCode.WEIGHTS_MISSING,
-    BrokenKind.UNEXPECTED: ErrorCode.WEIGHTS_UNEXPECTED,
-    BrokenKind.SHAPE: ErrorCode.WEIGHTS_SHAPE_MISMATCH,
-    BrokenKind.DTYPE: ErrorCode.WEIGHTS_DTYPE_MISMATCH,
-    BrokenKind.UNREADABLE: ErrorCode.WEIGHTS_UNREADABLE,
-    BrokenKind.TRUNCATED: ErrorCode.WEIGHTS_UNREADABLE,
-    BrokenKind.CHECKSUM: ErrorCode.CHECKSUM_MISMATCH,
-    BrokenKind.INDEX: ErrorCode.WEIGHTS_UNREADABLE,
+BROKEN_CODES: dict[BrokenKind, WireCode] = {
+    BrokenKind.MISSING: WireCode.WEIGHTS_MISSING,
+    BrokenKind.UNEXPECTED: WireCode.WEIGHTS_UNEXPECTED,
+    BrokenKind.SHAPE: WireCode.WEIGHTS_SHAPE_MISMATCH,
+    BrokenKind.DTYPE: WireCode.WEIGHTS_DTYPE_MISMATCH,
+    BrokenKind.UNREADABLE: WireCode.WEIGHTS_UNREADABLE,
+    BrokenKind.TRUNCATED: WireCode.WEIGHTS_UNREADABLE,
+    BrokenKind.CHECKSUM: WireCode.CHECKSUM_MISMATCH,
+    BrokenKind.INDEX: WireCode.WEIGHTS_UNREADABLE,
 }
 
 
@@ -56,7 +56,7 @@ BROKEN_CODES: dict[BrokenKind, ErrorCode] = {
 class BrokenCheckpoint:
     path: Path
     sha256: dict[str, str]
-    code: ErrorCode
+    code: WireCode
 
 
 def model_tensors(

@@ -19,7 +19,7 @@ from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
-from controlplane.wire.errors import ErrorCode, RunnerError, WeightsCorrupted
+from controlplane.wire.errors import RunnerError, WeightsCorrupted, WireCode
 from controlplane.wire.protocol import ReloadWeightsSpec
 from controlplane.wire.validation import summarize
 from workers.weights.stats import LoadStats
@@ -165,14 +165,14 @@ def apply_overrides(current: ConfigT, overrides: Mapping[str, Any]) -> ConfigT:
     if unknown:
         raise RunnerError(
             f"unknown config key(s) {unknown}; accepted: {sorted(model.model_fields)}",
-            code=ErrorCode.CONFIG_KEY_REJECTED,
+            code=WireCode.CONFIG_KEY_REJECTED,
         )
     try:
         return model.model_validate({**current.model_dump(), **overrides})
     except ValidationError as exc:
         raise RunnerError(
             f"invalid config value(s): {summarize_validation(exc)}",
-            code=ErrorCode.CONFIG_VALUE_INVALID,
+            code=WireCode.CONFIG_VALUE_INVALID,
         ) from None
 
 
@@ -209,7 +209,7 @@ def create_runner(name: str, options: Mapping[str, Any] | None = None) -> Runner
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise RunnerError(
-            f"runner {name!r} is not available here: {exc}", code=ErrorCode.RUNNER_LOAD_FAILED
+            f"runner {name!r} is not available here: {exc}", code=WireCode.RUNNER_LOAD_FAILED
         ) from exc
     cls = getattr(module, attr)
     runner: Runner = cls(dict(options or {}))

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
-from controlplane.wire.errors import ErrorCode, RunnerError, WeightsCorrupted
+from controlplane.wire.errors import RunnerError, WeightsCorrupted, WireCode
 from controlplane.wire.protocol import ReloadWeightsSpec
 from workers.runners.base import (
     DegradedInfo,
@@ -90,12 +90,12 @@ class FakeRunner:
         with self._lock:
             self.reloads.append(spec)
             if not self._loaded:
-                raise RunnerError("no model is loaded", code=ErrorCode.MODEL_NOT_LOADED)
+                raise RunnerError("no model is loaded", code=WireCode.MODEL_NOT_LOADED)
             files = _files(path)
             delay = self.options.reload_delay_s
             if cancel is not None:
                 if cancel.wait(delay):
-                    raise RunnerError("reload cancelled", code=ErrorCode.COMMAND_TIMEOUT)
+                    raise RunnerError("reload cancelled", code=WireCode.COMMAND_TIMEOUT)
             elif delay:
                 time.sleep(delay)
             if spec.version.startswith(self.options.fail_prefix):
@@ -155,6 +155,6 @@ def _files(path: Path) -> list[Path]:
             return sorted(p for p in path.iterdir() if p.is_file())
     except OSError as exc:
         raise RunnerError(
-            f"cannot read {str(path)!r}: {exc}", code=ErrorCode.WEIGHTS_UNREADABLE
+            f"cannot read {str(path)!r}: {exc}", code=WireCode.WEIGHTS_UNREADABLE
         ) from None
-    raise RunnerError(f"checkpoint {str(path)!r} does not exist", code=ErrorCode.WEIGHTS_UNREADABLE)
+    raise RunnerError(f"checkpoint {str(path)!r} does not exist", code=WireCode.WEIGHTS_UNREADABLE)

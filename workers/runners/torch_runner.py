@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
 
-from controlplane.wire.errors import ErrorCode, RunnerError, WeightsCorrupted
+from controlplane.wire.errors import RunnerError, WeightsCorrupted, WireCode
 from controlplane.wire.protocol import ReloadWeightsSpec
 from workers.runners.base import (
     DegradedInfo,
@@ -201,7 +201,7 @@ class TorchRunner:
             if self._model is None:
                 raise RunnerError(
                     f"cannot reload {spec.version!r}: no model is loaded",
-                    code=ErrorCode.MODEL_NOT_LOADED,
+                    code=WireCode.MODEL_NOT_LOADED,
                 )
             from_version = self._version
             self._set_phase("validating", (0, 0))
@@ -313,7 +313,7 @@ class TorchRunner:
 
     def _require_model(self) -> torch.nn.Module:
         if self._model is None:
-            raise RunnerError("no model is loaded", code=ErrorCode.MODEL_NOT_LOADED)
+            raise RunnerError("no model is loaded", code=WireCode.MODEL_NOT_LOADED)
         return self._model
 
     def _serving_model(self) -> torch.nn.Module:
@@ -321,6 +321,6 @@ class TorchRunner:
         if self._degraded is not None:
             raise RunnerError(
                 f"refusing to serve: weights are degraded ({self._degraded.message})",
-                code=ErrorCode.WEIGHTS_CORRUPTED,
+                code=WireCode.WEIGHTS_CORRUPTED,
             )
         return model

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from controlplane.wire.errors import ErrorCode, RunnerError
+from controlplane.wire.errors import RunnerError, WireCode
 from workers.runners.vllm_sidecar import SidecarError, worker_message
 
 #: The sections vLLM's worker accepts in update_config, in the order this runner applies them.
@@ -27,7 +27,7 @@ def normalize_overrides(overrides: Mapping[str, Any]) -> dict[str, dict[str, Any
     if not isinstance(overrides, Mapping):
         raise RunnerError(
             f"overrides must be an object, got {type(overrides).__name__}",
-            code=ErrorCode.CONFIG_VALUE_INVALID,
+            code=WireCode.CONFIG_VALUE_INVALID,
         )
     nested: dict[str, dict[str, Any]] = {}
     for key, value in overrides.items():
@@ -36,7 +36,7 @@ def normalize_overrides(overrides: Mapping[str, Any]) -> dict[str, dict[str, Any
             raise RunnerError(
                 f"config override {section!r} is not supported; vLLM accepts "
                 f"{', '.join(CONFIG_SECTIONS)} (as {{section: {{field: value}}}} or 'section.field')",
-                code=ErrorCode.CONFIG_KEY_REJECTED,
+                code=WireCode.CONFIG_KEY_REJECTED,
             )
         if dot:
             items: dict[str, Any] = {name: value}
@@ -46,7 +46,7 @@ def normalize_overrides(overrides: Mapping[str, Any]) -> dict[str, dict[str, Any
             raise RunnerError(
                 f"override {key!r} must be an object of {_CLASS_NAMES[section]} fields, "
                 f"got {type(value).__name__}",
-                code=ErrorCode.CONFIG_VALUE_INVALID,
+                code=WireCode.CONFIG_VALUE_INVALID,
             )
         nested.setdefault(section, {}).update(items)  # a later key wins, as in a dict update
     return nested
@@ -64,7 +64,7 @@ def check_overrides(
             raise RunnerError(
                 "this vLLM cannot apply model_config overrides (vLLM 0.32 fails every one with "
                 "\"Field '_hf_config_revision' not found in ModelConfig\")",
-                code=ErrorCode.CONFIG_KEY_REJECTED,
+                code=WireCode.CONFIG_KEY_REJECTED,
             )
         known = fields.get(section)
         if known is None:  # fields unknown (a sidecar whose /server_info failed): vLLM judges
@@ -74,7 +74,7 @@ def check_overrides(
         if unknown:
             names = ", ".join(f"{_CLASS_NAMES[section]}.{n}" for n in unknown)
             raise RunnerError(
-                f"{names}: not a valid config field", code=ErrorCode.CONFIG_KEY_REJECTED
+                f"{names}: not a valid config field", code=WireCode.CONFIG_KEY_REJECTED
             )
     load = nested.get("load_config", {})
     unsafe = sorted(UNSAFE_LOAD_FIELDS & set(load))
@@ -82,13 +82,13 @@ def check_overrides(
         raise RunnerError(
             f"load_config {unsafe} would change which files vLLM reads; this runner validates "
             "exactly the files it names",
-            code=ErrorCode.CONFIG_KEY_REJECTED,
+            code=WireCode.CONFIG_KEY_REJECTED,
         )
     if "load_format" in load and load["load_format"] not in SAFE_LOAD_FORMATS:
         raise RunnerError(
             f"load_config.load_format {load['load_format']!r} is refused: the next reload would "
             f"fail or read unvalidated files; choose one of {sorted(SAFE_LOAD_FORMATS)}",
-            code=ErrorCode.CONFIG_VALUE_INVALID,
+            code=WireCode.CONFIG_VALUE_INVALID,
         )
 
 
@@ -100,14 +100,14 @@ def translate_config_error(exc: BaseException, vllm_version: str, *, dry_run: bo
     if "_hf_config_revision" in message:
         return RunnerError(
             f"vLLM {vllm_version} cannot apply model_config overrides: {message}",
-            code=ErrorCode.CONFIG_KEY_REJECTED,
+            code=WireCode.CONFIG_KEY_REJECTED,
         )
     if "is not supported. Supported configs" in message or "not a valid config field" in message:
-        return RunnerError(message, code=ErrorCode.CONFIG_KEY_REJECTED)
+        return RunnerError(message, code=WireCode.CONFIG_KEY_REJECTED)
     invalid = ("has no attribute 'items'", "must be a mapping", "validation error")
     if dry_run or any(marker in message for marker in invalid):
         return RunnerError(
-            f"vLLM refused the overrides: {message}", code=ErrorCode.CONFIG_VALUE_INVALID
+            f"vLLM refused the overrides: {message}", code=WireCode.CONFIG_VALUE_INVALID
         )
     return RunnerError(f"vLLM failed to apply the overrides: {message}")
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from pydantic import JsonValue
 
-from controlplane.wire.errors import ErrorCode, RunnerError, WeightsCorrupted
+from controlplane.wire.errors import RunnerError, WeightsCorrupted, WireCode
 from controlplane.wire.protocol import ReloadWeightsSpec
 from workers.runners.base import (
     DegradedInfo,
@@ -164,7 +164,7 @@ class VllmRunner:
             if engine is None:
                 raise RunnerError(
                     f"cannot reload {spec.version!r}: no vLLM engine is loaded",
-                    code=ErrorCode.MODEL_NOT_LOADED,
+                    code=WireCode.MODEL_NOT_LOADED,
                 )
             snapshots = self._snapshots
             assert snapshots is not None
@@ -175,7 +175,7 @@ class VllmRunner:
                 weights_dir, entries, files, snapshot = self._validate(spec, path, cancel)
                 if cancel is not None and cancel.is_set():
                     raise RunnerError(
-                        "reload cancelled before vLLM was called", code=ErrorCode.COMMAND_TIMEOUT
+                        "reload cancelled before vLLM was called", code=WireCode.COMMAND_TIMEOUT
                     )
                 self._set_phase("reloading")
                 rpc_started = time.perf_counter()
@@ -227,7 +227,7 @@ class VllmRunner:
                     f"vLLM loads whole directories: {str(weights_dir)!r} holds "
                     f"{sorted(f.name for f in theirs)}, the checkpoint named is "
                     f"{sorted(f.name for f in ours)}; give each checkpoint its own directory",
-                    code=ErrorCode.WEIGHTS_UNREADABLE,
+                    code=WireCode.WEIGHTS_UNREADABLE,
                 )
             # Always strict: a partial layerwise reload leaves vLLM's parameters on the meta device.
             plan_copy(ckpt.entries, self._reference, strict=True, aliases={})
@@ -247,7 +247,7 @@ class VllmRunner:
                         raise RunnerError(
                             f"checkpoint {str(path)!r} changed while it was being copied; "
                             "write new versions to new directories",
-                            code=ErrorCode.WEIGHTS_UNREADABLE,
+                            code=WireCode.WEIGHTS_UNREADABLE,
                         )
                     entries = dict(copy.entries)
             except BaseException:
@@ -271,7 +271,7 @@ class VllmRunner:
             if from_dir is not None and self._restore(engine, from_dir):
                 raise RunnerError(
                     f"vLLM failed to reload {version!r} ({reason}); restored {from_version!r}",
-                    code=ErrorCode.RUNNER_FAILED,
+                    code=WireCode.RUNNER_FAILED,
                 ) from exc
             raise self._corrupted(
                 f"vLLM failed to reload {version!r} ({reason}) and restoring {from_version!r} "
@@ -329,7 +329,7 @@ class VllmRunner:
         with self._lock:
             engine = self._engine
             if engine is None:
-                raise RunnerError("no vLLM engine is loaded", code=ErrorCode.MODEL_NOT_LOADED)
+                raise RunnerError("no vLLM engine is loaded", code=WireCode.MODEL_NOT_LOADED)
             nested = normalize_overrides(overrides)
             check_overrides(nested, self._fields, model_config_ok=self._model_config_ok)
             version = engine.vllm_version
@@ -398,11 +398,11 @@ class VllmRunner:
         """Greedy new token ids for ``prompt_ids`` (EOS ignored); refused while degraded."""
         with self._lock:
             if self._engine is None:
-                raise RunnerError("no vLLM engine is loaded", code=ErrorCode.MODEL_NOT_LOADED)
+                raise RunnerError("no vLLM engine is loaded", code=WireCode.MODEL_NOT_LOADED)
             if self._degraded is not None:
                 raise RunnerError(
                     f"refusing to serve: {self._degraded.message}",
-                    code=ErrorCode.WEIGHTS_CORRUPTED,
+                    code=WireCode.WEIGHTS_CORRUPTED,
                 )
             return self._engine.generate(list(prompt_ids), max_tokens)
 

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from controlplane.wire.errors import ErrorCode, RunnerError
+from controlplane.wire.errors import RunnerError, WireCode
 
 #: vLLM wraps a worker's exception as "... Worker failed with error '<message>', please check ...".
 _WORKER_ERROR = re.compile(r"Worker failed with error '(?P<msg>.*)'(?:, please check|$)", re.S)
@@ -29,7 +29,7 @@ class SidecarError(RunnerError):
         self,
         message: str,
         *,
-        code: ErrorCode,
+        code: WireCode,
         status: int | None = None,
         detail: str = "",
     ) -> None:
@@ -101,7 +101,7 @@ class SidecarClient:
             if time.monotonic() >= deadline:
                 raise SidecarError(
                     f"vLLM server at {self.base_url} not healthy after {timeout_s:.0f}s ({last})",
-                    code=ErrorCode.MODEL_NOT_LOADED,
+                    code=WireCode.MODEL_NOT_LOADED,
                 )
             time.sleep(poll_s)
 
@@ -159,7 +159,7 @@ class SidecarClient:
         if not isinstance(ids, list):
             raise SidecarError(
                 "vLLM returned no token_ids (a server older than return_token_ids?)",
-                code=ErrorCode.RUNNER_FAILED,
+                code=WireCode.RUNNER_FAILED,
             )
         return [int(t) for t in ids]
 
@@ -182,12 +182,12 @@ class SidecarClient:
             response = self._http.request(method, path, json=json, params=params, **extra)
         except httpx.TimeoutException as exc:
             raise SidecarError(
-                f"{where} timed out ({type(exc).__name__})", code=ErrorCode.COMMAND_TIMEOUT
+                f"{where} timed out ({type(exc).__name__})", code=WireCode.COMMAND_TIMEOUT
             ) from None
         except httpx.TransportError as exc:
             raise SidecarError(
                 f"{where}: no vLLM server answers ({type(exc).__name__}: {exc})",
-                code=ErrorCode.MODEL_NOT_LOADED,
+                code=WireCode.MODEL_NOT_LOADED,
             ) from None
         if response.status_code >= 400:
             raise _http_error(where, path, response)
@@ -198,7 +198,7 @@ class SidecarClient:
         except ValueError:
             raise SidecarError(
                 f"{where}: answer is not JSON: {response.text[:200]!r}",
-                code=ErrorCode.RUNNER_FAILED,
+                code=WireCode.RUNNER_FAILED,
                 status=response.status_code,
             ) from None
         return body if isinstance(body, dict) else {"results": body}
@@ -216,7 +216,7 @@ def _http_error(where: str, path: str, response: httpx.Response) -> SidecarError
         message = f"{where}: HTTP {status}, check the runner's api_key: {detail}"
     else:
         message = f"{where}: HTTP {status}: {worker_message(detail)}"
-    return SidecarError(message, code=ErrorCode.RUNNER_FAILED, status=status, detail=detail)
+    return SidecarError(message, code=WireCode.RUNNER_FAILED, status=status, detail=detail)
 
 
 def _error_text(response: httpx.Response) -> str:
@@ -268,14 +268,14 @@ class SidecarEngine:
             served = [m.get("id") for m in models]
             raise SidecarError(
                 f"{self.client.base_url} serves {served}, not {self.served_model_name!r}",
-                code=ErrorCode.RUNNER_FAILED,
+                code=WireCode.RUNNER_FAILED,
             )
         root = str(wanted[0].get("root") or wanted[0].get("id"))
         if os.path.realpath(root) != os.path.realpath(self.model):
             raise SidecarError(
                 f"{self.client.base_url} was started from {root!r}, this runner's model is "
                 f"{self.model!r}: the manifest check would compare against the wrong checkpoint",
-                code=ErrorCode.RUNNER_FAILED,
+                code=WireCode.RUNNER_FAILED,
             )
         self.served_model_name = str(wanted[0].get("id"))
         paused = self.client.is_paused()  # also proves dev mode (404 otherwise)

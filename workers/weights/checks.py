@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from controlplane.wire.errors import ErrorCode, RunnerError
+from controlplane.wire.errors import RunnerError, WireCode
 from workers.weights.paths import (
     CheckpointFiles,
     check_member,
@@ -182,13 +182,13 @@ def plan_copy(
     if unexpected:
         raise RunnerError(
             f"checkpoint has tensors the model lacks: {names(sorted(unexpected))}",
-            code=ErrorCode.WEIGHTS_UNEXPECTED,
+            code=WireCode.WEIGHTS_UNEXPECTED,
         )
     missing = [name for name in targets if name not in chosen]
     if (strict and missing) or not chosen:
         raise RunnerError(
             f"checkpoint lacks {len(missing)} of the model's {len(targets)} tensors: {names(missing)}",
-            code=ErrorCode.WEIGHTS_MISSING,
+            code=WireCode.WEIGHTS_MISSING,
         )
     shapes = [
         f"{e.name} {list(e.shape)} vs {list(targets[c].shape)}"
@@ -198,7 +198,7 @@ def plan_copy(
     if shapes:
         raise RunnerError(
             f"shape mismatch (checkpoint vs model): {names(shapes)}",
-            code=ErrorCode.WEIGHTS_SHAPE_MISMATCH,
+            code=WireCode.WEIGHTS_SHAPE_MISMATCH,
         )
     dtypes = [
         f"{e.name} {e.dtype} vs {targets[c].dtype}"
@@ -208,7 +208,7 @@ def plan_copy(
     if dtypes:
         raise RunnerError(
             f"dtype mismatch (checkpoint vs model): {names(dtypes)}",
-            code=ErrorCode.WEIGHTS_DTYPE_MISMATCH,
+            code=WireCode.WEIGHTS_DTYPE_MISMATCH,
         )
     plan = [(entry, targets[canonical]) for canonical, entry in chosen.items()]
     plan.sort(key=lambda item: (str(item[0].file), item[0].offset))
@@ -244,7 +244,7 @@ def verify_sha256(
     if uncovered:
         raise RunnerError(
             f"sha256 manifest does not cover checkpoint file(s) {names(uncovered)}",
-            code=ErrorCode.CHECKSUM_MISMATCH,
+            code=WireCode.CHECKSUM_MISMATCH,
         )
     wrong: list[str] = []
     for file, hexd in sorted(wanted.items()):
@@ -264,7 +264,7 @@ def verify_sha256(
         if digest != hexd.lower():
             wrong.append(f"{file.relative_to(base)} (got {digest[:12]}, want {hexd[:12]})")
     if wrong:
-        raise RunnerError(f"sha256 mismatch: {names(wrong)}", code=ErrorCode.CHECKSUM_MISMATCH)
+        raise RunnerError(f"sha256 mismatch: {names(wrong)}", code=WireCode.CHECKSUM_MISMATCH)
 
 
 def _sha256_fd(fd: int, cancel: threading.Event | None) -> str:
@@ -274,7 +274,7 @@ def _sha256_fd(fd: int, cancel: threading.Event | None) -> str:
     offset = 0
     while n := os.preadv(fd, [view], offset):
         if cancel is not None and cancel.is_set():
-            raise RunnerError("reload cancelled while hashing", code=ErrorCode.COMMAND_TIMEOUT)
+            raise RunnerError("reload cancelled while hashing", code=WireCode.COMMAND_TIMEOUT)
         digest.update(view[:n])
         offset += n
     return digest.hexdigest()

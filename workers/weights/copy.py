@@ -16,7 +16,7 @@ from typing import Final
 
 import torch
 
-from controlplane.wire.errors import ErrorCode, RunnerError, WeightsCorrupted
+from controlplane.wire.errors import RunnerError, WeightsCorrupted, WireCode
 from workers.weights.checks import OpenCheckpoint, TensorEntry, failure_reason
 
 #: Host-memory destinations are read in chunks of this size, from ``read_threads`` threads.
@@ -86,7 +86,7 @@ def copy_plan(
         with torch.no_grad():
             for entry, dst in plan:
                 if cancel is not None and cancel.is_set():
-                    raise RunnerError("cancelled", code=ErrorCode.COMMAND_TIMEOUT)
+                    raise RunnerError("cancelled", code=WireCode.COMMAND_TIMEOUT)
                 copier.copy(ckpt.fds[entry.file], entry, dst)
                 report()
             copier.finish()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from controlplane.wire.errors import ErrorCode, RunnerError
+from controlplane.wire.errors import RunnerError, WireCode
 from workers.weights.checks import (
     OpenCheckpoint,
     check_index,
@@ -133,7 +133,7 @@ def load_checkpoint(
             verify_sha256(ckpt, sha256, cancel)
         if cancel is not None and cancel.is_set():
             raise RunnerError(
-                "reload cancelled before copying began", code=ErrorCode.COMMAND_TIMEOUT
+                "reload cancelled before copying began", code=WireCode.COMMAND_TIMEOUT
             )
         copy_started = time.perf_counter()
         total = sum(entry.nbytes for entry, _ in plan)

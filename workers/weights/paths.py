@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PosixPath, PurePosixPath
 
-from controlplane.wire.errors import CommandRejected, ErrorCode, RunnerError
+from controlplane.wire.errors import CommandRejected, RunnerError, WireCode
 
 INDEX_SUFFIX = ".index.json"
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -47,21 +47,21 @@ def resolve_weights_path(path: str, allowed_roots: Sequence[Path]) -> Path:
     """
     if not allowed_roots:
         raise CommandRejected(
-            "no weights root is allowed on this worker", code=ErrorCode.PATH_NOT_ALLOWED
+            "no weights root is allowed on this worker", code=WireCode.PATH_NOT_ALLOWED
         )
     if "\x00" in path:
-        raise CommandRejected("path contains a NUL byte", code=ErrorCode.PATH_NOT_ALLOWED)
+        raise CommandRejected("path contains a NUL byte", code=WireCode.PATH_NOT_ALLOWED)
     candidate = Path(path)
     if not candidate.is_absolute():
         raise CommandRejected(
-            f"weights path {path!r} must be absolute", code=ErrorCode.PATH_NOT_ALLOWED
+            f"weights path {path!r} must be absolute", code=WireCode.PATH_NOT_ALLOWED
         )
     try:
         resolved = candidate.resolve(strict=False)
         roots = [Path(root).resolve(strict=False) for root in allowed_roots]
     except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop on Python < 3.13
         raise CommandRejected(
-            f"cannot resolve weights path {path!r}: {exc}", code=ErrorCode.PATH_NOT_ALLOWED
+            f"cannot resolve weights path {path!r}: {exc}", code=WireCode.PATH_NOT_ALLOWED
         ) from None
     if any(resolved.is_relative_to(root) for root in roots):
         checked = WeightsPath(resolved)
@@ -70,7 +70,7 @@ def resolve_weights_path(path: str, allowed_roots: Sequence[Path]) -> Path:
     raise CommandRejected(
         f"weights path {path!r} resolves to {str(resolved)!r}, outside the allowed roots "
         f"{[str(r) for r in roots]}",
-        code=ErrorCode.PATH_NOT_ALLOWED,
+        code=WireCode.PATH_NOT_ALLOWED,
     )
 
 
@@ -169,13 +169,13 @@ def check_member(path: Path, within: Sequence[Path]) -> Member | None:
             return None
         raise CommandRejected(
             f"cannot resolve checkpoint file {str(path)!r}: {exc}",
-            code=ErrorCode.PATH_NOT_ALLOWED,
+            code=WireCode.PATH_NOT_ALLOWED,
         ) from None
     if not _inside(real, within):
         raise CommandRejected(
             f"checkpoint file {str(path)!r} resolves to {str(real)!r}, outside "
             f"{[str(r) for r in within]}",
-            code=ErrorCode.PATH_NOT_ALLOWED,
+            code=WireCode.PATH_NOT_ALLOWED,
         )
     st = os.stat(real, follow_symlinks=False)
     if not stat.S_ISREG(st.st_mode):
@@ -228,7 +228,7 @@ def _inside(real: Path, within: Sequence[Path]) -> bool:
 def _swapped(name: Path, how: str) -> CommandRejected:
     return CommandRejected(
         f"checkpoint file {str(name)!r} changed between check and open ({how}); refused",
-        code=ErrorCode.PATH_NOT_ALLOWED,
+        code=WireCode.PATH_NOT_ALLOWED,
     )
 
 
@@ -238,7 +238,7 @@ def relative_member(base_dir: Path, name: str, what: str) -> Path:
     if not name or pure.is_absolute() or ".." in pure.parts or "\x00" in name or "\\" in name:
         raise CommandRejected(
             f"{what} {name!r} must be a plain relative name inside the checkpoint",
-            code=ErrorCode.PATH_NOT_ALLOWED,
+            code=WireCode.PATH_NOT_ALLOWED,
         )
     return base_dir / pure
 
@@ -295,4 +295,4 @@ def _from_index(index: Path, within: tuple[Path, ...]) -> CheckpointFiles:
 
 
 def unreadable(message: str) -> RunnerError:
-    return RunnerError(message, code=ErrorCode.WEIGHTS_UNREADABLE)
+    return RunnerError(message, code=WireCode.WEIGHTS_UNREADABLE)

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from controlplane.wire.errors import ErrorCode, RunnerError
+from controlplane.wire.errors import RunnerError, WireCode
 from workers.weights.checks import OpenCheckpoint, TensorEntry
 from workers.weights.paths import checkpoint_files
 
@@ -124,7 +124,7 @@ def snapshot_checkpoint(
         if len(relative.parts) != 1:
             raise RunnerError(
                 f"vLLM reads only the files directly in a checkpoint's directory, not {str(relative)!r}",
-                code=ErrorCode.WEIGHTS_UNREADABLE,
+                code=WireCode.WEIGHTS_UNREADABLE,
             )
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         try:
@@ -155,7 +155,7 @@ def _copy_fd(
 ) -> str | None:
     def cancelled() -> None:
         if cancel is not None and cancel.is_set():
-            raise RunnerError("reload cancelled while copying", code=ErrorCode.COMMAND_TIMEOUT)
+            raise RunnerError("reload cancelled while copying", code=WireCode.COMMAND_TIMEOUT)
 
     offset = 0
     if not hash_files:
@@ -173,7 +173,7 @@ def _copy_fd(
                 errno.EPERM,
             ):
                 raise RunnerError(
-                    f"cannot copy {name!r}: {exc}", code=ErrorCode.WEIGHTS_UNREADABLE
+                    f"cannot copy {name!r}: {exc}", code=WireCode.WEIGHTS_UNREADABLE
                 ) from None
             # Not supported between these files: copy the rest through memory.
     digest = hashlib.sha256() if hash_files else None
@@ -191,6 +191,6 @@ def _copy_fd(
             offset += n
     except OSError as exc:
         raise RunnerError(
-            f"cannot copy {name!r}: {exc}", code=ErrorCode.WEIGHTS_UNREADABLE
+            f"cannot copy {name!r}: {exc}", code=WireCode.WEIGHTS_UNREADABLE
         ) from None
     return digest.hexdigest() if digest is not None else None
