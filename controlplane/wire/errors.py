@@ -3,8 +3,10 @@
 Each error has a stable machine-readable ``code`` and says whether retrying the same thing could
 succeed. Two sets of codes: a :class:`WireCode` travels in acks and heartbeats (a worker reports
 it, the coordinator folds it, the API and CLI show it); a :class:`LocalCode` is raised by a tool
-on its own side (publishing, Kafka, the local broker, a worker's start-up) and ends that tool's
-command with a line and an exit code, never in a message. No I/O here.
+on its own side (publishing, Kafka, the local broker, a worker's start-up) and ends up in that
+tool's output (its error line and exit code, an HTTP error), never in a message. A tool may
+raise a wire code too (``SCHEMA_INVALID`` for bad input): the split says what may travel, not
+who raises it. No I/O here.
 
     ControlPlaneError
     ├── ProtocolError             untrusted bytes did not decode into our wire models
@@ -52,14 +54,14 @@ class WireCode(StrEnum):
     RUNNER_FAILED = "RUNNER_FAILED"
     WORKER_SHUTTING_DOWN = "WORKER_SHUTTING_DOWN"
     INTERNAL = "INTERNAL"
-    # Why a worker is degraded (its heartbeat's ``degraded.code``; also its exit).
+    # A worker degraded by itself, not by a command (its heartbeat's ``degraded.code``).
     JOURNAL_WRITE_FAILED = "JOURNAL_WRITE_FAILED"
     RUNNER_LOAD_FAILED = "RUNNER_LOAD_FAILED"
 
 
 class LocalCode(StrEnum):
     """Codes a tool raises on its own side, never sent in a message. Never rename one either:
-    they end a command's output (``error: CODE: ...``) and choose its exit code."""
+    they end a command's output (``error: CODE: ...``), choose its exit code, or an HTTP error's."""
 
     # Publishing a rollout (the CLI and the API, before anything is written).
     NO_MATCHING_WORKERS = "NO_MATCHING_WORKERS"
