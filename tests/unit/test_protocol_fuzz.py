@@ -35,7 +35,7 @@ from controlplane.wire.protocol import (
     WorkerStatus,
     encode,
 )
-from tests.unit.test_protocol import DECODERS, PROTOCOL_CODES, SCHEMA_NAME, Message, assert_nackable
+from tests.unit.conftest import DECODERS, PROTOCOL_CODES, SCHEMA_NAME, Message, assert_nackable
 from tests.unit.test_schemas import schema_errors
 
 _SCALE = float(os.environ.get("FUZZ_SCALE", "1"))
