@@ -52,7 +52,7 @@ from tests.unit.test_protocol_fuzz import (
     mutants,
     replace_node,
 )
-from tests.unit.test_rollout import DEADLINE, HORIZON, at, scenarios
+from tests.unit.test_rollout_replay import DEADLINE, HORIZON, at, scenarios
 
 T0 = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
 
