@@ -1,4 +1,5 @@
-"""Shared builders for the wire protocol tests (test_protocol*, test_schemas, test_protocol_fuzz).
+"""Shared builders for the wire protocol tests (test_protocol*, test_schemas, test_protocol_fuzz)
+and the fast ack decoder's differential tests (test_ack_codec*: comparing both decoders).
 
 One message of every kind (``VALID``, ``MINIMAL``), a command as a plain Kafka client writes it,
 and the checks every refusal must pass (``assert_nackable``). Pure: no Kafka, no I/O.
@@ -7,12 +8,18 @@ and the checks every refusal must pass (``assert_nackable``). Pure: no Kafka, no
 from __future__ import annotations
 
 import json
+import math
 import re
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
+from unittest import mock
 
+import msgspec
 import pytest
 
+from controlplane.wire import ack_codec
+from controlplane.wire.ack_codec import AckLike, FastAck, decode_ack_fast
 from controlplane.wire.errors import ErrorCode, ProtocolError
 from controlplane.wire.protocol import (
     Ack,
@@ -263,3 +270,150 @@ PROTOCOL_CODES = [
     ErrorCode.MESSAGE_TOO_LARGE,
     ErrorCode.DUPLICATE_KEY,
 ]
+
+
+# --------------------------------------------------------------------------- the fast ack decoder
+# (test_ack_codec*.py: the compiled decoder against the canonical one)
+
+
+# --------------------------------------------------------------------------- comparing
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """Equal with equal types all the way down (1, 1.0 and True are == in Python; not here)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_json(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float):
+        return a == b and math.copysign(1, a) == math.copysign(1, b)
+    return bool(a == b)
+
+
+def same_time(a: datetime | None, b: datetime | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    # The same instant with the same offset: the same wall-clock fields too.
+    return a == b and a.utcoffset() == b.utcoffset()
+
+
+def assert_same(view: AckLike, model: Ack) -> None:
+    """Every field of the pydantic ack, equal in the view, with the same types."""
+    assert isinstance(view, FastAck)
+    assert view.schema_version == 1 and type(view.schema_version) is int
+    for name in ("command_id", "rollout_id", "worker_id", "weights_version", "config_digest"):
+        assert getattr(view, name) == getattr(model, name), name
+        assert type(getattr(view, name)) is type(getattr(model, name)), name
+    assert view.kind is model.kind
+    assert view.state is model.state
+    assert view.attempt == model.attempt and type(view.attempt) is int
+    assert same_time(view.sent_at, model.sent_at)
+    t, m = view.timings, model.timings
+    assert same_time(t.received_at, m.received_at)
+    assert same_time(t.started_at, m.started_at)
+    assert same_time(t.finished_at, m.finished_at)
+    if model.error is None:
+        assert view.error is None
+    else:
+        assert view.error is not None
+        assert (view.error.code, view.error.message, view.error.retryable) == (
+            model.error.code,
+            model.error.message,
+            model.error.retryable,
+        )
+        assert type(view.error.retryable) is bool
+    assert same_json(view.result, model.result)
+
+
+Outcome = FastAck | Ack | tuple[ErrorCode, str, str | None, str | None]
+
+
+def outcome(decode: Callable[[bytes], Any], data: bytes) -> Outcome:
+    try:
+        message: FastAck | Ack = decode(data)
+    except ProtocolError as err:  # anything else fails the test
+        return (err.code, err.message, err.command_id, err.rollout_id)
+    return message
+
+
+def assert_agree(data: bytes) -> FastAck | None:
+    """Both decoders accept with equal values, or both refuse with the same error."""
+    want = outcome(decode_ack, data)
+    got = outcome(decode_ack_fast, data)
+    if isinstance(want, tuple):
+        assert got == want
+        return None
+    assert isinstance(got, FastAck), got
+    assert_same(got, want)
+    return got
+
+
+@pytest.fixture
+def no_fallback() -> Iterator[mock.MagicMock]:
+    """Fails the test if the fast decoder hands the message to the canonical one."""
+    with mock.patch.object(ack_codec, "decode_ack", side_effect=AssertionError("fell back")) as m:
+        yield m
+
+
+def counting_fallback() -> Any:
+    return mock.patch.object(ack_codec, "decode_ack", wraps=decode_ack)
+
+
+def wire(**fields: Any) -> dict[str, Any]:
+    """A valid ack as a plain-JSON producer writes it."""
+    value: dict[str, Any] = {
+        "schema_version": 1,
+        "command_id": "r-1.c1",
+        "rollout_id": "r-1",
+        "worker_id": "gpu-node-00001.pool-a",
+        "kind": "reload_weights",
+        "state": "succeeded",
+        "weights_version": "v42",
+        "config_digest": None,
+        "error": None,
+        "timings": {
+            "received_at": "2025-06-01T12:00:00Z",
+            "started_at": "2025-06-01T12:00:00.5Z",
+            "finished_at": "2025-06-01T12:00:02.000001Z",
+        },
+        "attempt": 1,
+        "sent_at": "2025-06-01T12:00:02.25Z",
+        "result": {"bytes": 1023410176, "gbps": 7.97, "files": ["a", "b"], "ok": True},
+    }
+    value.update(fields)
+    return value
+
+
+def compact_json(value: Any) -> bytes:
+    """Compact JSON, as the ack tests write their records."""
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def stamped(field: str, stamp: str) -> bytes:
+    """A valid ack with ``stamp`` as its ``sent_at`` or as one of its timings."""
+    value = wire()
+    if field == "sent_at":
+        value["sent_at"] = stamp
+    else:
+        value["timings"][field] = stamp
+    return compact_json(value)
+
+
+def msgspec_accepts(data: bytes) -> bool:
+    """Whether msgspec alone (without the guards) decodes it: the leniency exists."""
+    try:
+        ack_codec._decode(data)
+    except msgspec.DecodeError:
+        return False
+    return True
+
+
+def refused(data: bytes) -> ProtocolError:
+    want = outcome(decode_ack, data)
+    assert isinstance(want, tuple), "the canonical decoder accepts it"
+    assert_agree(data)
+    with pytest.raises(ProtocolError) as caught:
+        decode_ack_fast(data)
+    return caught.value
