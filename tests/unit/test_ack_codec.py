@@ -40,7 +40,7 @@ from controlplane.wire.protocol import (
 )
 from tests.unit.conftest import T0, assert_agree, assert_same, counting_fallback, stamped, wire
 from tests.unit.conftest import compact_json as dumps  # the ack tests' JSON: compact
-from tests.unit.test_protocol_fuzz import (
+from tests.unit.strategies import (
     acks,
     fuzz,
     mutants,

@@ -31,7 +31,7 @@ from tests.unit.conftest import (
     wire,
 )
 from tests.unit.conftest import compact_json as dumps  # the ack tests' JSON: compact
-from tests.unit.test_protocol_fuzz import (
+from tests.unit.strategies import (
     Pairs,
     acks,
     containers,
