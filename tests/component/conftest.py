@@ -1,6 +1,6 @@
 """Fixtures for the runner component tests: tiny seeded checkpoints and runners that close;
 for the API tests (test_api*.py): a never-started Coordinator fed events directly, its app
-and a client.
+and a client; for the loader tests (test_loaders*.py): destination and source tensors.
 
 Runners: torch on the CPU, XLA on PJRT's CPU device, and torch on CUDA (``gpu``: deselected
 without a GPU, see tests/conftest.py).
@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from fastapi import FastAPI
 from pydantic import SecretStr
 
@@ -47,6 +48,7 @@ from controlplane.wire.protocol import (
 from tests import factories
 from workers.demo.checkpoints import write_checkpoint
 from workers.runners.torch_runner import TorchRunner
+from workers.weights.loaders import load_checkpoint
 
 #: Small enough that XLA compiles each graph in about a second.
 TINY: dict[str, Any] = {
@@ -335,3 +337,31 @@ def sample(text: str, name: str, **labels: str) -> float | None:
         if metric == name and {k: v.strip('"') for k, v in got.items()} == labels:
             return float(value)
     return None
+
+
+# --------------------------------------------------------------------------- the loader tests (test_loaders*.py)
+
+
+def targets() -> dict[str, torch.Tensor]:
+    """Destination tensors for the loader tests: zeros of four shapes and dtypes."""
+    return {
+        "w": torch.zeros(4, 3),
+        "b": torch.zeros(3, dtype=torch.bfloat16),
+        "steps": torch.zeros((), dtype=torch.int64),
+        "empty": torch.zeros(0, 5),
+    }
+
+
+def source(seed: int = 1) -> dict[str, torch.Tensor]:
+    """Seeded values for ``targets()``."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(4, 3, generator=g),
+        "b": torch.randn(3, generator=g).to(torch.bfloat16),
+        "steps": torch.tensor(7 + seed, dtype=torch.int64),
+        "empty": torch.zeros(0, 5),
+    }
+
+
+def load(path: Path, dst: dict[str, torch.Tensor], **kw: Any) -> Any:
+    return load_checkpoint(path, dst, version="v1", from_version="v0", **kw)
