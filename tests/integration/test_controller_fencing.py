@@ -24,6 +24,7 @@ from aiokafka.protocol.transaction import (
 )
 
 from controlplane.kafka.bus import Admin
+from controlplane.kafka.election import LeaderElection, LeadershipLost
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.kafka.transactions import (
     TransactionalProducer,
@@ -189,6 +190,92 @@ async def test_a_transaction_past_its_timeout_has_an_unknown_outcome_that_the_ne
     values = await read_values(kafka, topics.commands.name)
     assert values[-1] == "after"
     assert values[:-1] in ([], [f"maybe-{i}" for i in range(50)])  # all or nothing
+
+
+# --------------------------------------------------------------------------- the election
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """Poll ``predicate`` until it holds (True) or ``timeout`` passes (False)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(0.02)  # a poll interval, not a wait for something
+    return True
+
+
+def election(settings: KafkaSettings) -> LeaderElection:
+    return LeaderElection(settings, session_timeout_ms=SESSION_MS, heartbeat_interval_ms=1000)
+
+
+async def test_one_of_two_candidates_leads_and_the_other_takes_over_when_it_leaves(
+    kafka: KafkaSettings,
+) -> None:
+    await ensure_controller_topic(kafka)
+    first, second = election(kafka), election(kafka)
+    async with first:
+        generation = await asyncio.wait_for(first.wait_leader(), 30)
+        assert first.is_leader(generation) and not first.is_leader(generation + 1)
+        async with second:
+            assert await until(lambda: second.member_generation is not None)
+            joined = second.member_generation
+            assert joined is not None and joined > generation
+            # Exactly one of them leads the generation both are in.
+            assert await until(
+                lambda: (
+                    (first.leader_generation, second.leader_generation)
+                    in ((joined, None), (None, joined))
+                )
+            )
+            leader, other = (first, second) if first.is_leader(joined) else (second, first)
+            with pytest.raises(LeadershipLost):
+                async with other.leading(joined):
+                    pass
+            await leader.stop()  # leaves the group: the other is elected at once
+            took_over = await asyncio.wait_for(other.wait_leader(), 30)
+            assert took_over > joined
+            assert leader.leader_generation is None
+
+
+async def test_a_revoke_waits_for_the_transaction_in_flight(kafka: KafkaSettings) -> None:
+    """While the leader holds the lock (a transaction in flight), a rebalance takes its
+    leadership at once (no new transaction may start) but the group waits for it (up to the
+    rebalance timeout: after that it moves on, and the fencing protects the log)."""
+    await ensure_controller_topic(kafka)
+    first, second = election(kafka), election(kafka)
+    async with first:
+        generation = await asyncio.wait_for(first.wait_leader(), 30)
+        try:
+            async with first.leading(generation):
+                joining = asyncio.create_task(second.start())  # returns once it has joined
+                assert await until(lambda: first.leader_generation is None)
+                assert not first.is_leader(generation)
+                assert not await until(lambda: second.member_generation is not None, 1.0)
+            await asyncio.wait_for(joining, 30)
+            # The group waited for the first member: both are in the next generation.
+            assert await until(
+                lambda: first.member_generation == second.member_generation != generation
+            )
+        finally:
+            await second.stop()
+
+
+async def test_rejoin_forces_a_new_generation_only_from_the_one_still_led(
+    kafka: KafkaSettings,
+) -> None:
+    """Fenced while the group still says "you lead" (the broker aborted a transaction that
+    outlived its timeout): without a new generation nobody would init again."""
+    await ensure_controller_topic(kafka)
+    async with election(kafka) as candidate:
+        generation = await asyncio.wait_for(candidate.wait_leader(), 30)
+        assert not await candidate.rejoin(generation - 1)  # not the generation it sits in
+        assert candidate.is_leader(generation)
+        assert await candidate.rejoin(generation)
+        assert not candidate.is_leader(generation)
+        again = await asyncio.wait_for(candidate.wait_leader(), 30)
+        assert again > generation
 
 
 # --------------------------------------------------------------------------- (c) the broker's APIs
