@@ -60,6 +60,7 @@ class LeaderElection(ClientLifecycle):
         self.topic = topic if topic is not None else topics.controller.name
         self.group_id = group_id if group_id is not None else topics.controller_group
         #: Hold it while a transaction of the leading generation is open: a revoke waits for it.
+        #: Never stop() the election while holding it (closing waits for a revoke in progress).
         self.lock = asyncio.Lock()
         #: The generation whose assignment gave this member partition 0; None while not leading.
         self.leader_generation: int | None = None
