@@ -1,4 +1,5 @@
-"""Shared test factories: times, wire messages, worker argv, a running agent, free ports.
+"""Shared test factories: times, wire messages, worker argv, a running agent, free ports, and
+the fold tests' builders (commands, acks and a fed ``Fleet``).
 
 Imported by both environments (``tests/vllm`` runs in ``.venv-vllm``): only the standard
 library, pydantic and the project here, nothing heavy at module level.
@@ -11,7 +12,7 @@ import json
 import os
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -19,14 +20,21 @@ from typing import TYPE_CHECKING, Any
 
 from controlplane.kafka.launch import free_port as free_port  # one home; tests import it from here
 from controlplane.kafka.settings import KafkaSettings
+from controlplane.rollout.fleet import DEFAULT_PROGRESS_DEADLINE_S, Fleet
+from controlplane.rollout.models import RolloutStatus, WorkerState
 from controlplane.wire.protocol import (
     Ack,
+    AckError,
     AckState,
+    Command,
     CommandKind,
     Degraded,
     Heartbeat,
     InFlight,
+    ReloadWeightsSpec,
+    Selector,
     Timings,
+    UpdateConfigSpec,
     WorkerStatus,
     utcnow,
 )
@@ -262,3 +270,156 @@ def heal(cluster: LocalCluster, nodes: int) -> None:
         if not cluster.node(node_id).status().running:
             cluster.start_node(node_id, timeout=180)
     cluster.wait_for_brokers(nodes, timeout=180)
+
+
+# --------------------------------------------------------------------------- the fold (tests/unit/test_rollout*.py)
+
+TICK = timedelta(microseconds=1)
+A, R, S, F, X = (
+    AckState.ACCEPTED,
+    AckState.RUNNING,
+    AckState.SUCCEEDED,
+    AckState.FAILED,
+    AckState.REJECTED,
+)
+
+
+# --------------------------------------------------------------------------- factories
+
+
+def command(
+    rollout_id: str = "r1",
+    command_id: str = "c1",
+    *,
+    workers: Sequence[str] | None = ("w1", "w2"),
+    labels: dict[str, str] | None = None,
+    issued: float = 0.0,
+    expires: float = 3600.0,
+    version: str = "v2",
+    overrides: dict[str, Any] | None = None,
+) -> Command:
+    spec: ReloadWeightsSpec | UpdateConfigSpec = (
+        UpdateConfigSpec(overrides=overrides)
+        if overrides is not None
+        else ReloadWeightsSpec(path="/ckpt", version=version)
+    )
+    return Command(
+        command_id=command_id,
+        rollout_id=rollout_id,
+        issued_at=at(issued),
+        expires_at=at(expires),
+        issuer="ci",
+        selector=Selector(
+            worker_ids=list(workers) if workers is not None else None, labels=labels or {}
+        ),
+        spec=spec,
+    )
+
+
+def ack(
+    worker_id: str,
+    state: AckState,
+    sent: float,
+    *,
+    rollout_id: str = "r1",
+    command_id: str = "c1",
+    code: str | None = None,
+    version: str | None = None,
+    attempt: int = 1,
+    started: float | None = None,
+    retryable: bool = False,
+) -> Ack:
+    error = None
+    if state in (F, X):
+        default = "CHECKSUM_MISMATCH" if state is X else "RUNNER_FAILED"
+        error = AckError(code=code or default, message=f"{worker_id} broke", retryable=retryable)
+    if version is None and state is S:
+        version = "v2"
+    if started is None and state is R:
+        started = sent
+    return Ack(
+        command_id=command_id,
+        rollout_id=rollout_id,
+        worker_id=worker_id,
+        kind=CommandKind.RELOAD_WEIGHTS,
+        state=state,
+        weights_version=version,
+        error=error,
+        timings=Timings(
+            received_at=at(sent if started is None else min(started, sent)),
+            started_at=at(started) if started is not None else None,
+            finished_at=at(sent) if state.terminal else None,
+        ),
+        attempt=attempt,
+        sent_at=at(sent),
+    )
+
+
+Event = Command | Ack | Heartbeat | tuple[str, str, datetime]
+
+
+def abort_event(reason: str, when: float, rollout_id: str = "r1") -> tuple[str, str, datetime]:
+    return (rollout_id, reason, at(when))
+
+
+def feed(fleet: Fleet, events: Iterable[Event]) -> Fleet:
+    for event in events:
+        if isinstance(event, Command):
+            fleet.observe_command(event)
+        elif isinstance(event, Ack):
+            fleet.observe_ack(event)
+        elif isinstance(event, Heartbeat):
+            fleet.observe_heartbeat(event)
+        else:
+            fleet.abort(*event)
+    return fleet
+
+
+def fleet(*events: Event, deadline: float = DEFAULT_PROGRESS_DEADLINE_S) -> Fleet:
+    return feed(Fleet(progress_deadline_s=deadline), events)
+
+
+def alive(*workers: str, sent: float, **kw: Any) -> list[Heartbeat]:
+    return [heartbeat(w, sent, **kw) for w in workers]
+
+
+def status(*events: Event, now: float, deadline: float = 600.0) -> RolloutStatus:
+    return fleet(*events, deadline=deadline).status("r1", at(now))
+
+
+def states(st_: RolloutStatus) -> dict[str, WorkerState]:
+    return {d.worker_id: d.state for d in st_.workers}
+
+
+def full(worker_id: str, start: float, end: float, terminal: AckState = S, **kw: Any) -> list[Ack]:
+    """accepted, running and a terminal ack, as a worker sends them."""
+    return [
+        ack(worker_id, A, start, **kw),
+        ack(worker_id, R, start + 1, **kw),
+        ack(worker_id, terminal, end, started=start + 1, **kw),
+    ]
+
+
+def nack(worker_id: str, sent: float, code: str, **kw: Any) -> Ack:
+    """A worker's NACK of a record it could not read: no kind."""
+    return ack(worker_id, X, sent, code=code, **kw).model_copy(update={"kind": None})
+
+
+def event_time(event: Event) -> tuple[datetime, int]:
+    """When an event happened, commands first among equals (a log's order)."""
+    if isinstance(event, Command):
+        return event.issued_at, 0
+    if isinstance(event, Ack | Heartbeat):
+        return event.sent_at, 1
+    return event[2], 1
+
+
+def compacted_log(events: list[Event]) -> list[Event]:
+    """What a restarted coordinator reads: only each worker's latest heartbeat survives."""
+    latest: dict[str, Heartbeat] = {}
+    for e in events:
+        if isinstance(e, Heartbeat):
+            held = latest.get(e.worker_id)
+            if held is None or (e.started_at, e.seq) > (held.started_at, held.seq):
+                latest[e.worker_id] = e
+    return [e for e in events if not isinstance(e, Heartbeat)] + list(latest.values())

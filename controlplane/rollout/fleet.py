@@ -9,65 +9,10 @@ a reader received something, so every reader (``--wait``, ``status``, any coordi
 in-flight spans and the expected set of a label-only command use the worker's clock, as its
 acks do.
 
-Rules (the coordinator, the API and the CLI all rely on them):
-
-* **One command per rollout.** Of several commands with one ``rollout_id`` the earliest issued
-  (ties: lowest ``command_id``) is the rollout; the others are reported as anomalies, ignored.
-* **Expected workers**, fixed by the command and the log, never by arrival order. Explicit
-  ``selector.worker_ids`` (what our CLI publishes after resolving labels): exactly those.
-  Otherwise (a label-only command, e.g. from kcat): every worker matching the selector whose
-  latest known heartbeat shows an incarnation alive at ``issued_at`` (started by then, received
-  at most its lease before ``issued_at``, not stopped by then), plus any worker that acks
-  the command and matches by its latest labels (or has no heartbeat), unless its first ack was
-  sent after the rollout had ended. None expected: ``failed`` / ``NO_MATCHING_WORKERS`` at once,
-  unless matching workers refused the command as ``EXPIRED`` (it was published after it
-  expired): then ``timed_out`` / ``EXPIRED``, those workers listed.
-* **Lease.** A heartbeat vouches for its worker for the heartbeat's ``lease_s`` when it
-  carries one, else for 3 heartbeat periods (``3 * interval_s``; registry.silence_limit).
-* **Per-worker state**: pending < accepted < running < terminal (succeeded, failed, rejected).
-  The first terminal ack by ``sent_at`` wins; redelivered duplicates change nothing; a different
-  terminal state later is an anomaly. Acks from workers outside the expected set are listed as
-  ``unexpected`` and counted nowhere. Acks whose command never appeared are kept (``orphans()``)
-  and folded in when it does.
-* **Lost is provisional.** An expected worker without a terminal ack whose heartbeats do not
-  prove it alive at an instant (neither its latest incarnation nor the one before it was
-  started, received within its lease and not stopped then), or that was never seen and never
-  acked, is ``lost`` at that instant, with ``lost_at``. It does not end the rollout: it may come back (a restarted
-  incarnation re-applies the redelivered command) and its terminal ack counts whenever it is
-  sent before the rollout ends. Lost becomes final only when the rollout ends by a deadline.
-* **Phase** is a pure function of the events and ``now``; event timestamps, not arrival order,
-  decide. It ends at the earliest of: every expected worker terminal, giving ``succeeded`` if
-  all succeeded else ``failed`` / ``WORKERS_FAILED``; the command's ``expires_at``
-  (``timed_out`` / ``EXPIRED``); an ``abort`` (``aborted``); and the progress deadline: more
-  than ``progress_deadline_s`` without progress (``timed_out`` /
-  ``PROGRESS_DEADLINE_EXCEEDED``), where progress is an expected worker's accepted, running or
-  terminal ack, the span of a terminal ack's own ``timings.started_at`` to ``sent_at`` (only
-  the instant it was sent for a worker already silent then), and the span of a latest
-  heartbeat showing the command in flight (keep the deadline above three heartbeat periods).
-  At a deadline the phase is ``failed`` / ``WORKERS_FAILED`` when a worker had reported a
-  failure or rejection by then, else ``timed_out``; lost workers are listed ``lost``. The phase
-  never depends on whether a worker was alive at the deadline: the log keeps only each worker's
-  latest heartbeat, which cannot say that for certain once the worker restarts, so a verdict
-  built on it could flip. ``WORKERS_LOST`` is therefore no longer given.
-* **Ended is ended.** Counts and per-worker states are those as of ``finished_at``; what a
-  worker reported later shows as its ``late_state``. Acks sent after the end (late, or
-  redelivered) never change the phase, whenever they arrive. Once ended, a verdict is final;
-  the known exceptions are evidence the reader could not have had: an ack sent before the end
-  that reaches Kafka after a reader judged, and a worker silent past the deadline that comes
-  back in the same incarnation with the command still in flight.
-* **Unreadable commands.** A NACK with ``kind`` null is a worker's refusal of a record it
-  could not decode. It never counts as a worker's state in a rollout that has a readable
-  command (it is listed as an ``UNREADABLE_COMMAND_NACK`` anomaly: garbage, or forged ids). A
-  rollout known only from such NACKs is ``failed`` / ``COMMAND_REJECTED`` from its first NACK,
-  each worker that said so ``rejected`` with its code.
-* **Memory is bounded** (``max_ended_rollouts``): :meth:`Fleet.compact` keeps the last N ended
-  rollouts in full and older ones as a final summary (phase, reason, counts, times;
-  ``details_dropped``: no per-worker details, anomalies or ``selector.worker_ids``), and drops
-  their commands and acks; acks that arrive later for them are counted and dropped. A summary
-  is a few hundred bytes per rollout id; acks for commands never seen (``orphans()``) are kept
-  until their command arrives (a replay reads acks ahead of commands), so only write access to
-  the topics, which ACLs guard, can grow them.
-* **Not durable**: ``abort`` lives only in this object until aborts travel on a topic.
+The rules (one command per rollout, expected workers, leases, per-worker states, lost is
+provisional, phases and deadlines, ended is ended, unreadable commands, bounded memory) are
+specified in docs/rollouts.md ("The fold's rules"); the coordinator, the API and the CLI all
+rely on them, and tests/unit/test_rollout.py checks them.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ class Report(msgspec.Struct, frozen=True, gc=False):
     """The facts of one terminal ack that status shows (an :class:`Ack` is much larger).
 
     Like :class:`WorkerLedger`, not tracked by the garbage collector: a fleet holds one per
-    worker per rollout, and collections walking them all made a catch-up ~1.3x slower.
+    worker per rollout, and collections walking them all slow a catch-up (docs/benchmarks.md).
     """
 
     sent_at: datetime

@@ -124,8 +124,38 @@ class Topics:
             self.replication_factor,
         )
 
+    @property
+    def controller(self) -> TopicSpec:
+        # The controller's election (its group's one partition: the member assigned it leads)
+        # and, compacted by key, what the leader says of itself. docs/controller.md.
+        return TopicSpec(
+            f"{self.prefix}.controller",
+            1,
+            {
+                "cleanup.policy": "compact",
+                **self._durability(no_unclean_election=True),
+            },
+            self.replication_factor,
+        )
+
+    @property
+    def controller_transactional_id(self) -> str:
+        """The one ``transactional.id`` every controller writes with: each new leader's init
+        fences the ones before (a per-host id would silently disable that)."""
+        return f"{self.prefix}.controller"
+
+    @property
+    def controller_group(self) -> str:
+        """The consumer group the controllers are elected in (never a worker's group)."""
+        return f"{self.prefix}.controller"
+
     def all(self) -> list[TopicSpec]:
+        """The three topics of the fleet's channels (commands, acks, heartbeats)."""
         return [self.commands, self.acks, self.workers]
+
+    def ensured(self) -> list[TopicSpec]:
+        """Every topic a fleet needs: :meth:`all` and the controller's."""
+        return [*self.all(), self.controller]
 
     def worker_group(self, worker_id: str) -> str:
         """Each worker is its own consumer group on the commands topic (broadcast)."""

@@ -2,7 +2,9 @@
 
 - ``workers`` imports nothing of ``controlplane`` but ``controlplane.wire`` and ``controlplane.kafka``;
 - ``wire`` imports no other part of the project; ``kafka`` only ``wire``; the fold (``rollout``)
-  only ``wire``: no I/O;
+  only ``wire``: no I/O; then ``coordinator``, ``api`` and ``cli`` each only what is below it;
+  in ``workers``: ``weights`` < ``runners`` < ``agent``, and ``demo`` beside the agent;
+- only ``controlplane.kafka`` imports aiokafka;
 - no import circle between modules;
 - torch, torch_xla, safetensors and vllm are imported only by runner, weights and demo modules,
   so the control plane imports anywhere;
@@ -22,11 +24,19 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("controlplane", "workers")
 HEAVY = ("torch", "torch_xla", "safetensors", "vllm")
 #: package -> the project packages it may import (besides its own modules)
+WIRE, KAFKA, FOLD = "controlplane.wire", "controlplane.kafka", "controlplane.rollout"
 ALLOWED: dict[str, tuple[str, ...]] = {
-    "controlplane.wire": (),
-    "controlplane.kafka": ("controlplane.wire",),
-    "controlplane.rollout": ("controlplane.wire",),
-    "workers": ("controlplane.wire", "controlplane.kafka", "workers"),
+    WIRE: (),
+    KAFKA: (WIRE,),
+    FOLD: (WIRE,),
+    "controlplane.coordinator": (WIRE, KAFKA, FOLD),
+    "controlplane.api": (WIRE, KAFKA, FOLD, "controlplane.coordinator"),
+    "controlplane.cli": (WIRE, KAFKA, FOLD, "controlplane.coordinator", "controlplane.api"),
+    "workers": (WIRE, KAFKA, "workers"),
+    "workers.weights": (WIRE,),
+    "workers.runners": (WIRE, "workers.weights"),
+    "workers.agent": (WIRE, KAFKA, "workers.runners", "workers.weights"),
+    "workers.demo": (WIRE, "workers.runners", "workers.weights"),
 }
 HEAVY_ALLOWED = ("workers.runners", "workers.weights", "workers.demo")
 
@@ -153,6 +163,17 @@ def test_heavy_libraries_are_imported_only_by_runners_weights_and_demo() -> None
         if not any(_within(name, p) for p in HEAVY_ALLOWED)
         for imported, line, _ in _imports(name, path)
         if imported.split(".")[0] in HEAVY
+    ]
+    assert not broken, "\n".join(broken)
+
+
+def test_only_the_kafka_package_speaks_kafka() -> None:
+    broken = [
+        f"{name} ({MODULES[name].relative_to(ROOT)}:{line}) imports {imported}"
+        for name, path in MODULES.items()
+        if not _within(name, KAFKA)
+        for imported, line, _ in _imports(name, path)
+        if imported.split(".")[0] == "aiokafka"
     ]
     assert not broken, "\n".join(broken)
 

@@ -85,3 +85,19 @@ def test_replication_settings_come_from_each_processs_environment(
     coordinator = CoordinatorSettings()
     assert coordinator.kafka.topics.replication_factor == 5
     assert coordinator.kafka.topics.effective_min_insync_replicas == 2
+
+
+def test_the_controller_topic_is_one_compacted_partition_with_fixed_ids() -> None:
+    topics = Topics(prefix="x", replication_factor=3)
+    spec = topics.controller
+    assert (spec.name, spec.partitions, spec.replication_factor) == ("x.controller", 1, 3)
+    assert spec.config == {
+        "cleanup.policy": "compact",
+        "min.insync.replicas": "2",
+        "unclean.leader.election.enable": "false",
+    }
+    # One id for every coordinator: each new leader's init fences the ones before.
+    assert topics.controller_transactional_id == "x.controller"
+    assert topics.controller_group == "x.controller"
+    assert topics.controller_group not in {topics.worker_group(w) for w in ("controller", "x")}
+    assert topics.ensured() == [*topics.all(), spec]

@@ -128,7 +128,7 @@ class Agent:
                     group_id=self.topics.worker_group(self.worker_id),
                     # The broker answers a waiting fetch as soon as a command lands, so a long
                     # poll costs no latency, while a short one costs a request per idle worker
-                    # every 100 ms (docs/benchmarks.md: 500 idle agents, broker 28% -> 9%).
+                    # every 100 ms (docs/benchmarks.md, idle CPU of the agents).
                     fetch_max_wait_ms=3000,
                 ) as consumer,
             ):

@@ -1,19 +1,7 @@
-"""The weights package sits below the runners: it never imports the runner interface."""
+"""The loader's own stats type (the weights package sits below the runners: test_architecture
+checks that it never imports them) and the runners' ReloadResult built from it."""
 
 from __future__ import annotations
-
-from tests.unit.test_architecture import MODULES, _imports, _project, _within
-
-
-def test_weights_imports_nothing_of_the_runners() -> None:
-    broken = [
-        f"{name}:{line} imports {target}"
-        for name, path in MODULES.items()
-        if _within(name, "workers.weights")
-        for imported, line, _ in _imports(name, path)
-        if (target := _project(imported)) is not None and _within(target, "workers.runners")
-    ]
-    assert not broken, "\n".join(broken)
 
 
 def test_a_reload_result_is_built_from_the_loaders_stats() -> None:

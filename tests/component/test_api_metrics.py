@@ -1,0 +1,121 @@
+"""The HTTP API in process: Prometheus metrics (acks, phases, workers, ack latency).
+
+No Kafka: a Coordinator that is never started, fixtures in tests/component/conftest.py.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from controlplane.api.app import create_app
+from controlplane.coordinator.metrics import AckLatency
+from controlplane.coordinator.service import (
+    Coordinator,
+)
+from controlplane.wire.protocol import (
+    AckState,
+    Command,
+)
+from tests.component.conftest import ack, command, feed, heartbeat, sample
+
+# --------------------------------------------------------------------------- metrics
+
+
+async def test_metrics_count_acks_phases_workers_and_latency(
+    client: httpx.AsyncClient, fleet_of_two: dict[str, Command]
+) -> None:
+    r = await client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    assert sample(text, "controlplane_rollouts", phase="succeeded") == 1
+    assert sample(text, "controlplane_rollouts", phase="progressing") == 1
+    assert sample(text, "controlplane_rollouts", phase="failed") == 0
+    assert sample(text, "controlplane_acks_total", state="succeeded", code="") == 2
+    assert sample(text, "controlplane_acks_total", state="rejected", code="CHECKSUM_MISMATCH") == 1
+    assert sample(text, "controlplane_acks_total", state="running", code="") == 3
+    assert sample(text, "controlplane_workers") == 2
+    assert sample(text, "controlplane_workers_alive") == 2
+    assert sample(text, "controlplane_workers_in_sync") == 0
+    assert sample(text, "controlplane_messages_total", kind="heartbeat") == 4
+    assert sample(text, "controlplane_ready") == 1
+    # r-old: issued at 1 s, both succeeded at 4 s; r-new: w1 rejected at 7 s, issued at 6 s.
+    count = "controlplane_command_ack_latency_seconds_count"
+    total = "controlplane_command_ack_latency_seconds_sum"
+    assert sample(text, count, kind="reload_weights", state="succeeded") == 2
+    assert sample(text, total, kind="reload_weights", state="succeeded") == pytest.approx(6.0)
+    assert sample(text, count, kind="reload_weights", state="rejected") == 1
+    assert "controlplane_records_undecodable_total 0.0" in text
+
+
+async def test_each_app_has_its_own_registry(coordinator: Coordinator, app: FastAPI) -> None:
+    other = create_app(coordinator)  # a second app on the same coordinator must not collide
+    assert other.state.metrics.registry is not app.state.metrics.registry
+    feed(coordinator, heartbeat("w1", 9.0))
+    assert sample(other.state.metrics.render().decode(), "controlplane_workers") == 1
+
+
+def test_latency_pairs_acks_and_commands_in_any_order_once_per_worker() -> None:
+    cmd = command("r1", issued=0.0)
+    first_w1, late_w1 = (
+        ack(cmd, "w1", AckState.SUCCEEDED, 3.0),
+        ack(cmd, "w1", AckState.SUCCEEDED, 9.0),
+    )
+    tracker = AckLatency()
+    # Replay order: acks (out of order, redelivered) before their command.
+    assert tracker.ack(late_w1) == [] and tracker.ack(first_w1) == [] and tracker.ack(late_w1) == []
+    assert tracker.ack(ack(cmd, "w2", AckState.RUNNING, 1.0)) == []  # not terminal
+    assert tracker.waiting == 1
+    assert [s.seconds for s in tracker.command(cmd)] == [3.0]  # the earliest sent counts
+    assert tracker.command(cmd) == []  # the command again: nothing more
+    assert tracker.ack(late_w1) == []  # already sampled
+    [w2] = tracker.ack(ack(cmd, "w2", AckState.FAILED, 4.0))
+    assert (w2.kind, w2.state, w2.seconds) == ("reload_weights", "failed", 4.0)
+    assert tracker.ack(ack(cmd, "w2", AckState.FAILED, 5.0)) == [] and tracker.waiting == 0
+
+
+async def test_latency_is_observed_when_the_command_arrives_after_its_acks(
+    coordinator: Coordinator, client: httpx.AsyncClient
+) -> None:
+    cmd = command("r1", workers=["w1"], issued=1.0)
+    feed(coordinator, heartbeat("w1", 0.5), ack(cmd, "w1", AckState.SUCCEEDED, 3.5))
+    text = (await client.get("/metrics")).text
+    assert sample(text, "controlplane_ack_latency_waiting") == 1
+    feed(coordinator, cmd)
+    text = (await client.get("/metrics")).text
+    assert (
+        sample(
+            text,
+            "controlplane_command_ack_latency_seconds_sum",
+            kind="reload_weights",
+            state="succeeded",
+        )
+        == 2.5
+    )
+    assert sample(text, "controlplane_ack_latency_waiting") == 0
+
+
+def test_latency_tracking_is_bounded() -> None:
+    tracker = AckLatency(max_commands=3)
+    for i in range(10):
+        cmd = command(f"r{i}", issued=0.0)
+        tracker.command(cmd)
+        tracker.ack(ack(cmd, "w1", AckState.SUCCEEDED, 1.0))
+        orphan = command(f"x{i}", issued=0.0)
+        tracker.ack(ack(orphan, "w1", AckState.SUCCEEDED, 1.0))  # its command never comes
+    assert tracker.tracked == 6 and tracker.waiting == 3
+
+
+async def test_unknown_error_codes_are_one_label_value(
+    coordinator: Coordinator, client: httpx.AsyncClient
+) -> None:
+    cmd = command("r1", workers=["w1"], issued=1.0)
+    feed(coordinator, heartbeat("w1", 0.5), cmd)
+    for i in range(5):  # a worker (or a forger) inventing codes: no new time series each
+        feed(coordinator, ack(cmd, f"w{i}", AckState.FAILED, 2.0, code=f"MADE_UP_{i}"))
+    feed(coordinator, ack(cmd, "w9", AckState.FAILED, 2.0, code="RUNNER_FAILED"))
+    text = (await client.get("/metrics")).text
+    assert sample(text, "controlplane_acks_total", state="failed", code="OTHER") == 5
+    assert sample(text, "controlplane_acks_total", state="failed", code="RUNNER_FAILED") == 1
+    assert "MADE_UP" not in text
