@@ -32,10 +32,7 @@ from tests.fleet import (
     settled,
     terminal,
 )
-from tests.integration.conftest import RecordingRunner as RecordingRunner
-from tests.integration.conftest import acks_on_the_topic as acks_on_the_topic
-from tests.integration.conftest import reload as reload
-from tests.integration.conftest import reloaded
+from tests.integration.conftest import RecordingRunner, reload, reloaded
 from workers.agent.journal import WorkerState
 
 pytestmark = pytest.mark.kafka

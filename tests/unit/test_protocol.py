@@ -47,7 +47,6 @@ from tests.unit.conftest import (
     refusal,
     reload_command,
 )
-from tests.unit.conftest import SCHEMA_NAME as SCHEMA_NAME  # test_schemas imports it from here
 
 # --------------------------------------------------------------------------- round trips
 
