@@ -12,7 +12,7 @@ acks do.
 The rules (one command per rollout, expected workers, leases, per-worker states, lost is
 provisional, phases and deadlines, ended is ended, unreadable commands, bounded memory) are
 specified in docs/rollouts.md ("The fold's rules"); the coordinator, the API and the CLI all
-rely on them, and tests/unit/test_rollout.py checks them.
+rely on them, and tests/unit/test_rollout*.py check them.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 :func:`decode_ack_fast` accepts a subset of what :func:`controlplane.wire.codec.decode_ack` accepts
 and gives equal values for it; anything else goes to ``decode_ack``. What it guards and why:
-docs/wire.md ("The fast ack decoder"); ``tests/unit/test_ack_codec.py`` shows each guard.
+docs/wire.md ("The fast ack decoder"); ``tests/unit/test_ack_codec_*.py`` show each guard.
 """
 
 from __future__ import annotations

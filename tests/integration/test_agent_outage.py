@@ -23,7 +23,7 @@ from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.protocol import AckState
 from tests.factories import agent_running, agent_settings, free_port, weights_dir
 from tests.fleet import acks_tail, has_terminal, publish, settled, terminal
-from tests.integration.test_agent import RecordingRunner, reload
+from tests.integration.conftest import RecordingRunner, reload
 from workers.agent.settings import WorkerSettings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

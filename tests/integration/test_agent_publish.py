@@ -32,7 +32,7 @@ from controlplane.wire.protocol import AckState, Heartbeat, ReloadWeightsSpec, d
 from tests import factories
 from tests.factories import weights_dir
 from tests.fleet import acks_tail, heartbeats_tail, latest, make_command, publish, terminal
-from tests.integration.test_agent import RecordingRunner, acks_on_the_topic, reload
+from tests.integration.conftest import RecordingRunner, acks_on_the_topic, reload
 from workers.agent import loop as agent_module
 from workers.agent.journal import WorkerState
 from workers.agent.loop import Agent

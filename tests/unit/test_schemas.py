@@ -26,7 +26,7 @@ from controlplane.wire.schema_export import (
     render_schemas,
     write_schemas,
 )
-from tests.unit.test_protocol import (
+from tests.unit.conftest import (
     DECODERS,
     MINIMAL,
     SCHEMA_NAME,
