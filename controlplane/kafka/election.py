@@ -103,10 +103,14 @@ class LeaderElection(ClientLifecycle):
 
     async def _poll(self) -> None:
         """Keeps the member in the group (aiokafka drops one that does not poll) and runs the
-        rebalance callbacks; the topic's records are not needed here."""
-        while True:
-            with translate(f"polling the controller group {self.group_id!r}"):
-                await self._consumer.getmany(timeout_ms=1000)
+        rebalance callbacks; the topic's records are not needed here. A member that stopped
+        polling leads nothing (the group may keep it, through its heartbeats, a while)."""
+        try:
+            while True:
+                with translate(f"polling the controller group {self.group_id!r}"):
+                    await self._consumer.getmany(timeout_ms=1000)
+        finally:
+            self._set_leader(None)
 
     # ----------------------------------------------------------------- leadership
 

@@ -43,9 +43,13 @@ SESSION_MS = 6000
 
 
 class _ControllerTopic(Topics):
-    """Only the controller topic, for ``ensure_topics`` (the ``kafka`` fixture makes the rest)."""
+    """Only the controller topic, for ``ensure_topics`` (the ``kafka`` fixture makes the rest),
+    whether ``ensure_topics`` takes :meth:`Topics.all` or :meth:`Topics.ensured`."""
 
     def all(self) -> list[TopicSpec]:
+        return [self.controller]
+
+    def ensured(self) -> list[TopicSpec]:
         return [self.controller]
 
 
