@@ -198,6 +198,27 @@ class Selector(WireModel):
         return all(labels.get(k) == v for k, v in self.labels.items())
 
 
+#: Bounds of a probe: its prompt's length in characters, and how many tokens it generates.
+MAX_PROBE_PROMPT_CHARS: Final = 4096
+MAX_PROBE_TOKENS: Final = 64
+
+
+class ProbeSpec(WireModel):
+    """A fixed prompt a worker runs through its model right after applying new weights: greedy
+    tokens and their mean log-probability go into the succeeded ack (``result["probe"]``)."""
+
+    prompt: Annotated[str, StringConstraints(min_length=1, max_length=MAX_PROBE_PROMPT_CHARS)] = (
+        Field(description="The prompt, as text (the runner tokenizes it).")
+    )
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_PROBE_TOKENS)] = Field(
+        default=8, description="How many tokens to generate, greedily."
+    )
+
+
+def _is_none(value: object) -> bool:
+    return value is None
+
+
 class ReloadWeightsSpec(WireModel):
     """Reload every weight in place from a safetensors checkpoint, as version ``version``."""
 
@@ -221,6 +242,14 @@ class ReloadWeightsSpec(WireModel):
         default=True,
         description="Strict: the checkpoint must hold exactly the model's tensors. "
         "Non-strict: a subset is allowed (names not in the model are still refused).",
+    )
+    # Never written when None: a worker built before probes (whose schema forbids unknown
+    # fields) still reads every command that asks for none.
+    probe: ProbeSpec | None = Field(
+        default=None,
+        exclude_if=_is_none,
+        description="Run this probe after the weights are applied; its result goes into the "
+        "succeeded ack. Omitted: no probe.",
     )
 
 
