@@ -103,7 +103,7 @@ class Admin(ClientLifecycle):
                 "no write to these topics could ever be acknowledged",
                 code=LocalCode.SETTINGS_INVALID,
             )
-        specs = topics.all()
+        specs = topics.ensured()
         existing = set(await self._retrying("listing topics", self._admin.list_topics))
         missing = [s for s in specs if s.name not in existing]
         if missing:

@@ -13,6 +13,7 @@ from typing import Any, Final, Generic, TypeVar
 
 from controlplane.wire.ack_codec import decode_ack_fast
 from controlplane.wire.codec import decode_ack, decode_command, decode_heartbeat, encode
+from controlplane.wire.control import control_key, decode_control
 from controlplane.wire.messages import Ack, Command, Heartbeat, WireModel
 from controlplane.wire.topics import Topics, TopicSpec, command_key, worker_key
 
@@ -62,6 +63,10 @@ def _workers(topics: Topics) -> TopicSpec:
     return topics.workers
 
 
+def _controller(topics: Topics) -> TopicSpec:
+    return topics.controller
+
+
 def _by_rollout(command: Command) -> bytes:
     return command_key(command.rollout_id)
 
@@ -79,3 +84,7 @@ HEARTBEATS: Final = Channel(
     "heartbeats", "heartbeat", _workers, Heartbeat, _by_worker, decode_heartbeat
 )
 CHANNELS: Final[tuple[Channel[Any], ...]] = (COMMANDS, ACKS, HEARTBEATS)
+#: Compacted, one partition: targets, rollouts, operator actions and the controller's state,
+#: folded by every reader in one order (wire/control.py). Not one of :data:`CHANNELS`: the
+#: workers never read it.
+CONTROL: Final = Channel("control", "control", _controller, WireModel, control_key, decode_control)

@@ -118,6 +118,11 @@ def _refusal(
     )
 
 
+def decode_model(model: type[M], data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> M:
+    """Any wire model, refused as the three channels' messages are (a coded ProtocolError)."""
+    return _decode(model, data, max_bytes)
+
+
 def decode_command(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Command:
     return _decode(Command, data, max_bytes)
 

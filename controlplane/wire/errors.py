@@ -84,6 +84,23 @@ class LocalCode(StrEnum):
     PORT_IN_USE = "PORT_IN_USE"
     BROKER_DIED = "BROKER_DIED"
     BROKER_START_TIMEOUT = "BROKER_START_TIMEOUT"
+    # Targets and progressive rollouts (the controller's state records, the CLI, the API).
+    TARGET_UNKNOWN = "TARGET_UNKNOWN"
+    #: Another rollout of the target is in progress.
+    TARGET_BUSY = "TARGET_BUSY"
+    ROLLOUT_UNKNOWN = "ROLLOUT_UNKNOWN"
+    #: An action on a rollout that has ended (ended is ended).
+    ROLLOUT_ENDED = "ROLLOUT_ENDED"
+    ABORTED_BY_OPERATOR = "ABORTED_BY_OPERATOR"
+    MAX_FAILURES_EXCEEDED = "MAX_FAILURES_EXCEEDED"
+    GATE_FAILED = "GATE_FAILED"
+    PROGRESS_DEADLINE_EXCEEDED = "PROGRESS_DEADLINE_EXCEEDED"
+    #: A rollback command failed on some worker: those may still run the aborted change.
+    ROLLBACK_FAILED = "ROLLBACK_FAILED"
+    #: Aborted with rollback, but the target had no stable state to go back to.
+    ROLLBACK_UNAVAILABLE = "ROLLBACK_UNAVAILABLE"
+    #: Another coordinator took over the controller's transactional id: this one stopped writing.
+    CONTROLLER_FENCED = "CONTROLLER_FENCED"
 
 
 #: Codes for which the same command may succeed later without being changed.

@@ -27,7 +27,7 @@ async def test_ensure_creates_then_is_idempotent(kafka_bootstrap: str) -> None:
     async with Admin(settings) as admin:
         first = await admin.ensure_topics(settings.topics)
         second = await admin.ensure_topics(settings.topics)
-    names = [t.name for t in settings.topics.all()]
+    names = [t.name for t in settings.topics.ensured()]
     assert first.created == names and first.existing == []
     assert second.created == [] and second.existing == names
 
@@ -174,7 +174,7 @@ async def test_defaults_take_the_clusters_replication_factor_and_pass_the_check(
     async with Admin(settings) as admin:
         created = await admin.ensure_topics(settings.topics)
         checked = await admin.ensure_topics(settings.topics)
-    names = [t.name for t in settings.topics.all()]
+    names = [t.name for t in settings.topics.ensured()]
     assert created.created == names and checked.existing == names
     brokers, default_rf = await _cluster(kafka_bootstrap)
     min_isr = str(default_rf - 1 if default_rf >= 3 else 1)
@@ -187,6 +187,7 @@ async def test_defaults_take_the_clusters_replication_factor_and_pass_the_check(
         f"{prefix}.commands": ({default_rf}, min_isr, "false"),
         f"{prefix}.acks": ({default_rf}, min_isr, "false"),
         f"{prefix}.workers": ({default_rf}, min_isr, "false"),
+        f"{prefix}.controller": ({default_rf}, min_isr, "false"),
     }
 
 
@@ -239,6 +240,7 @@ async def test_topics_with_fewer_replicas_than_wanted_are_reported_not_a_crash(
         f"{prefix}.commands: replication factor 1, expected 2",
         f"{prefix}.acks: replication factor 1, expected 2",
         f"{prefix}.workers: replication factor 1, expected 2",
+        f"{prefix}.controller: replication factor 1, expected 2",
     ]
     assert "kafka-reassign-partitions.sh" in info.value.message
 
@@ -275,7 +277,7 @@ async def test_min_insync_above_the_replication_factor_is_refused_before_creatin
             )
     assert info.value.code is LocalCode.SETTINGS_INVALID
     assert "min.insync.replicas 2 exceeds the replication factor 1" in info.value.message
-    assert not {t.name for t in settings.topics.all()} & set(await _topic_names(kafka_bootstrap))
+    assert not {t.name for t in settings.topics.ensured()} & set(await _topic_names(kafka_bootstrap))
 
 
 async def _topic_names(bootstrap: str) -> list[str]:
@@ -301,11 +303,12 @@ async def test_on_the_3_node_cluster_ensure_makes_rf_3_min_isr_2_and_reports_rf_
     async with Admin(settings) as admin:
         report = await admin.ensure_topics(settings.topics)
     assert (report.replication_factor, report.min_insync_replicas) == (3, 2)
-    names = [t.name for t in settings.topics.all()]
+    names = [t.name for t in settings.topics.ensured()]
     assert await _replication(bootstrap, names) == {
         f"{prefix}.commands": ({3}, "2", "false"),
         f"{prefix}.acks": ({3}, "2", "false"),
         f"{prefix}.workers": ({3}, "2", "false"),
+        f"{prefix}.controller": ({3}, "2", "false"),
     }
     # Topics made as the product made them before (RF 1) are a mismatch, not `ok`.
     old = f"k{uuid.uuid4().hex[:8]}"

@@ -1,0 +1,617 @@
+"""The controller's decisions: progressive rollouts wave by wave, and targets kept at their state.
+
+Pure: no I/O; time comes in as ``now`` (judge it as the coordinator does). :func:`decide` reads
+what the log says (the controller topic's fold, the fleet's fold, the probe answers in the acks)
+and returns what to write next: commands, and the new state of each rollout it moved. Level-
+triggered, like a Kubernetes controller: it looks at the whole state every time, never at the
+event that woke it, so any order of the same events gives the same decision, and a restarted
+controller, reading the same log, decides what the one before it would have.
+
+Command ids are deterministic: ``<rollout>.w<wave>.b<batch>`` (a rollout's batch),
+``<rollout>.rb.b<batch>`` (its rollback), ``sync-<hash>`` (a drifting worker, per target state
+and worker incarnation), each with command id ``<rollout id>.a1``. A decision never re-issues a
+command whose rollout id is in the log, so a resumed controller cannot apply anything twice.
+
+The rules, wave by wave (docs/rollouts.md, "Progressive rollouts"):
+
+1. A rollout starts when no other of its target runs; its waves are planned over the live workers
+   of the target (:mod:`controlplane.rollout.waves`) and written into its state.
+2. A wave's batches are published one at a time; the next once the previous one ended.
+3. Failed workers (failed, rejected, or lost when their batch ended) count against
+   ``max_failures``; one more aborts the rollout.
+4. When a wave's last batch ended: during ``bake_s``, a degraded worker fails the health gate; at
+   the end of it every updated worker must be alive, ready, not degraded and on the new version
+   (health), agree on its config digest (agreement) and, with a probe, have answered it
+   alike and as the strategy expects (probe). A failed gate aborts. A wave that has not passed its
+   gates within ``progress_deadline_s`` of its start aborts.
+5. Between waves: ``pause`` seconds, or until a ``promote`` (manual). An operator's pause holds
+   the next batch; resume releases it.
+6. Abort (an operator, a gate, ``max_failures``, the deadline): no further batch starts; commands
+   already handed out finish; then, with rollback, every worker that applied the new state gets
+   the previous stable state back, in batches, and the rollout ends ``rolled_back`` (``aborted``
+   without rollback, or when a rollback fails: code ``ROLLBACK_FAILED``).
+7. Ended is ended: a rollout whose state is terminal is never looked at again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Final
+
+from controlplane.rollout.fleet import Fleet
+from controlplane.rollout.models import WorkerState
+from controlplane.rollout.targets import ControlState, Rollout, Target, applied
+from controlplane.rollout.waves import batches, max_failures, plan_waves
+from controlplane.wire.control import (
+    ActionKind,
+    ControlPhase,
+    Desired,
+    GateResult,
+    RolloutState,
+)
+from controlplane.wire.errors import LocalCode
+from controlplane.wire.messages import (
+    Command,
+    CommandSpec,
+    ReloadWeightsSpec,
+    Selector,
+    UpdateConfigSpec,
+    WorkerStatus,
+)
+
+#: How long a reconcile (drift) command may wait to be applied before it expires.
+SYNC_TTL_S: Final = 3600.0
+#: Steps one rollout may take in one decision (each step waits on something else after a few).
+_MAX_STEPS: Final = 16
+_FAILED_STATES: Final = frozenset({WorkerState.FAILED, WorkerState.REJECTED, WorkerState.LOST})
+
+#: (rollout id, worker id) -> the ``probe`` of the worker's succeeded ack for that rollout.
+Probes = Mapping[tuple[str, str], Mapping[str, Any]]
+
+
+def batch_rollout_id(rollout_id: str, wave: int, batch: int) -> str:
+    return f"{rollout_id}.w{wave}.b{batch}"
+
+
+def rollback_rollout_id(rollout_id: str, batch: int) -> str:
+    return f"{rollout_id}.rb.b{batch}"
+
+
+def sync_rollout_id(target: str, desired: Desired, worker_id: str, incarnation: int) -> str:
+    digest = hashlib.sha256(
+        f"{target}\0{desired.model_dump_json()}\0{worker_id}\0{incarnation}".encode()
+    ).hexdigest()
+    return f"sync-{digest[:24]}"
+
+
+@dataclass
+class Decision:
+    """What to write, in this order, in one transaction."""
+
+    commands: list[Command] = field(default_factory=list)
+    states: list[RolloutState] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.commands or self.states)
+
+
+@dataclass
+class _Context:
+    control: ControlState
+    fleet: Fleet
+    probes: Probes
+    now: datetime
+    issuer: str
+    published: set[str] = field(default_factory=set)
+    commands: list[Command] = field(default_factory=list)
+
+    def known(self, rollout_id: str) -> bool:
+        return rollout_id in self.published or rollout_id in self.fleet
+
+    def publish(
+        self,
+        rollout_id: str,
+        workers: list[str],
+        spec: CommandSpec,
+        ttl_s: float,
+        timeout_s: float | None,
+    ) -> None:
+        self.published.add(rollout_id)
+        self.commands.append(
+            Command(
+                command_id=f"{rollout_id}.a1",
+                rollout_id=rollout_id,
+                issued_at=self.now,
+                expires_at=self.now + timedelta(seconds=ttl_s),
+                issuer=self.issuer,
+                selector=Selector(worker_ids=sorted(workers)),
+                spec=spec,
+                timeout_s=timeout_s,
+            )
+        )
+
+
+def decide(
+    control: ControlState,
+    fleet: Fleet,
+    now: datetime,
+    *,
+    issuer: str = "controller",
+    probes: Probes | None = None,
+) -> Decision:
+    """Everything to write now: each open rollout moved as far as the log allows, then every
+    drifting worker's command."""
+    ctx = _Context(control, fleet, probes or {}, now, issuer)
+    states: list[RolloutState] = []
+    running = {r.spec.target for r in control.rollouts() if r.state is not None and not r.ended}
+    for rollout in list(control.open_rollouts()):
+        state = rollout.state
+        if state is None:
+            state = _start(ctx, rollout, running)
+            if not state.phase.terminal:
+                running.add(rollout.spec.target)
+        for _ in range(_MAX_STEPS):
+            moved = _advance(ctx, rollout, state)
+            if moved == state:
+                break
+            state = moved
+        if state != rollout.state:
+            revision = 0 if rollout.state is None else rollout.state.revision + 1
+            states.append(state.model_copy(update={"revision": revision, "updated_at": now}))
+    ctx.commands.extend(reconcile(control, fleet, now, issuer=issuer, published=ctx.published))
+    return Decision(ctx.commands, states)
+
+
+# ------------------------------------------------------------------ membership
+
+
+def members(control: ControlState, fleet: Fleet, target: Target, now: datetime) -> list[str]:
+    """Live workers of ``target``: matched by its selector and by no other target's."""
+    out = []
+    for view in fleet.registry.matching(target.selector, now):
+        if len(control.targets_of(view.labels)) == 1:
+            out.append(view.worker_id)
+    return out
+
+
+def conflicts(control: ControlState, fleet: Fleet, now: datetime) -> dict[str, list[str]]:
+    """Live workers matched by two targets or more (left alone: ``TARGET_CONFLICT``)."""
+    out = {}
+    for view in fleet.registry.workers(now):
+        if view.alive:
+            names = [t.name for t in control.targets_of(view.labels)]
+            if len(names) > 1:
+                out[view.worker_id] = sorted(names)
+    return out
+
+
+# ------------------------------------------------------------------ one rollout
+
+
+def _start(ctx: _Context, rollout: Rollout, running: set[str]) -> RolloutState:
+    spec = rollout.spec
+    base = RolloutState(
+        rollout_id=spec.rollout_id,
+        target=spec.target,
+        revision=0,
+        phase=ControlPhase.PROGRESSING,
+        started_at=ctx.now,
+        updated_at=ctx.now,
+        wave_started_at=ctx.now,
+    )
+    target = ctx.control.target(spec.target)
+    if target is None:
+        return _rejected(base, LocalCode.TARGET_UNKNOWN, f"no target {spec.target!r}", ctx.now)
+    if spec.target in running:
+        active = ctx.control.active(spec.target)
+        other = active.rollout_id if active is not None else "another rollout"
+        return _rejected(
+            base, LocalCode.TARGET_BUSY, f"{other} is in progress on {spec.target}", ctx.now
+        )
+    workers = members(ctx.control, ctx.fleet, target, ctx.now)
+    if not workers:
+        return _rejected(
+            base,
+            LocalCode.NO_MATCHING_WORKERS,
+            f"no live worker belongs to target {spec.target} ({dict(target.spec.selector)})",
+            ctx.now,
+        )
+    return base.model_copy(
+        update={"waves": plan_waves(workers, spec.strategy), "previous": target.stable}
+    )
+
+
+def _rejected(base: RolloutState, code: LocalCode, message: str, now: datetime) -> RolloutState:
+    return base.model_copy(
+        update={
+            "phase": ControlPhase.REJECTED,
+            "code": code.value,
+            "message": message,
+            "ended_at": now,
+            "wave_started_at": None,
+        }
+    )
+
+
+def _advance(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutState:
+    if state.phase.terminal:
+        return state
+    if state.phase is ControlPhase.ROLLING_BACK:
+        return _roll_back(ctx, rollout, state)
+    spec = rollout.spec
+    abort = rollout.abort
+    if abort is not None:
+        rollback = spec.rollback if abort.rollback is None else abort.rollback
+        why = abort.reason or f"aborted by {abort.issuer}"
+        return _aborting(state, LocalCode.ABORTED_BY_OPERATOR, why, rollback, ctx.now)
+    failed = _failed(ctx, state)
+    if failed != state.failed:
+        state = state.model_copy(update={"failed": failed})
+    total = sum(len(wave) for wave in state.waves)
+    tolerated = max_failures(spec.strategy, total)
+    if len(failed) > tolerated:
+        why = f"{len(failed)} worker(s) failed, more than max_failures {tolerated}: {', '.join(failed)}"
+        return _aborting(state, LocalCode.MAX_FAILURES_EXCEEDED, why, spec.rollback, ctx.now)
+    if state.wave >= len(state.waves):
+        return _ended(state, ControlPhase.SUCCEEDED, None, "every wave passed", ctx.now)
+    strategy = spec.strategy
+    started = state.wave_started_at or state.started_at
+    if ctx.now - started > timedelta(seconds=strategy.progress_deadline_s):
+        why = f"wave {state.wave} did not pass its gates within {strategy.progress_deadline_s:g} s"
+        return _aborting(state, LocalCode.PROGRESS_DEADLINE_EXCEEDED, why, spec.rollback, ctx.now)
+    wave = state.waves[state.wave]
+    plan = batches(wave, strategy.max_unavailable)
+    if state.batch < len(plan):
+        batch_id = batch_rollout_id(spec.rollout_id, state.wave, state.batch)
+        if not ctx.known(batch_id):
+            if rollout.operator_paused:
+                return _paused(state, "paused by an operator (rollout resume continues)")
+            ctx.publish(
+                batch_id,
+                plan[state.batch],
+                _change_spec(spec.desired),
+                strategy.progress_deadline_s,
+                strategy.command_timeout_s,
+            )
+            return _progressing(state, f"wave {state.wave} batch {state.batch} published")
+        if batch_id in ctx.fleet and ctx.fleet.status(batch_id, ctx.now).terminal:
+            return state.model_copy(update={"batch": state.batch + 1})
+        return state
+    if state.wave_done_at is None:
+        return state.model_copy(update={"wave_done_at": ctx.now})
+    return _after_wave(ctx, rollout, state)
+
+
+def _after_wave(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutState:
+    """Gates once the bake is over, then the pause, then the next wave (or success)."""
+    spec, strategy = rollout.spec, rollout.spec.strategy
+    done_at = state.wave_done_at
+    assert done_at is not None
+    passed = any(g.wave == state.wave and g.gate == "health" and g.passed for g in state.gates)
+    if not passed:
+        updated = [
+            w for wave in state.waves[: state.wave + 1] for w in wave if w not in state.failed
+        ]
+        failure = _gate_failure(ctx, spec.desired, spec.rollout_id, updated, state, rollout)
+        if failure is not None:
+            gate, why = failure
+            state = state.model_copy(
+                update={
+                    "gates": [
+                        *state.gates,
+                        GateResult(wave=state.wave, gate=gate, passed=False, message=why),
+                    ]
+                }
+            )
+            return _aborting(
+                state, LocalCode.GATE_FAILED, f"{gate} gate: {why}", spec.rollback, ctx.now
+            )
+        if ctx.now < done_at + timedelta(seconds=strategy.bake_s):
+            return state
+        waiting = _not_healthy(ctx, spec.desired, updated)
+        if waiting:
+            return _progressing(state, f"wave {state.wave}: waiting for {waiting}")
+        results = [GateResult(wave=state.wave, gate="health", passed=True)]
+        results.append(GateResult(wave=state.wave, gate="agreement", passed=True))
+        if strategy.probe is not None:
+            results.append(GateResult(wave=state.wave, gate="probe", passed=True))
+        done_at = ctx.now
+        state = state.model_copy(
+            update={"gates": [*state.gates, *results], "wave_done_at": done_at}
+        )
+    if state.wave + 1 >= len(state.waves):
+        return state.model_copy(update={"wave": state.wave + 1})
+    if rollout.operator_paused:
+        return _paused(state, "paused by an operator (rollout resume continues)")
+    promoted = state.promoted
+    if strategy.manual:
+        if rollout.count(ActionKind.PROMOTE) <= promoted:
+            return _paused(state, f"wave {state.wave} passed; waiting for `rollout promote`")
+        promoted += 1
+    elif ctx.now < done_at + timedelta(seconds=strategy.pause_s):
+        return _progressing(state, f"wave {state.wave} passed; pausing {strategy.pause_s:g} s")
+    return state.model_copy(
+        update={
+            "phase": ControlPhase.PROGRESSING,
+            "wave": state.wave + 1,
+            "batch": 0,
+            "wave_started_at": ctx.now,
+            "wave_done_at": None,
+            "promoted": promoted,
+            "message": f"wave {state.wave + 1} started",
+        }
+    )
+
+
+def _gate_failure(
+    ctx: _Context,
+    desired: Desired,
+    rollout_id: str,
+    updated: list[str],
+    state: RolloutState,
+    rollout: Rollout,
+) -> tuple[str, str] | None:
+    """A gate that failed for good: a degraded worker, disagreeing digests, a bad probe."""
+    registry = ctx.fleet.registry
+    digests: dict[str, list[str]] = {}
+    for worker in updated:
+        view = registry.get(worker, ctx.now)
+        if view is None:
+            continue
+        if view.degraded is not None:
+            return "health", f"{worker} is degraded: {view.degraded.code}: {view.degraded.message}"
+        if desired.config and view.config_digest is not None and view.in_flight is None:
+            digests.setdefault(view.config_digest, []).append(worker)
+    if len(digests) > 1:
+        shown = "; ".join(f"{d[:12]}: {', '.join(ws)}" for d, ws in sorted(digests.items()))
+        return "agreement", f"updated workers report different config digests ({shown})"
+    probe = rollout.spec.strategy.probe
+    if probe is None:
+        return None
+    answers: dict[tuple[int, ...], list[str]] = {}
+    for worker in updated:
+        answer = _probe_of(ctx, rollout_id, state, worker)
+        if answer is None:
+            continue
+        if "unsupported" in answer:
+            return "probe", f"{worker}'s runner cannot run a probe"
+        if "error" in answer:
+            return "probe", f"{worker}'s probe failed: {answer['error']}"
+        tokens = tuple(int(t) for t in answer.get("tokens", []))
+        logprob = float(answer.get("mean_logprob", float("-inf")))
+        if probe.expect_tokens is not None and list(tokens) != probe.expect_tokens:
+            return "probe", f"{worker} answered {list(tokens)}, expected {probe.expect_tokens}"
+        if probe.min_mean_logprob is not None and not logprob >= probe.min_mean_logprob:
+            return "probe", (
+                f"{worker}'s mean log-prob {logprob:.4g} is below {probe.min_mean_logprob:g}"
+            )
+        answers.setdefault(tokens, []).append(worker)
+    if len(answers) > 1:
+        shown = "; ".join(f"{list(t)}: {', '.join(ws)}" for t, ws in answers.items())
+        return "probe", f"updated workers answered the probe differently ({shown})"
+    return None
+
+
+def _probe_of(
+    ctx: _Context, rollout_id: str, state: RolloutState, worker: str
+) -> Mapping[str, Any] | None:
+    for wave, members_ in enumerate(state.waves[: state.wave + 1]):
+        if worker in members_:
+            for batch in range(len(members_)):
+                answer = ctx.probes.get((batch_rollout_id(rollout_id, wave, batch), worker))
+                if answer is not None:
+                    return answer
+    return None
+
+
+def _not_healthy(ctx: _Context, desired: Desired, updated: list[str]) -> str | None:
+    """Who keeps the health gate from passing yet (None: nobody)."""
+    version = desired.version
+    for worker in updated:
+        view = ctx.fleet.registry.get(worker, ctx.now)
+        if view is None or not view.alive:
+            return f"{worker} (not alive)"
+        if view.status is not WorkerStatus.READY or view.in_flight is not None:
+            return f"{worker} ({view.status.value})"
+        if version is not None and view.weights_version != version:
+            return f"{worker} (reports {view.weights_version}, not {version})"
+    return None
+
+
+def _failed(ctx: _Context, state: RolloutState) -> list[str]:
+    """Workers of this rollout's ended batches that failed, were rejected or were lost."""
+    failed: set[str] = set()
+    for wave_index, wave in enumerate(state.waves[: state.wave + 1]):
+        for batch_index in range(len(wave)):
+            batch_id = batch_rollout_id(state.rollout_id, wave_index, batch_index)
+            if batch_id not in ctx.fleet:
+                break
+            status = ctx.fleet.status(batch_id, ctx.now)
+            for detail in status.workers:
+                if detail.state in (WorkerState.FAILED, WorkerState.REJECTED) or (
+                    status.terminal and detail.state in _FAILED_STATES
+                ):
+                    failed.add(detail.worker_id)
+    return sorted(failed)
+
+
+def _updated(ctx: _Context, state: RolloutState) -> tuple[list[str], bool]:
+    """Workers that applied this rollout's change, and whether every batch handed out ended."""
+    done: set[str] = set()
+    ended = True
+    for wave_index, wave in enumerate(state.waves):
+        for batch_index in range(len(wave)):
+            batch_id = batch_rollout_id(state.rollout_id, wave_index, batch_index)
+            if batch_id not in ctx.fleet:
+                if ctx.known(batch_id):
+                    ended = False  # published in this very decision
+                continue
+            status = ctx.fleet.status(batch_id, ctx.now)
+            ended = ended and status.terminal
+            done.update(d.worker_id for d in status.workers if d.state is WorkerState.SUCCEEDED)
+    return sorted(done), ended
+
+
+# ------------------------------------------------------------------ abort and rollback
+
+
+def _aborting(
+    state: RolloutState, code: LocalCode, why: str, rollback: bool, now: datetime
+) -> RolloutState:
+    if not rollback:
+        return _ended(state, ControlPhase.ABORTED, code, why, now)
+    return state.model_copy(
+        update={"phase": ControlPhase.ROLLING_BACK, "code": code.value, "message": why}
+    )
+
+
+def _roll_back(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutState:
+    spec = rollout.spec
+    if not state.rollback:
+        updated, ended = _updated(ctx, state)
+        if not ended:
+            return state  # commands already handed out finish first
+        if not updated:
+            return _ended(
+                state,
+                ControlPhase.ROLLED_BACK,
+                None,
+                f"{state.message}; no worker had applied it",
+                ctx.now,
+            )
+        back = _rollback_spec(state.previous, spec.desired)
+        if back is None:
+            why = (
+                f"{state.message}; nothing to roll back to (the target had no stable state for it)"
+            )
+            return _ended(state, ControlPhase.ABORTED, LocalCode.ROLLBACK_UNAVAILABLE, why, ctx.now)
+        plan = batches(updated, spec.strategy.max_unavailable)
+        return state.model_copy(update={"rollback": plan, "rollback_batch": 0})
+    if state.rollback_batch >= len(state.rollback):
+        failed = _rollback_failures(ctx, state)
+        if failed:
+            why = f"{state.message}; rollback failed on {', '.join(failed)}"
+            return _ended(state, ControlPhase.ABORTED, LocalCode.ROLLBACK_FAILED, why, ctx.now)
+        return _ended(
+            state, ControlPhase.ROLLED_BACK, None, f"{state.message}; rolled back", ctx.now
+        )
+    batch_id = rollback_rollout_id(spec.rollout_id, state.rollback_batch)
+    if not ctx.known(batch_id):
+        back = _rollback_spec(state.previous, spec.desired)
+        assert back is not None  # checked when the rollback was planned
+        ctx.publish(
+            batch_id,
+            state.rollback[state.rollback_batch],
+            back,
+            spec.strategy.progress_deadline_s,
+            spec.strategy.command_timeout_s,
+        )
+        return state
+    if batch_id in ctx.fleet and ctx.fleet.status(batch_id, ctx.now).terminal:
+        return state.model_copy(update={"rollback_batch": state.rollback_batch + 1})
+    return state
+
+
+def _rollback_failures(ctx: _Context, state: RolloutState) -> list[str]:
+    failed: list[str] = []
+    for index in range(len(state.rollback)):
+        status = ctx.fleet.status(rollback_rollout_id(state.rollout_id, index), ctx.now)
+        failed.extend(d.worker_id for d in status.workers if d.state is not WorkerState.SUCCEEDED)
+    return sorted(failed)
+
+
+def _rollback_spec(previous: Desired | None, change: Desired) -> CommandSpec | None:
+    """What puts a worker back: the previous weights, or the previous values of changed keys."""
+    if previous is None:
+        return None
+    if change.weights is not None:
+        return None if previous.weights is None else _reload(previous)
+    back = {k: previous.config[k] for k in change.config if k in previous.config}
+    return UpdateConfigSpec(overrides=back) if back else None
+
+
+# ------------------------------------------------------------------ states
+
+
+def _ended(
+    state: RolloutState, phase: ControlPhase, code: LocalCode | None, why: str, now: datetime
+) -> RolloutState:
+    return state.model_copy(
+        update={
+            "phase": phase,
+            "code": None if code is None else code.value,
+            "message": why,
+            "ended_at": now,
+        }
+    )
+
+
+def _paused(state: RolloutState, why: str) -> RolloutState:
+    return state.model_copy(update={"phase": ControlPhase.PAUSED, "message": why})
+
+
+def _progressing(state: RolloutState, why: str) -> RolloutState:
+    return state.model_copy(update={"phase": ControlPhase.PROGRESSING, "message": why})
+
+
+def _reload(desired: Desired) -> ReloadWeightsSpec:
+    assert desired.weights is not None
+    w = desired.weights
+    return ReloadWeightsSpec(path=w.path, version=w.version, sha256=dict(w.sha256), strict=w.strict)
+
+
+def _change_spec(change: Desired) -> CommandSpec:
+    """The command of a rollout's change: a reload when it changes weights, else the config."""
+    if change.weights is not None:
+        return _reload(change)
+    return UpdateConfigSpec(overrides=dict(change.config))
+
+
+# ------------------------------------------------------------------ reconcile
+
+
+def should_run(control: ControlState, target: Target, worker_id: str) -> Desired | None:
+    """What a worker of ``target`` should run now (None: a rollout is handling it)."""
+    stable = target.stable
+    active = control.active(target.name)
+    if active is None or active.state is None:
+        return stable
+    state = active.state
+    if state.phase is ControlPhase.ROLLING_BACK:
+        return None if any(worker_id in w for w in state.waves) else stable
+    for index, wave in enumerate(state.waves):
+        if worker_id in wave:
+            if index < state.wave:
+                return applied(stable, active.spec.desired)
+            return None if index == state.wave else stable
+    return stable
+
+
+def reconcile(
+    control: ControlState,
+    fleet: Fleet,
+    now: datetime,
+    *,
+    issuer: str = "controller",
+    published: set[str] | None = None,
+) -> list[Command]:
+    """A command for every live, idle worker of a target whose weights differ from what it
+    should run, once per (target state, worker incarnation); nothing for one that conflicts."""
+    ctx = _Context(control, fleet, {}, now, issuer, published if published is not None else set())
+    for target in control.targets():
+        for worker_id in members(control, fleet, target, now):
+            desired = should_run(control, target, worker_id)
+            if desired is None or desired.weights is None:
+                continue
+            view = fleet.registry.get(worker_id, now)
+            if view is None or view.in_flight is not None or view.status is not WorkerStatus.READY:
+                continue
+            if view.weights_version == desired.weights.version:
+                continue
+            sync_id = sync_rollout_id(target.name, desired, worker_id, view.incarnation)
+            if not ctx.known(sync_id):
+                ctx.publish(sync_id, [worker_id], _reload(desired), SYNC_TTL_S, None)
+    return ctx.commands

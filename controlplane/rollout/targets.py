@@ -1,0 +1,212 @@
+"""The fold of the controller topic: targets, their stable state and history, progressive rollouts.
+
+Pure: no I/O, no clock. Every reader (the controller, the coordinator's API, the CLI) folds the
+same records in the same order (one partition) and gets the same answer. Records are
+idempotent: a rollout's state keeps the highest ``revision`` seen, so the controller may fold
+its own writes before a reader's fetch brings them back.
+
+A target's stable state is the fold's result, in log order: its spec's ``stable`` when one is
+given, then each of its rollouts that ended ``succeeded`` (weights replaced when the rollout
+changed them, config keys overlaid). Its history is that sequence; ``rollout undo`` rolls out
+the entry before the last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from controlplane.wire.control import (
+    ActionKind,
+    ControlPhase,
+    ControlRecord,
+    Desired,
+    LeaderRecord,
+    RolloutAction,
+    RolloutSpec,
+    RolloutState,
+    TargetSpec,
+)
+from controlplane.wire.messages import Selector
+
+
+def applied(stable: Desired | None, change: Desired) -> Desired:
+    """``stable`` with ``change`` applied: its weights when it has some, its config keys overlaid."""
+    if stable is None:
+        return change
+    return Desired(
+        weights=change.weights if change.weights is not None else stable.weights,
+        config={**stable.config, **change.config},
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StableEntry:
+    """One stable state a target had, and what made it stable (a spec, or a rollout)."""
+
+    desired: Desired
+    rollout_id: str | None
+    since: datetime
+
+
+@dataclass(slots=True)
+class Target:
+    spec: TargetSpec
+    history: list[StableEntry] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def stable(self) -> Desired | None:
+        return self.history[-1].desired if self.history else None
+
+    @property
+    def previous(self) -> StableEntry | None:
+        """The stable state before the current one (what ``undo`` goes back to)."""
+        return self.history[-2] if len(self.history) >= 2 else None
+
+    def matches(self, labels: dict[str, str]) -> bool:
+        return all(labels.get(k) == v for k, v in self.spec.selector.items())
+
+    @property
+    def selector(self) -> Selector:
+        return Selector(labels=dict(self.spec.selector))
+
+
+@dataclass(slots=True)
+class Rollout:
+    spec: RolloutSpec
+    #: Position among the rollouts in log order (the controller starts them in this order).
+    seq: int
+    actions: list[RolloutAction] = field(default_factory=list)
+    state: RolloutState | None = None
+
+    @property
+    def rollout_id(self) -> str:
+        return self.spec.rollout_id
+
+    @property
+    def phase(self) -> ControlPhase | None:
+        """None: not started by a controller yet."""
+        return None if self.state is None else self.state.phase
+
+    @property
+    def ended(self) -> bool:
+        return self.state is not None and self.state.phase.terminal
+
+    def count(self, kind: ActionKind) -> int:
+        return sum(1 for action in self.actions if action.action is kind)
+
+    @property
+    def abort(self) -> RolloutAction | None:
+        """The first abort asked for, if any."""
+        return next((a for a in self.actions if a.action is ActionKind.ABORT), None)
+
+    @property
+    def operator_paused(self) -> bool:
+        """Whether the last pause or resume asked for was a pause."""
+        for action in reversed(self.actions):
+            if action.action is ActionKind.PAUSE:
+                return True
+            if action.action is ActionKind.RESUME:
+                return False
+        return False
+
+
+class ControlState:
+    """Everything the controller topic says. Feed it records in log order; ask it questions."""
+
+    def __init__(self) -> None:
+        self._targets: dict[str, Target] = {}
+        self._rollouts: dict[str, Rollout] = {}
+        self.leader: LeaderRecord | None = None
+        self.records = 0
+        #: Actions for a rollout not seen (yet): kept until it comes (a compacted log keeps order,
+        #: so it should not happen; a hand-written record might).
+        self._early_actions: dict[str, list[RolloutAction]] = {}
+
+    def observe(self, record: ControlRecord) -> None:
+        self.records += 1
+        match record:
+            case TargetSpec():
+                self._observe_target(record)
+            case RolloutSpec():
+                if record.rollout_id not in self._rollouts:
+                    rollout = Rollout(record, seq=len(self._rollouts))
+                    rollout.actions.extend(self._early_actions.pop(record.rollout_id, []))
+                    self._rollouts[record.rollout_id] = rollout
+            case RolloutAction():
+                self._observe_action(record)
+            case RolloutState():
+                self._observe_state(record)
+            case LeaderRecord():
+                if self.leader is None or record.generation >= self.leader.generation:
+                    self.leader = record
+
+    def _observe_target(self, spec: TargetSpec) -> None:
+        target = self._targets.get(spec.name)
+        if target is None:
+            target = self._targets[spec.name] = Target(spec)
+        else:
+            target.spec = spec
+        if spec.stable is not None and spec.stable != target.stable:
+            target.history.append(StableEntry(spec.stable, None, spec.issued_at))
+
+    def _observe_action(self, action: RolloutAction) -> None:
+        rollout = self._rollouts.get(action.rollout_id)
+        actions = (
+            rollout.actions
+            if rollout is not None
+            else self._early_actions.setdefault(action.rollout_id, [])
+        )
+        if all(a.action_id != action.action_id for a in actions):
+            actions.append(action)
+
+    def _observe_state(self, state: RolloutState) -> None:
+        rollout = self._rollouts.get(state.rollout_id)
+        if rollout is None:
+            return  # a state without its rollout: nothing to attach it to
+        if rollout.state is not None and state.revision <= rollout.state.revision:
+            return  # already folded (the controller's own write, read back)
+        was_ended = rollout.ended
+        rollout.state = state
+        if state.phase is ControlPhase.SUCCEEDED and not was_ended:
+            target = self._targets.get(rollout.spec.target)
+            if target is not None:
+                desired = applied(target.stable, rollout.spec.desired)
+                when = state.ended_at or state.updated_at
+                target.history.append(StableEntry(desired, rollout.rollout_id, when))
+
+    # ------------------------------------------------------------------ questions
+
+    def target(self, name: str) -> Target | None:
+        return self._targets.get(name)
+
+    def targets(self) -> list[Target]:
+        return sorted(self._targets.values(), key=lambda t: t.name)
+
+    def rollout(self, rollout_id: str) -> Rollout | None:
+        return self._rollouts.get(rollout_id)
+
+    def rollouts(self, target: str | None = None) -> list[Rollout]:
+        """In log order; of one target when ``target`` is given."""
+        every = sorted(self._rollouts.values(), key=lambda r: r.seq)
+        return [r for r in every if target is None or r.spec.target == target]
+
+    def open_rollouts(self) -> Iterator[Rollout]:
+        """Rollouts not ended, in log order (those not started yet included)."""
+        return (r for r in self.rollouts() if not r.ended)
+
+    def active(self, target: str) -> Rollout | None:
+        """The target's started, not ended rollout, if any."""
+        for rollout in self.rollouts(target):
+            if rollout.state is not None and not rollout.ended:
+                return rollout
+        return None
+
+    def targets_of(self, labels: dict[str, str]) -> list[Target]:
+        """Every target whose selector matches these labels (more than one: a conflict)."""
+        return [t for t in self._targets.values() if t.matches(labels)]
