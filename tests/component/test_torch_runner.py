@@ -6,7 +6,10 @@ and torch on CUDA where a GPU is (marked ``gpu``).
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -271,6 +274,9 @@ def test_truncated_during_a_slow_reload_degrades_then_recovers(
     with pytest.raises(RunnerError) as info:
         runner.generate(IDS)  # a half-written model does not serve
     assert info.value.code is WireCode.WEIGHTS_CORRUPTED
+    with pytest.raises(RunnerError) as info:
+        runner.probe("Hi", 2)  # nor probes
+    assert info.value.code is WireCode.WEIGHTS_CORRUPTED
 
     good = make_checkpoint(12)
     runner.reload_weights(spec(good, "v12"), good)
@@ -320,3 +326,93 @@ def test_reload_with_and_without_host_alias(
     runner.reload_weights(spec(path, "v6"), path)
     assert_same_model(runner, 6)
     assert runner.generate(IDS) == make_runner(seed=6, host_alias=host_alias).generate(IDS)
+
+
+# --------------------------------------------------------------------------- probe
+
+PROMPT = "Hello"
+
+
+def test_probe_is_greedy_with_the_log_probabilities_of_its_tokens(
+    make_runner: MakeRunner,
+) -> None:
+    """The tokens are greedy decoding's; the mean is that of each chosen token's log-softmax,
+    read back from one forward pass over prompt and tokens (teacher forcing)."""
+    runner = make_runner(config={"temperature": 5.0, "sampling_seed": 3})  # ignored by a probe
+    result = runner.probe(PROMPT, 6)
+    assert result is not None and len(result.tokens) == 6
+    model = tiny_lm(**TINY, seed=0)
+    prompt = list(PROMPT.encode())
+    assert list(result.tokens) == model.generate(prompt, 6)
+    ids = prompt + list(result.tokens)
+    assert len(ids) <= TINY["max_seq"]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids]))[0].double(), dim=-1)
+    chosen = [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(result.tokens)]
+    assert result.mean_logprob == pytest.approx(sum(chosen) / len(chosen), abs=1e-4)
+    assert result.mean_logprob < 0
+    assert result.as_dict() == {
+        "tokens": list(result.tokens),
+        "mean_logprob": round(result.mean_logprob, 6),
+    }
+
+
+def test_probe_agrees_across_runners_and_follows_the_weights(
+    make_runner: MakeRunner, make_checkpoint: MakeCheckpoint
+) -> None:
+    one, two = make_runner(), make_runner()
+    first = one.probe(PROMPT, 12)  # runs past max_seq: the window slides
+    assert first is not None and len(first.tokens) == 12
+    assert one.probe(PROMPT, 12) == first  # deterministic
+    assert two.probe(PROMPT, 12) == first  # another runner, the same weights
+    path = make_checkpoint(1)
+    two.reload_weights(spec(path, "v1"), path)
+    other = two.probe(PROMPT, 12)
+    assert other is not None
+    assert other.tokens != first.tokens or other.mean_logprob != first.mean_logprob
+    back = make_checkpoint(0)
+    two.reload_weights(spec(back, "v0"), back)
+    assert two.probe(PROMPT, 12) == first
+
+
+def test_probe_refusals(make_runner: MakeRunner) -> None:
+    runner = make_runner(load=False)
+    with pytest.raises(RunnerError) as info:
+        runner.probe(PROMPT, 1)
+    assert info.value.code is WireCode.MODEL_NOT_LOADED
+    small = make_runner(model_kwargs={"vocab_size": 128})
+    assert small.probe("plain ascii", 1) is not None
+    with pytest.raises(RunnerError) as info:
+        small.probe("caf\u00e9", 1)  # a UTF-8 byte above the vocabulary
+    assert info.value.code is WireCode.RUNNER_FAILED
+
+
+_PROBE_IN_ANOTHER_PROCESS = """
+import json, sys, torch
+torch.set_num_threads(1)
+from workers.runners.torch_runner import TorchRunner
+runner = TorchRunner(json.loads(sys.argv[1]))
+runner.load()
+print(json.dumps(runner.probe(sys.argv[2], 10).as_dict()))
+"""
+
+
+def test_probe_is_the_same_in_another_process(
+    make_runner: MakeRunner, runner_kind: str, tmp_path: Path
+) -> None:
+    if runner_kind != "torch":
+        pytest.skip("one backend is enough to show it")
+    result = make_runner(seed=5).probe(PROMPT, 10)
+    assert result is not None
+    options = json.dumps({"model_kwargs": TINY, "seed": 5})
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE_IN_ANOTHER_PROCESS, options, PROMPT],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    theirs = json.loads(out.stdout)
+    assert theirs["tokens"] == list(result.tokens)
+    assert theirs["mean_logprob"] == pytest.approx(result.as_dict()["mean_logprob"], abs=1e-5)

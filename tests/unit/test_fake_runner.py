@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from controlplane.wire.errors import RunnerError, WeightsCorrupted, WireCode
 from controlplane.wire.protocol import ReloadWeightsSpec
-from workers.runners.fake_runner import FakeRunner
+from workers.runners.fake_runner import FakeRunner, fake_probe
 
 
 def spec(version: str, path: Path) -> ReloadWeightsSpec:
@@ -95,3 +96,84 @@ def test_update_config_is_validated(ckpt: Path) -> None:
         runner.update_config({"max_new_tokens": 9, "nope": 1})
     assert info.value.code is WireCode.CONFIG_KEY_REJECTED
     assert runner.describe().config["max_new_tokens"] == 8
+
+
+# --------------------------------------------------------------------------- probe
+
+
+def test_probe_is_a_function_of_the_version_and_the_prompt(ckpt: Path) -> None:
+    one, two = FakeRunner({}), FakeRunner({})
+    for runner in (one, two):
+        runner.load()
+        runner.reload_weights(spec("v1", ckpt), ckpt)
+    first = one.probe("The capital of France is", 8)
+    assert first is not None and len(first.tokens) == 8
+    assert all(0 <= t < 256 for t in first.tokens)
+    assert -2.0 <= first.mean_logprob <= -0.5
+    assert two.probe("The capital of France is", 8) == first  # another worker, same weights
+    assert first == fake_probe("v1", "The capital of France is", 8)
+    longer = one.probe("The capital of France is", 64)
+    assert longer is not None and len(longer.tokens) == 64
+    assert one.probe("Another prompt", 8) != first
+    one.reload_weights(spec("v2", ckpt), ckpt)
+    assert one.probe("The capital of France is", 8) != first
+    assert one.probes == [
+        ("v1", "The capital of France is", 8),
+        ("v1", "The capital of France is", 64),
+        ("v1", "Another prompt", 8),
+        ("v2", "The capital of France is", 8),
+    ]
+    assert first.as_dict() == {
+        "tokens": list(first.tokens),
+        "mean_logprob": round(first.mean_logprob, 6),
+    }
+
+
+def test_a_badprobe_version_applies_but_probes_wrong(ckpt: Path) -> None:
+    runner = FakeRunner({})
+    runner.load()
+    runner.reload_weights(spec("badprobe-v2", ckpt), ckpt)
+    assert runner.describe().weights_version == "badprobe-v2"  # it validated and applied
+    bad = runner.probe("p", 8)
+    assert bad is not None and bad.mean_logprob == -50.0
+    assert bad.tokens != fake_probe("badprobe-v2", "p", 8).tokens
+    custom = FakeRunner({"bad_probe_prefix": "wrong-"})
+    custom.load()
+    custom.reload_weights(spec("wrong-1", ckpt), ckpt)
+    assert custom.probe("p", 8) == fake_probe("wrong-1", "p", 8, bad=True)
+    custom.reload_weights(spec("badprobe-v2", ckpt), ckpt)
+    assert custom.probe("p", 8) == fake_probe("badprobe-v2", "p", 8)
+
+
+def test_probe_refusals_and_scripted_outcomes(ckpt: Path) -> None:
+    runner = FakeRunner({})
+    with pytest.raises(RunnerError) as info:
+        runner.probe("p", 8)
+    assert info.value.code is WireCode.MODEL_NOT_LOADED
+    runner.load()
+    runner.reload_weights(spec("probefail-1", ckpt), ckpt)
+    with pytest.raises(RunnerError) as info:
+        runner.probe("p", 8)
+    assert info.value.code is WireCode.RUNNER_FAILED
+    with pytest.raises(WeightsCorrupted):
+        runner.reload_weights(spec("corrupt-2", ckpt), ckpt)
+    with pytest.raises(RunnerError) as info:
+        runner.probe("p", 8)
+    assert info.value.code is WireCode.WEIGHTS_CORRUPTED
+    unsupported = FakeRunner({"probe_unsupported": True})
+    unsupported.load()
+    assert unsupported.probe("p", 8) is None
+
+
+def test_a_probe_delay_ends_at_close() -> None:
+    runner = FakeRunner({"probe_delay_s": 600})
+    runner.load()
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (runner.probe("p", 1), done.set()))
+    thread.start()
+    while not runner.probes:  # the probe started its delay
+        time.sleep(0.01)
+    assert not done.is_set()
+    runner.close()
+    thread.join(timeout=60)
+    assert done.is_set()

@@ -10,8 +10,9 @@ import functools
 import hashlib
 import importlib
 import json
+import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -91,6 +92,32 @@ class ReloadResult(LoadStats):
         }
 
 
+@dataclass(frozen=True)
+class ProbeResult:
+    """What a probe generated: greedy token ids, and the mean over them of the log-probability
+    of each chosen token (it goes into the succeeded ack as ``result["probe"]``)."""
+
+    tokens: tuple[int, ...]
+    mean_logprob: float
+
+    @classmethod
+    def of(cls, tokens: Sequence[int], logprobs: Sequence[float]) -> ProbeResult:
+        """From each generated token and its log-probability; RunnerError when one is not a
+        finite number (NaN or infinity in the logits: an ack cannot carry it)."""
+        if not tokens or len(tokens) != len(logprobs):
+            raise ValueError(f"{len(tokens)} tokens and {len(logprobs)} log-probabilities")
+        mean = math.fsum(logprobs) / len(logprobs)
+        if not math.isfinite(mean):
+            raise RunnerError(
+                f"probe: the log-probabilities of the generated tokens are not finite ({mean})",
+                code=WireCode.RUNNER_FAILED,
+            )
+        return cls(tuple(int(t) for t in tokens), mean)
+
+    def as_dict(self) -> dict[str, JsonValue]:
+        return {"tokens": list(self.tokens), "mean_logprob": round(self.mean_logprob, 6)}
+
+
 @runtime_checkable
 class Runner(Protocol):
     """One model on one device. Methods are synchronous; the agent calls them off the event loop.
@@ -113,6 +140,13 @@ class Runner(Protocol):
 
     def update_config(self, overrides: dict[str, JsonValue]) -> RunnerDescription:
         """Apply overrides all or nothing; RunnerError CONFIG_KEY_REJECTED / CONFIG_VALUE_INVALID."""
+
+    def probe(self, prompt: str, max_tokens: int) -> ProbeResult | None:
+        """Greedy-decode ``max_tokens`` tokens after ``prompt`` with the weights in force.
+
+        Deterministic for the same weights, in any process. None: this runner cannot probe.
+        Raises RunnerError (no model, degraded weights, a prompt the model cannot read).
+        """
 
     def describe(self) -> RunnerDescription: ...
 

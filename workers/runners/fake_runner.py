@@ -3,10 +3,16 @@
 No torch. Scripted outcomes by version name: "fail-*" fails (RUNNER_FAILED), "corrupt-*" raises
 WeightsCorrupted and degrades it. A reload still needs its path to exist. With ``load_error`` set
 its model never loads (a worker that must report RUNNER_LOAD_FAILED).
+
+Its probe (:func:`fake_probe`) is a function of the version in force and the prompt: workers on
+the same version agree. A version "badprobe-*" applies fine but probes with other tokens and a
+mean log-probability of -50 (a checkpoint that validates, with wrong numbers); after a version
+"probefail-*" the probe raises RUNNER_FAILED.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Mapping
@@ -19,6 +25,7 @@ from controlplane.wire.errors import RunnerError, WeightsCorrupted, WireCode
 from controlplane.wire.protocol import ReloadWeightsSpec
 from workers.runners.base import (
     DegradedInfo,
+    ProbeResult,
     ReloadResult,
     RunnerConfig,
     RunnerDescription,
@@ -41,6 +48,14 @@ class FakeRunnerOptions(BaseModel):
     reload_delay_s: float = Field(default=0.0, ge=0, description="Sleep per reload (cancellable).")
     fail_prefix: str = "fail-"
     corrupt_prefix: str = "corrupt-"
+    bad_probe_prefix: str = Field(
+        default="badprobe-", description="Versions whose probe says the weights are wrong."
+    )
+    probe_fail_prefix: str = Field(
+        default="probefail-", description="Versions whose probe raises RUNNER_FAILED."
+    )
+    probe_unsupported: bool = Field(default=False, description="probe() returns None.")
+    probe_delay_s: float = Field(default=0.0, ge=0, description="Sleep per probe (until close).")
     config: dict[str, JsonValue] = Field(default_factory=dict, description="Initial overrides.")
 
 
@@ -71,6 +86,9 @@ class FakeRunner:
         #: Every reload spec received, applied or not.
         self.reloads: list[ReloadWeightsSpec] = []
         self.config_updates: list[dict[str, JsonValue]] = []
+        #: Every probe asked for: (version in force, prompt, max_tokens).
+        self.probes: list[tuple[str | None, str, int]] = []
+        self._closed = threading.Event()  # ends a probe's delay
 
     def load(self) -> None:
         with self._lock:
@@ -80,6 +98,7 @@ class FakeRunner:
             if self.options.load_error is not None:
                 raise RunnerError(f"cannot build the model: {self.options.load_error}")
             self._loaded = True
+            self._closed.clear()
             self._version = self.options.initial_version
             self.history.append(self._version)
 
@@ -128,6 +147,27 @@ class FakeRunner:
             self.config_updates.append(dict(overrides))
         return self.describe()
 
+    def probe(self, prompt: str, max_tokens: int) -> ProbeResult | None:
+        with self._lock:
+            self.probes.append((self._version, prompt, max_tokens))
+            if not self._loaded or self._version is None:
+                raise RunnerError("no model is loaded", code=WireCode.MODEL_NOT_LOADED)
+            if self._degraded is not None:
+                raise RunnerError(
+                    f"refusing to probe: weights are degraded ({self._degraded.message})",
+                    code=WireCode.WEIGHTS_CORRUPTED,
+                )
+            version = self._version
+        if self.options.probe_delay_s:
+            self._closed.wait(self.options.probe_delay_s)
+        if self.options.probe_unsupported:
+            return None
+        if version.startswith(self.options.probe_fail_prefix):
+            raise RunnerError(f"scripted probe failure for {version!r}")
+        return fake_probe(
+            version, prompt, max_tokens, bad=version.startswith(self.options.bad_probe_prefix)
+        )
+
     def describe(self) -> RunnerDescription:
         config = self._config.model_dump(mode="json")
         return RunnerDescription(
@@ -143,8 +183,23 @@ class FakeRunner:
         )
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             self._loaded = False
+
+
+def fake_probe(version: str, prompt: str, max_tokens: int, *, bad: bool = False) -> ProbeResult:
+    """The fake runner's probe of ``prompt`` on ``version``: byte tokens from a sha256 of both,
+    and a mean log-probability in [-2, -0.5]; ``bad`` weights give other tokens and -50."""
+    seed = f"{'bad' if bad else 'ok'}\0{version}\0{prompt}".encode()
+    stream = b""
+    counter = 0
+    while len(stream) < max_tokens + 1:
+        stream += hashlib.sha256(seed + counter.to_bytes(4, "big")).digest()
+        counter += 1
+    tokens = list(stream[1 : max_tokens + 1])
+    mean = -50.0 if bad else -0.5 - 1.5 * stream[0] / 255
+    return ProbeResult.of(tokens, [mean] * len(tokens))
 
 
 def _files(path: Path) -> list[Path]:

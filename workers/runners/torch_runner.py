@@ -19,6 +19,7 @@ from controlplane.wire.errors import RunnerError, WeightsCorrupted, WireCode
 from controlplane.wire.protocol import ReloadWeightsSpec
 from workers.runners.base import (
     DegradedInfo,
+    ProbeResult,
     ReloadResult,
     RunnerConfig,
     RunnerDescription,
@@ -298,6 +299,36 @@ class TorchRunner:
                 pad_to=self._pad_to(model),
             )
             return out
+
+    def probe(self, prompt: str, max_tokens: int) -> ProbeResult | None:
+        """Greedy tokens after ``prompt`` (byte-tokenized) and their mean log-probability,
+        whatever the sampling config; None when the model has no ``next_logits`` (a factory's
+        model that is not the built-in one)."""
+        ids = encode_text(prompt)
+        with self._lock:
+            model = self._serving_model()
+            next_logits = getattr(model, "next_logits", None)
+            if not callable(next_logits):
+                return None
+            vocab = getattr(model, "vocab_size", None)
+            if isinstance(vocab, int) and max(ids, default=0) >= vocab:
+                raise RunnerError(
+                    f"probe: the prompt's byte tokens exceed the model's vocabulary of {vocab}",
+                    code=WireCode.RUNNER_FAILED,
+                )
+            pad_to = self._pad_to(model)
+            tokens: list[int] = []
+            logprobs: list[float] = []
+            with torch.no_grad():
+                for _ in range(max_tokens):
+                    logits: torch.Tensor = next_logits(ids, pad_to=pad_to)
+                    # The log-softmax in float64 on the host: no rounding of its own to speak of.
+                    logp = torch.log_softmax(logits.double(), dim=-1)
+                    token = int(torch.argmax(logp))
+                    tokens.append(token)
+                    logprobs.append(float(logp[token]))
+                    ids.append(token)
+        return ProbeResult.of(tokens, logprobs)
 
     def forward_logits(self, ids: Sequence[int]) -> torch.Tensor:
         """Float32 CPU logits ``[len(ids), vocab]``; a diagnostic that works even when degraded."""

@@ -24,6 +24,7 @@ from controlplane.wire.errors import RunnerError, WeightsCorrupted, WireCode
 from controlplane.wire.protocol import ReloadWeightsSpec
 from workers.runners.base import (
     DegradedInfo,
+    ProbeResult,
     ReloadResult,
     RunnerDescription,
     config_digest,
@@ -405,6 +406,10 @@ class VllmRunner:
                     code=WireCode.WEIGHTS_CORRUPTED,
                 )
             return self._engine.generate(list(prompt_ids), max_tokens)
+
+    def probe(self, prompt: str, max_tokens: int) -> ProbeResult | None:
+        """Not offered: the engine's tokenizer and log-probabilities are not wired up here."""
+        return None
 
     def _set_phase(self, phase: str) -> None:
         with self._state:
