@@ -64,8 +64,10 @@ from controlplane.kafka.bus import (
 from controlplane.kafka.lifecycle import AsyncService
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.rollout.fleet import Fleet
+from controlplane.rollout.targets import ControlState
 from controlplane.wire.ack_codec import AckLike
-from controlplane.wire.channels import ACKS, CHANNELS, COMMANDS, HEARTBEATS, Channel
+from controlplane.wire.channels import ACKS, CHANNELS, COMMANDS, CONTROL, HEARTBEATS, Channel
+from controlplane.wire.control import ControlRecord
 from controlplane.wire.errors import BusError, LocalCode, ProtocolError
 from controlplane.wire.protocol import Command, Heartbeat
 
@@ -85,6 +87,8 @@ class Batch:
     #: :class:`~controlplane.wire.ack_codec.FastAck` from the log; anything ack-like from elsewhere.
     acks: list[AckLike] = field(default_factory=list)
     heartbeats: list[Heartbeat] = field(default_factory=list)
+    #: Records of the controller topic (only with a follower given a ControlState).
+    control: list[ControlRecord] = field(default_factory=list)
     undecodable: int = 0
     replay: bool = False
 
@@ -93,7 +97,9 @@ class Batch:
         return {c.rollout_id for c in self.commands} | {a.rollout_id for a in self.acks}
 
     def __bool__(self) -> bool:
-        return bool(self.commands or self.acks or self.heartbeats or self.undecodable)
+        return bool(
+            self.commands or self.acks or self.heartbeats or self.control or self.undecodable
+        )
 
 
 Listener = Callable[[Batch], None]
@@ -112,11 +118,13 @@ class Follower(AsyncService):
         decode_ack: AckDecoder | None = None,
         probe: bool = False,
         probe_interval_s: float = 1.0,
+        control: ControlState | None = None,
     ) -> None:
         """``decode_ack``: None, the acks channel's compiled decoder; ``protocol.decode_ack``
         gives the same acks as pydantic models, several times slower. ``probe``: write a probe record to
         the workers topic every ``probe_interval_s`` and judge only up to what was read back
-        (see the module's docstring)."""
+        (see the module's docstring). ``control``: also fold the controller topic into it
+        (targets and progressive rollouts)."""
         self.settings = settings
         self.probe = probe
         self.probe_interval_s = probe_interval_s
@@ -160,10 +168,19 @@ class Follower(AsyncService):
             )
             for channel in CHANNELS
         }
+        self.control = control
+        if control is not None:
+            self._decoders[CONTROL.topic(self.topics)] = (
+                CONTROL.decode,
+                control.observe,
+                "control",
+            )
+        #: Set after every poll (waiters on positions check again).
+        self._polled = asyncio.Event()
 
     async def start(self) -> None:
         await self._consumer.start()
-        names = [channel.topic(self.topics) for channel in CHANNELS]
+        names = list(self._decoders)
         await self._consumer.assign_many(names)
         await self._consumer.seek_to_beginning()
         for name in names:
@@ -249,10 +266,34 @@ class Follower(AsyncService):
             self.caught_up.set()
             self._resume_collector()
             log.info("caught up with the log: %d records folded", self.records)
+        self._polled.set()
+        self._polled = asyncio.Event()
         if batch:
             for listener in self.listeners:
                 listener(batch)
         return batch
+
+    async def end_offsets(self) -> dict[tuple[str, int], int]:
+        """Every followed partition's end now: its last stable offset (read_committed)."""
+        ends: dict[tuple[str, int], int] = {}
+        for name in self._decoders:
+            for partition, end in (await self._consumer.end_offsets(name)).items():
+                ends[(name, partition)] = end
+        return ends
+
+    def reached(self, ends: dict[tuple[str, int], int]) -> bool:
+        """Whether every partition of ``ends`` has been folded up to its offset there."""
+        progress = self._consumer.progress()
+        for key, end in ends.items():
+            p = progress.get(key)
+            if end > 0 and (p is None or p.position is None or p.position < end):
+                return False
+        return True
+
+    async def wait_reached(self, ends: dict[tuple[str, int], int]) -> None:
+        """Wait until :meth:`reached` (someone else polls: the coordinator's loop)."""
+        while not self.reached(ends):
+            await self._polled.wait()
 
     def fold(self, records: Sequence[Record]) -> Batch:
         """Fold records (in log order within each partition) without telling the listeners."""

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Final
 from controlplane.kafka.bus import Delivery, Producer, Record
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.rollout.registry import Registry
-from controlplane.wire.channels import COMMANDS
+from controlplane.wire.channels import COMMANDS, CONTROL
 from controlplane.wire.errors import BusError, CommandRejected, LocalCode, WireCode
+from controlplane.wire.messages import WireModel
 from controlplane.wire.protocol import Command, CommandSpec, Selector, utcnow
 
 if TYPE_CHECKING:
@@ -212,3 +213,30 @@ async def _send(
             "fewer in-sync replicas than min.insync.replicas?)"
         )
         raise PublishUnconfirmed(command, delivery, why, limit) from None
+
+
+async def publish_control(
+    settings: KafkaSettings,
+    record: WireModel,
+    producer: Producer | None = None,
+    *,
+    timeout_s: float | None = None,
+) -> int:
+    """Append an operator's request (a target spec, a rollout, an action) to the controller
+    topic; returns its offset. Bounded like :func:`publish`: BROKER_UNAVAILABLE when it was
+    certainly not written, PUBLISH_OUTCOME_UNKNOWN when it may have been."""
+    limit = settings.delivery_timeout_ms / 1000 if timeout_s is None else timeout_s
+    topic, key, value = CONTROL.record(settings.topics, record)
+    if producer is None:
+        async with Producer(settings) as own:
+            return await _send_control(own, topic, key, value, limit)
+    return await _send_control(producer, topic, key, value, limit)
+
+
+async def _send_control(
+    producer: Producer, topic: str, key: bytes, value: bytes, limit: float
+) -> int:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    delivery = await producer.submit(topic, value, key=key, timeout_s=limit)
+    return (await delivery.wait(max(0.0, deadline - loop.time()))).offset

@@ -18,6 +18,7 @@ from typing import Final
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from controlplane.coordinator.controller import Controller
 from controlplane.coordinator.follower import Batch, Follower
 from controlplane.coordinator.publisher import RolloutRequest, prepare_rollout, publish
 from controlplane.kafka.bus import Producer
@@ -28,6 +29,7 @@ from controlplane.rollout.fleet import (
     DEFAULT_PROGRESS_DEADLINE_S,
     Fleet,
 )
+from controlplane.rollout.targets import ControlState
 from controlplane.wire.protocol import Command, CommandSpec, Selector, utcnow
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,17 @@ class CoordinatorSettings(BaseSettings):
         description="How often the coordinator appends a probe to the workers topic and reads "
         "it back: it judges liveness only up to the last one read (docs/rollouts.md, Liveness).",
     )
+    controller: bool = Field(
+        default=True,
+        description="Campaign for the controller (progressive rollouts, targets): one "
+        "coordinator of the fleet leads, the others stand by (docs/controller.md).",
+    )
+    controller_session_timeout_ms: int = Field(
+        default=10_000,
+        ge=6_000,
+        le=300_000,
+        description="How long a silent controller keeps the lead before another takes over.",
+    )
 
 
 class Coordinator(AsyncService):
@@ -91,10 +104,25 @@ class Coordinator(AsyncService):
             progress_deadline_s=settings.progress_deadline_s,
             max_ended_rollouts=settings.max_ended_rollouts,
         )
+        self.control = ControlState()
         self.follower = Follower(
-            settings.kafka, self.fleet, probe=True, probe_interval_s=settings.probe_interval_s
+            settings.kafka,
+            self.fleet,
+            probe=True,
+            probe_interval_s=settings.probe_interval_s,
+            control=self.control,
         )
         self.follower.listeners.append(self._on_batch)
+        self.controller: Controller | None = None
+        if settings.controller:
+            self.controller = Controller(
+                settings.kafka,
+                self.follower,
+                self.judge_time,
+                issuer=settings.issuer,
+                session_timeout_ms=settings.controller_session_timeout_ms,
+            )
+        self._controller_task: asyncio.Task[None] | None = None
         self._current_as_of = current_as_of or self.follower.current_as_of
         self._producer = Producer(settings.kafka)
         self._subscribers: set[asyncio.Queue[set[str] | None]] = set()
@@ -132,8 +160,16 @@ class Coordinator(AsyncService):
         await self.follower.start()
         await self._producer.start()
         self._task = asyncio.create_task(self._run(), name="coordinator-follower")
+        if self.controller is not None:
+            self._controller_task = asyncio.create_task(
+                self._run_controller(self.controller), name="coordinator-controller"
+            )
 
     async def stop(self) -> None:
+        if self._controller_task is not None:
+            self._controller_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._controller_task
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -145,6 +181,18 @@ class Coordinator(AsyncService):
 
     async def wait_ready(self, timeout: float = 60.0) -> None:
         await asyncio.wait_for(self.follower.caught_up.wait(), timeout)
+
+    @staticmethod
+    async def _run_controller(controller: Controller) -> None:
+        while True:
+            try:
+                await controller.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Kafka away while joining: campaign again
+                controller.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("controller stopped: %s; campaigning again", controller.last_error)
+                await asyncio.sleep(1.0)
 
     async def _run(self) -> None:
         while True:

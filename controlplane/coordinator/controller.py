@@ -1,0 +1,231 @@
+"""The controller: the one elected coordinator turns the log's wishes into commands, wave by wave.
+
+Runs inside every coordinator; exactly one leads (docs/controller.md). Its state is only what
+the log holds: the coordinator's follower folds the controller topic (targets, rollouts, actions,
+rollout states) and the three channels (commands, acks, heartbeats); :func:`decide` reads that
+and says what to write. The loop, once elected in generation *g*:
+
+1. init the transactional producer (this fences every earlier holder of the id);
+2. read every followed partition up to its end as of now (after the init, so it includes all
+   that earlier holders committed);
+3. write a ``leader`` record; then, each time the log changes or a tick passes, decide and write
+   the decision's commands and rollout states in one transaction, and wait until the follower
+   has read them back before deciding again (the next decision starts from them).
+
+Fenced (another coordinator inits the id), revoked, or a transaction with an unknown outcome:
+it stops writing at once, drops the producer and waits to be elected again; it never writes
+through anything but that producer, so a paused former leader cannot publish after a newer one
+took over. The coordinator's HTTP answers come from the same fold on every coordinator, leader
+or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterable
+from datetime import datetime
+from typing import Any, Final
+
+from controlplane.coordinator.follower import Batch, Follower
+from controlplane.kafka.bus import Record
+from controlplane.kafka.election import LeaderElection, LeadershipLost
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.kafka.transactions import (
+    Transaction,
+    TransactionalProducer,
+    TransactionFenced,
+    TransactionOutcomeUnknown,
+)
+from controlplane.rollout.progressive import Decision, decide
+from controlplane.rollout.targets import ControlState
+from controlplane.wire.channels import COMMANDS, CONTROL
+from controlplane.wire.control import LeaderRecord
+from controlplane.wire.errors import BusError, LocalCode
+from controlplane.wire.messages import AckState
+
+log = logging.getLogger(__name__)
+
+#: How often the controller decides when nothing in the log changed (bakes, pauses, deadlines).
+DEFAULT_TICK_S: Final = 0.5
+#: After an error that is not a lost leadership: wait this long before trying again.
+_RETRY_S: Final = 1.0
+
+
+class Controller:
+    """``await controller.run()`` in a task; the coordinator starts and cancels it."""
+
+    def __init__(
+        self,
+        settings: KafkaSettings,
+        follower: Follower,
+        now: Callable[[], datetime | None],
+        *,
+        issuer: str = "controller",
+        member: str | None = None,
+        session_timeout_ms: int = 10_000,
+        transaction_timeout_ms: int = 15_000,
+        tick_s: float = DEFAULT_TICK_S,
+    ) -> None:
+        """``now``: the instant to judge at (None: the replica has not caught up yet)."""
+        if follower.control is None:
+            raise ValueError("the controller needs a follower that folds the controller topic")
+        self.settings = settings
+        self.follower = follower
+        self.control: ControlState = follower.control
+        self.fleet = follower.fleet
+        self._now = now
+        self.issuer = issuer
+        self.member = member or f"{socket.gethostname()}-{os.getpid()}"
+        self.session_timeout_ms = session_timeout_ms
+        self.transaction_timeout_ms = transaction_timeout_ms
+        self.tick_s = tick_s
+        #: (rollout id, worker id) -> the probe answer of its succeeded ack.
+        self.probes: dict[tuple[str, str], dict[str, Any]] = {}
+        #: The generation this coordinator leads and writes in (None: it does not).
+        self.leading: int | None = None
+        self.decisions = 0
+        self.commands_published = 0
+        #: Times this coordinator was fenced (CONTROLLER_FENCED) and stepped down.
+        self.fenced = 0
+        self.last_error: str | None = None
+        self._changed = asyncio.Event()
+        follower.listeners.append(self._on_batch)
+
+    def _on_batch(self, batch: Batch) -> None:
+        for ack in batch.acks:
+            if ack.state is AckState.SUCCEEDED:
+                probe = ack.result.get("probe")
+                if isinstance(probe, dict):
+                    self.probes[(ack.rollout_id, ack.worker_id)] = probe
+        self._changed.set()
+
+    async def run(self) -> None:
+        """Campaign, lead, step down, campaign again: until cancelled."""
+        async with LeaderElection(
+            self.settings, session_timeout_ms=self.session_timeout_ms
+        ) as election:
+            while True:
+                generation = await election.wait_leader()
+                try:
+                    await self._lead(election, generation)
+                except TransactionFenced as exc:
+                    self.fenced += 1
+                    self.last_error = f"{LocalCode.CONTROLLER_FENCED}: {exc.message}"
+                    log.warning(
+                        "error: %s: generation %s: %s; stepping down",
+                        LocalCode.CONTROLLER_FENCED,
+                        generation,
+                        exc.message,
+                    )
+                    await election.rejoin(generation)
+                except LeadershipLost:
+                    log.info("controller: generation %s ended", generation)
+                except (TransactionOutcomeUnknown, BusError) as exc:
+                    self.last_error = f"{exc.code}: {exc.message}"
+                    log.warning("controller: %s: %s; starting over", exc.code, exc.message)
+                    await asyncio.sleep(_RETRY_S)  # a retry delay, not a synchronization
+
+    async def _lead(self, election: LeaderElection, generation: int) -> None:
+        topics = self.settings.topics
+        producer = TransactionalProducer(
+            self.settings,
+            topics.controller_transactional_id,
+            transaction_timeout_ms=self.transaction_timeout_ms,
+        )
+        try:
+            async with election.leading(generation):
+                await producer.start()  # every earlier holder of the id is fenced from here
+            await self.follower.wait_reached(await self.follower.end_offsets())
+            now = await self._judge_time(election, generation)
+            leader = LeaderRecord(
+                member=self.member,
+                generation=generation,
+                producer_epoch=producer.producer_epoch,
+                since=now,
+            )
+            async with election.leading(generation), producer.transaction() as txn:
+                _put(txn, CONTROL.record(topics, leader))
+            self.leading = generation
+            log.info(
+                "controller: leading in generation %s (producer epoch %s)",
+                generation,
+                producer.producer_epoch,
+            )
+            await self.follower.wait_reached(_ends(txn.records))
+            while election.is_leader(generation):
+                now = await self._judge_time(election, generation)
+                decision = decide(
+                    self.control, self.fleet, now, issuer=self.issuer, probes=self.probes
+                )
+                if not decision:
+                    await self._wait_change()
+                    continue
+                await self._write(election, generation, producer, decision)
+            raise LeadershipLost(f"generation {generation} revoked")
+        finally:
+            self.leading = None
+            await producer.stop()
+
+    async def _write(
+        self,
+        election: LeaderElection,
+        generation: int,
+        producer: TransactionalProducer,
+        decision: Decision,
+    ) -> None:
+        topics = self.settings.topics
+        async with election.leading(generation), producer.transaction() as txn:
+            for command in decision.commands:
+                _put(txn, COMMANDS.record(topics, command))
+            for state in decision.states:
+                _put(txn, CONTROL.record(topics, state))
+        self.decisions += 1
+        self.commands_published += len(decision.commands)
+        for state in decision.states:
+            log.info(
+                "rollout %s: %s (wave %s, revision %s) %s",
+                state.rollout_id,
+                state.phase.value,
+                state.wave,
+                state.revision,
+                state.message,
+            )
+        for command in decision.commands:
+            log.info(
+                "published %s to %s",
+                command.rollout_id,
+                ",".join(command.selector.worker_ids or []),
+            )
+        # The next decision starts from these records: fold them first.
+        await self.follower.wait_reached(_ends(txn.records))
+
+    async def _judge_time(self, election: LeaderElection, generation: int) -> datetime:
+        while True:
+            now = self._now()
+            if now is not None:
+                return now
+            if not election.is_leader(generation):
+                raise LeadershipLost(f"generation {generation} revoked")
+            await self._wait_change()
+
+    async def _wait_change(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), self.tick_s)
+        self._changed.clear()
+
+
+def _put(txn: Transaction, record: tuple[str, bytes, bytes]) -> None:
+    topic, key, value = record
+    txn.send(topic, value, key=key)
+
+
+def _ends(records: Iterable[Record]) -> dict[tuple[str, int], int]:
+    ends: dict[tuple[str, int], int] = {}
+    for record in records:
+        key = (record.topic, record.partition)
+        ends[key] = max(ends.get(key, 0), record.offset + 1)
+    return ends

@@ -1,0 +1,217 @@
+"""Progressive rollouts end to end on the real broker: a coordinator's controller, in-process
+agents with the fake runner, operator requests on the controller topic (issue 12).
+
+Separate processes (a coordinator SIGKILLed or SIGSTOPped) are in test_controller_process.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from controlplane.coordinator.publisher import publish_control
+from controlplane.coordinator.service import Coordinator, CoordinatorSettings
+from controlplane.kafka.bus import Consumer
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.rollout.progressive import batch_rollout_id
+from controlplane.rollout.targets import Rollout
+from controlplane.wire.control import (
+    ActionKind,
+    ControlPhase,
+    Desired,
+    RolloutAction,
+    RolloutSpec,
+    Strategy,
+    TargetSpec,
+    WeightsRef,
+)
+from controlplane.wire.protocol import (
+    Ack,
+    AckState,
+    Command,
+    decode_ack,
+    decode_command,
+    utcnow,
+)
+from tests.factories import agent_running, agent_settings
+from tests.fleet import wait_for
+from workers.agent.loop import Agent
+from workers.runners.fake_runner import FakeRunner
+
+pytestmark = pytest.mark.kafka
+
+LABELS = {"model": "tiny"}
+T = TypeVar("T")
+
+
+@dataclass
+class Fleet:
+    kafka: KafkaSettings
+    coordinator: Coordinator
+    agents: dict[str, Agent]
+    runners: dict[str, FakeRunner]
+    ckpts: Path
+
+    def weights(self, version: str) -> WeightsRef:
+        return WeightsRef(path=str(self.ckpts / "model.safetensors"), version=version)
+
+    async def send(self, record: Any) -> None:
+        await publish_control(self.kafka, record)
+
+    async def target(self, name: str = "tiny", stable: str = "v1") -> None:
+        await self.send(
+            TargetSpec(
+                name=name,
+                selector=LABELS,
+                stable=Desired(weights=self.weights(stable)),
+                issued_at=utcnow(),
+                issuer="tests",
+            )
+        )
+
+    async def rollout(self, rollout_id: str, version: str, strategy: Strategy, **kw: Any) -> None:
+        await self.send(
+            RolloutSpec(
+                rollout_id=rollout_id,
+                target=kw.pop("target", "tiny"),
+                desired=Desired(weights=self.weights(version)),
+                strategy=strategy,
+                issued_at=utcnow(),
+                issuer="tests",
+                **kw,
+            )
+        )
+
+    async def act(self, rollout_id: str, action: ActionKind, n: int = 1) -> None:
+        await self.send(
+            RolloutAction(
+                rollout_id=rollout_id,
+                action_id=f"{action.value}-{n}",
+                action=action,
+                issued_at=utcnow(),
+                issuer="tests",
+            )
+        )
+
+    def rollout_of(self, rollout_id: str) -> Rollout:
+        rollout = self.coordinator.control.rollout(rollout_id)
+        assert rollout is not None
+        return rollout
+
+    async def phase(
+        self, rollout_id: str, *phases: ControlPhase, timeout: float = 60.0
+    ) -> ControlPhase:
+        def reached() -> bool:
+            rollout = self.coordinator.control.rollout(rollout_id)
+            return rollout is not None and rollout.phase in phases
+
+        await wait_for(reached, timeout)
+        phase = self.rollout_of(rollout_id).phase
+        assert phase is not None
+        return phase
+
+
+@contextlib.asynccontextmanager
+async def fleet_of(
+    kafka: KafkaSettings, tmp_path: Path, n: int, *, runner: dict[str, Any] | None = None
+) -> AsyncIterator[Fleet]:
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    (ckpts / "model.safetensors").write_bytes(b"\0" * 64)
+    settings = CoordinatorSettings(kafka=kafka, controller_session_timeout_ms=6000)
+    async with contextlib.AsyncExitStack() as stack:
+        agents: dict[str, Agent] = {}
+        runners: dict[str, FakeRunner] = {}
+        for i in range(n):
+            worker = f"w{i:02d}"
+            runners[worker] = FakeRunner({"initial_version": "v1", **(runner or {})})
+            agent_settings_ = agent_settings(
+                kafka, tmp_path, worker_id=worker, state_dir=tmp_path / f"state-{worker}"
+            )
+            agent, _ = await stack.enter_async_context(
+                agent_running(agent_settings_, runners[worker])
+            )
+            agents[worker] = agent
+        coordinator = await stack.enter_async_context(Coordinator(settings))
+        await coordinator.wait_ready(60)
+        fleet = Fleet(kafka, coordinator, agents, runners, ckpts)
+        await wait_for(lambda: len(coordinator.fleet.registry) == n, 30)
+        assert coordinator.controller is not None
+        await wait_for(lambda: coordinator.controller.leading is not None, 60)  # type: ignore[union-attr]
+        yield fleet
+
+
+async def read_all(kafka: KafkaSettings, topic: str, decode: Callable[[bytes], T]) -> list[T]:
+    """Every record of ``topic`` up to its end now (read_committed), decoded."""
+    items: list[T] = []
+    async with Consumer(kafka) as consumer:
+        await consumer.assign(topic)
+        await consumer.seek_to_beginning()
+        ends = await consumer.end_offsets(topic)
+
+        def done() -> bool:
+            progress = consumer.progress()
+            return all(
+                end == 0
+                or ((p := progress.get((topic, part))) is not None and (p.position or 0) >= end)
+                for part, end in ends.items()
+            )
+
+        while not done():
+            for record in await consumer.fetch(timeout_s=0.2):
+                if record.value is not None:
+                    items.append(decode(record.value))
+    return items
+
+
+async def commands_on_the_topic(kafka: KafkaSettings) -> list[Command]:
+    return await read_all(kafka, kafka.topics.commands.name, decode_command)
+
+
+def applying_windows(acks: Sequence[Ack]) -> list[tuple[datetime, datetime]]:
+    windows = []
+    for ack in acks:
+        t = ack.timings
+        if ack.state is AckState.SUCCEEDED and t.started_at and t.finished_at:
+            windows.append((t.started_at, t.finished_at))
+    return windows
+
+
+async def test_a_four_wave_rollout_updates_every_worker_once_wave_by_wave(
+    kafka: KafkaSettings, tmp_path: Path
+) -> None:
+    async with fleet_of(kafka, tmp_path, 10) as fleet:
+        await fleet.target()
+        strategy = Strategy(canary=1, steps=["10%", "50%", "100%"], max_unavailable=2)
+        await fleet.rollout("r-four", "v2", strategy)
+        assert await fleet.phase("r-four", ControlPhase.SUCCEEDED) is ControlPhase.SUCCEEDED
+        state = fleet.rollout_of("r-four").state
+        assert state is not None
+        assert [len(w) for w in state.waves] == [1, 4, 5]  # 10% of 10 adds nobody after 1
+        target = fleet.coordinator.control.target("tiny")
+        assert target is not None and target.stable is not None
+        assert target.stable.version == "v2"
+        assert all(r.history == ["v1", "v2"] for r in fleet.runners.values())
+        commands = [
+            c for c in await commands_on_the_topic(kafka) if c.rollout_id.startswith("r-four")
+        ]
+        per_worker: dict[str, int] = {}
+        for command in commands:
+            for worker in command.selector.worker_ids or []:
+                per_worker[worker] = per_worker.get(worker, 0) + 1
+            assert len(command.selector.worker_ids or []) <= 2
+        assert per_worker == dict.fromkeys(fleet.agents, 1)
+        assert commands[0].rollout_id == batch_rollout_id("r-four", 0, 0)
+        # max_unavailable=2: never more than 2 applying at once, by the acks' own timings
+        acks = await read_all(kafka, kafka.topics.acks.name, decode_ack)
+        windows = applying_windows([a for a in acks if a.rollout_id.startswith("r-four")])
+        assert len(windows) == 10
+        for start, _ in windows:
+            overlapping = [w for w in windows if w[0] <= start < w[1]]
+            assert len(overlapping) <= 2
