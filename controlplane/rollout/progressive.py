@@ -50,12 +50,14 @@ from controlplane.wire.control import (
     ControlPhase,
     Desired,
     GateResult,
+    ProbeGate,
     RolloutState,
 )
 from controlplane.wire.errors import LocalCode
 from controlplane.wire.messages import (
     Command,
     CommandSpec,
+    ProbeSpec,
     ReloadWeightsSpec,
     Selector,
     UpdateConfigSpec,
@@ -272,7 +274,7 @@ def _advance(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutSta
             ctx.publish(
                 batch_id,
                 plan[state.batch],
-                _change_spec(spec.desired),
+                _change_spec(spec.desired, strategy.probe),
                 strategy.progress_deadline_s,
                 strategy.command_timeout_s,
             )
@@ -563,10 +565,15 @@ def _reload(desired: Desired) -> ReloadWeightsSpec:
     return ReloadWeightsSpec(path=w.path, version=w.version, sha256=dict(w.sha256), strict=w.strict)
 
 
-def _change_spec(change: Desired) -> CommandSpec:
-    """The command of a rollout's change: a reload when it changes weights, else the config."""
+def _change_spec(change: Desired, probe: ProbeGate | None = None) -> CommandSpec:
+    """The command of a rollout's change: a reload when it changes weights (asking for the
+    strategy's probe), else the config."""
     if change.weights is not None:
-        return _reload(change)
+        reload = _reload(change)
+        if probe is None:
+            return reload
+        asked = ProbeSpec(prompt=probe.prompt, max_tokens=probe.max_tokens)
+        return reload.model_copy(update={"probe": asked})
     return UpdateConfigSpec(overrides=dict(change.config))
 
 
