@@ -2,6 +2,8 @@
 
 Returns the :class:`Outcome` (and what the command applied, for the journal); writes nothing
 and publishes nothing. A runner that raises, or ignores cancellation, becomes a coded error.
+A reload that asks for a probe runs it once the weights are applied, within the same timeout;
+whatever the probe does, the reload stays succeeded (:func:`probe_result`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, assert_never
 
+from pydantic import JsonValue
+
 from controlplane.wire.errors import ControlPlaneError, WireCode
+from controlplane.wire.messages import ProbeSpec
 from controlplane.wire.protocol import (
     AckError,
     AckState,
@@ -25,10 +30,12 @@ from controlplane.wire.protocol import (
 )
 from workers.agent.durable import Applied, ConfigApplied
 from workers.agent.session import AgentLog, StopSignal
-from workers.runners.base import ReloadResult, Runner, RunnerDescription
+from workers.runners.base import ProbeResult, ReloadResult, Runner, RunnerDescription
 
 #: After a runner ignores cancellation this long past its deadline, we stop waiting for it.
 _CANCEL_GRACE_S = 30.0
+#: A probe error's message is clipped to this many characters in the ack's result.
+_PROBE_MESSAGE_CHARS = 1024
 
 
 @dataclass
@@ -75,25 +82,17 @@ async def apply(
     timeout = command.timeout_s or default_timeout_s
     task = asyncio.ensure_future(asyncio.to_thread(call))
     deadline = time.monotonic() + timeout
-    reason: WireCode | None = None
-    while not task.done():
-        limit = deadline
-        drain = stop.drain_deadline()
-        if drain is not None:
-            limit = min(limit, drain)
-        if time.monotonic() >= limit:
-            reason = WireCode.WORKER_SHUTTING_DOWN if limit < deadline else WireCode.COMMAND_TIMEOUT
-            cancel.set()
-            log(
-                logging.WARNING,
-                "cancelling (%s)",
-                reason.value,
-                command_id=command.command_id,
-                rollout_id=command.rollout_id,
-            )
-            await asyncio.wait({task}, timeout=_CANCEL_GRACE_S)
-            break
-        await asyncio.wait({task}, timeout=min(0.2, max(0.0, limit - time.monotonic())))
+    reason = await _until_done(task, deadline, stop)
+    if reason is not None:
+        cancel.set()
+        log(
+            logging.WARNING,
+            "cancelling (%s)",
+            reason.value,
+            command_id=command.command_id,
+            rollout_id=command.rollout_id,
+        )
+        await asyncio.wait({task}, timeout=_CANCEL_GRACE_S)
     if not task.done():
         return Outcome(
             AckState.FAILED,
@@ -123,7 +122,12 @@ async def apply(
             AckError(code=WireCode.INTERNAL, message=f"{type(exc).__name__}: {exc}"),
         )
     if isinstance(spec, ReloadWeightsSpec) and isinstance(value, ReloadResult):
-        return Outcome(AckState.SUCCEEDED, result=value.as_dict(), applied=spec)
+        result: dict[str, Any] = value.as_dict()
+        if spec.probe is not None:
+            result["probe"] = await probe_result(
+                runner, spec.probe, deadline, stop=stop, log=log, command=command
+            )
+        return Outcome(AckState.SUCCEEDED, result=result, applied=spec)
     if isinstance(spec, UpdateConfigSpec) and isinstance(value, RunnerDescription):
         return Outcome(
             AckState.SUCCEEDED,
@@ -135,3 +139,83 @@ async def apply(
         AckState.FAILED,
         AckError(code=WireCode.INTERNAL, message=f"runner returned {type(value).__name__}"),
     )
+
+
+def _limit(deadline: float, stop: StopSignal) -> tuple[float, WireCode]:
+    """When a command's run must end (monotonic): its deadline, or a stop's drain deadline if
+    earlier; and the code that says which."""
+    drain = stop.drain_deadline()
+    if drain is not None and drain < deadline:
+        return drain, WireCode.WORKER_SHUTTING_DOWN
+    return deadline, WireCode.COMMAND_TIMEOUT
+
+
+async def _until_done(
+    task: asyncio.Future[Any], deadline: float, stop: StopSignal
+) -> WireCode | None:
+    """Wait for ``task`` until ``deadline`` or a stop's drain deadline (monotonic), whichever
+    comes first: None when it finished in time, else why it did not."""
+    while not task.done():
+        limit, reason = _limit(deadline, stop)
+        if time.monotonic() >= limit:
+            return reason
+        await asyncio.wait({task}, timeout=min(0.2, max(0.0, limit - time.monotonic())))
+    return None
+
+
+def _probe_error(code: str, message: str) -> dict[str, JsonValue]:
+    return {"error": {"code": code, "message": message[:_PROBE_MESSAGE_CHARS]}}
+
+
+async def probe_result(
+    runner: Runner,
+    probe: ProbeSpec,
+    deadline: float,
+    *,
+    stop: StopSignal,
+    log: AgentLog,
+    command: Command,
+) -> dict[str, JsonValue]:
+    """Run ``probe`` on the weights just applied, in a thread, by ``deadline`` (the command's).
+
+    What goes into the succeeded ack as ``result["probe"]``: the :class:`ProbeResult`'s dict,
+    ``{"unsupported": true}`` when the runner cannot probe, or ``{"error": {"code", "message"}}``
+    when it raised or ran past the deadline or a stop's drain deadline. A probe cannot be
+    cancelled: one still running when its time is up ends on its own, and the runner's lock
+    keeps the next command waiting for it.
+    """
+    method = getattr(runner, "probe", None)  # a runner written before probes cannot probe
+    if method is None:
+        return {"unsupported": True}
+    ids = {"command_id": command.command_id, "rollout_id": command.rollout_id}
+    limit, reason = _limit(deadline, stop)
+    if time.monotonic() >= limit:  # the reload took all the time there was
+        log(logging.WARNING, "no time left to probe (%s)", reason.value, **ids)
+        return _probe_error(reason.value, f"no time left to run the probe ({reason.value})")
+    task = asyncio.ensure_future(asyncio.to_thread(method, probe.prompt, probe.max_tokens))
+    late = await _until_done(task, deadline, stop)
+    if late is not None:
+        task.add_done_callback(_ignore_result)
+        log(logging.WARNING, "probe given up (%s)", late.value, **ids)
+        return _probe_error(late.value, f"the probe did not finish in time ({late.value})")
+    try:
+        value = task.result()
+    except ControlPlaneError as exc:
+        log(logging.WARNING, "probe failed: %s: %s", exc.code.value, exc.message, **ids)
+        return _probe_error(exc.code.value, exc.message)
+    except Exception as exc:  # a runner bug must not fail the reload it follows
+        log(logging.ERROR, "probe raised %r", exc, **ids)
+        return _probe_error(WireCode.INTERNAL.value, f"{type(exc).__name__}: {exc}")
+    if value is None:
+        return {"unsupported": True}
+    if not isinstance(value, ProbeResult):
+        return _probe_error(
+            WireCode.INTERNAL.value, f"runner's probe returned {type(value).__name__}"
+        )
+    return value.as_dict()
+
+
+def _ignore_result(task: asyncio.Future[Any]) -> None:
+    """A probe given up on: whatever it ends with is nobody's (no "never retrieved" warning)."""
+    if not task.cancelled():
+        task.exception()
