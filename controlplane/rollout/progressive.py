@@ -480,7 +480,7 @@ def _roll_back(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutS
             return _ended(
                 state,
                 ControlPhase.ROLLED_BACK,
-                None,
+                state.code,
                 f"{state.message}; no worker had applied it",
                 ctx.now,
             )
@@ -498,7 +498,7 @@ def _roll_back(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutS
             why = f"{state.message}; rollback failed on {', '.join(failed)}"
             return _ended(state, ControlPhase.ABORTED, LocalCode.ROLLBACK_FAILED, why, ctx.now)
         return _ended(
-            state, ControlPhase.ROLLED_BACK, None, f"{state.message}; rolled back", ctx.now
+            state, ControlPhase.ROLLED_BACK, state.code, f"{state.message}; rolled back", ctx.now
         )
     batch_id = rollback_rollout_id(spec.rollout_id, state.rollback_batch)
     if not ctx.known(batch_id):
@@ -539,12 +539,13 @@ def _rollback_spec(previous: Desired | None, change: Desired) -> CommandSpec | N
 
 
 def _ended(
-    state: RolloutState, phase: ControlPhase, code: LocalCode | None, why: str, now: datetime
+    state: RolloutState, phase: ControlPhase, code: str | None, why: str, now: datetime
 ) -> RolloutState:
+    """``code``: why it ended other than in success (a rolled back rollout keeps its abort's)."""
     return state.model_copy(
         update={
             "phase": phase,
-            "code": None if code is None else code.value,
+            "code": None if code is None else str(code),
             "message": why,
             "ended_at": now,
         }
