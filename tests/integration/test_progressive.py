@@ -215,3 +215,95 @@ async def test_a_four_wave_rollout_updates_every_worker_once_wave_by_wave(
         for start, _ in windows:
             overlapping = [w for w in windows if w[0] <= start < w[1]]
             assert len(overlapping) <= 2
+
+
+def workers_commanded(commands: Sequence[Command], prefix: str) -> dict[str, list[str]]:
+    """Worker id -> the rollout ids of the commands (of rollouts starting with ``prefix``) for it."""
+    out: dict[str, list[str]] = {}
+    for command in commands:
+        if command.rollout_id.startswith(prefix):
+            for worker in command.selector.worker_ids or []:
+                out.setdefault(worker, []).append(command.rollout_id)
+    return out
+
+
+async def test_a_wave_over_max_failures_aborts_and_every_updated_worker_is_back_on_stable(
+    kafka: KafkaSettings, tmp_path: Path
+) -> None:
+    async with fleet_of(kafka, tmp_path, 10) as fleet:
+        for worker in ("w03", "w04"):  # v2 fails on these two (the fake runner's fail prefix)
+            fleet.runners[worker].options = fleet.runners[worker].options.model_copy(
+                update={"fail_prefix": "v2"}
+            )
+        await fleet.target()
+        strategy = Strategy(steps=["30%", "100%"], max_failures="1")
+        await fleet.rollout("r-fail", "v2", strategy)
+        assert await fleet.phase("r-fail", ControlPhase.ROLLED_BACK, ControlPhase.ABORTED) is (
+            ControlPhase.ROLLED_BACK
+        )
+        state = fleet.rollout_of("r-fail").state
+        assert state is not None
+        assert state.code == "MAX_FAILURES_EXCEEDED" and state.failed == ["w03", "w04"]
+        applied = sorted(w for w, r in fleet.runners.items() if "v2" in r.history)
+        assert applied == ["w00", "w01", "w02", "w05", "w06", "w07", "w08", "w09"]
+        rolled_back = sorted(w for batch in state.rollback for w in batch)
+        assert rolled_back == applied  # exactly the workers that had applied v2
+        for worker, runner in fleet.runners.items():
+            assert runner.history[-1] == "v1", worker
+        target = fleet.coordinator.control.target("tiny")
+        assert target is not None and target.stable is not None
+        assert target.stable.version == "v1"  # an aborted rollout never becomes stable
+
+
+async def test_a_manual_pause_waits_for_promote(kafka: KafkaSettings, tmp_path: Path) -> None:
+    async with fleet_of(kafka, tmp_path, 4) as fleet:
+        await fleet.target()
+        await fleet.rollout("r-manual", "v2", Strategy(canary=1, pause="manual"))
+        await fleet.phase("r-manual", ControlPhase.PAUSED)
+        commanded = workers_commanded(await commands_on_the_topic(kafka), "r-manual")
+        assert commanded == {"w00": [batch_rollout_id("r-manual", 0, 0)]}
+        assert [r.history[-1] for r in fleet.runners.values()] == ["v2", "v1", "v1", "v1"]
+        await fleet.act("r-manual", ActionKind.PROMOTE)
+        await fleet.phase("r-manual", ControlPhase.SUCCEEDED)
+        assert [r.history[-1] for r in fleet.runners.values()] == ["v2"] * 4
+
+
+async def test_abort_during_a_pause_rolls_the_canary_back(
+    kafka: KafkaSettings, tmp_path: Path
+) -> None:
+    async with fleet_of(kafka, tmp_path, 3) as fleet:
+        await fleet.target()
+        await fleet.rollout("r-abort", "v2", Strategy(canary=1, pause="manual"))
+        await fleet.phase("r-abort", ControlPhase.PAUSED)
+        await fleet.act("r-abort", ActionKind.ABORT)
+        assert await fleet.phase("r-abort", ControlPhase.ROLLED_BACK) is ControlPhase.ROLLED_BACK
+        state = fleet.rollout_of("r-abort").state
+        assert state is not None and state.code == "ABORTED_BY_OPERATOR"
+        commanded = workers_commanded(await commands_on_the_topic(kafka), "r-abort")
+        assert commanded == {"w00": ["r-abort.w0.b0", "r-abort.rb.b0"]}
+        assert [r.history for r in fleet.runners.values()] == [["v1", "v2", "v1"], ["v1"], ["v1"]]
+        # ended is ended: a promote now changes nothing
+        await fleet.act("r-abort", ActionKind.PROMOTE)
+        revision = state.revision
+        await fleet.target("other-target-to-wake-the-controller")
+        await wait_for(
+            lambda: (
+                fleet.coordinator.control.target("other-target-to-wake-the-controller") is not None
+            )
+        )
+        final = fleet.rollout_of("r-abort").state
+        assert final is not None and final.revision == revision
+
+
+async def test_a_worker_that_joins_later_converges_to_the_stable_state(
+    kafka: KafkaSettings, tmp_path: Path
+) -> None:
+    async with fleet_of(kafka, tmp_path, 2) as fleet:
+        await fleet.target()
+        await fleet.rollout("r-join", "v2", Strategy())
+        await fleet.phase("r-join", ControlPhase.SUCCEEDED)
+        late = FakeRunner({"initial_version": "v1"})
+        settings = agent_settings(kafka, tmp_path, worker_id="w-late", state_dir=tmp_path / "late")
+        async with agent_running(settings, late):
+            await wait_for(lambda: late.history[-1:] == ["v2"], 60)
+        assert late.history == ["v1", "v2"]
