@@ -26,6 +26,8 @@ class CliExit(IntEnum):
     UNREACHABLE = 4  # Kafka unreachable; a publish that fails so was certainly not published
     INTERNAL = 5
     UNKNOWN = 6  # a publish not confirmed in time: it may be in the log (check status)
+    ABORTED = 7  # a progressive rollout aborted (without rollback, or its rollback failed)
+    ROLLED_BACK = 8  # a progressive rollout aborted and every updated worker put back on stable
 
 
 class WorkerExit(IntEnum):
@@ -51,6 +53,10 @@ CLI_EXITS: Mapping[WireCode | LocalCode, CliExit] = MappingProxyType(
         WireCode.TTL_TOO_LONG: CliExit.INVALID,
         LocalCode.ROLLOUT_EXISTS: CliExit.INVALID,
         LocalCode.SETTINGS_INVALID: CliExit.INVALID,
+        LocalCode.TARGET_UNKNOWN: CliExit.INVALID,
+        LocalCode.TARGET_BUSY: CliExit.INVALID,
+        LocalCode.ROLLOUT_UNKNOWN: CliExit.INVALID,
+        LocalCode.ROLLOUT_ENDED: CliExit.INVALID,
     }
 )
 
@@ -76,6 +82,19 @@ PHASE_EXITS: Mapping[str, CliExit] = MappingProxyType(
         "failed": CliExit.FAILED,
         "aborted": CliExit.FAILED,
         "timed_out": CliExit.TIMED_OUT,
+    }
+)
+
+
+#: What ``controlplane rollout start|status|undo --wait`` exits with, by a progressive rollout's
+#: phase value (``controlplane.wire.control.ControlPhase``): 0 succeeded, 7 aborted, 8 rolled
+#: back, 3 rejected (it never started: unknown target, another rollout in progress, no worker).
+CONTROL_PHASE_EXITS: Mapping[str, CliExit] = MappingProxyType(
+    {
+        "succeeded": CliExit.OK,
+        "aborted": CliExit.ABORTED,
+        "rolled_back": CliExit.ROLLED_BACK,
+        "rejected": CliExit.INVALID,
     }
 )
 

@@ -60,6 +60,8 @@ def test_the_controlplane_codes_are_the_ones_readme_documents() -> None:
         CliExit.UNREACHABLE: "Kafka unreachable",
         CliExit.INTERNAL: "internal error",
         CliExit.UNKNOWN: "publish outcome unknown",
+        CliExit.ABORTED: "aborted",
+        CliExit.ROLLED_BACK: "rolled back",
     }
     assert set(documented) == {int(e) for e in CliExit}, text
     for code, words in meaning.items():
