@@ -23,7 +23,8 @@ The rules, wave by wave (docs/rollouts.md, "Progressive rollouts"):
    the end of it every updated worker must be alive, ready, not degraded and on the new version
    (health), agree on its config digest (agreement) and, with a probe, have answered it
    alike and as the strategy expects (probe). A failed gate aborts. A wave that has not passed its
-   gates within ``progress_deadline_s`` of its start aborts.
+   gates within ``progress_deadline_s`` of its start aborts (time paused does not count: an
+   operator's pause, or at the boundary once its gates passed; a resume restarts the clock).
 5. Between waves: ``pause`` seconds, or until a ``promote`` (manual). An operator's pause holds
    the next batch; resume releases it.
 6. Abort (an operator, a gate, ``max_failures``, the deadline): no further batch starts; commands
@@ -261,7 +262,10 @@ def _advance(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutSta
         return _ended(state, ControlPhase.SUCCEEDED, None, "every wave passed", ctx.now)
     strategy = spec.strategy
     started = state.wave_started_at or state.started_at
-    if ctx.now - started > timedelta(seconds=strategy.progress_deadline_s):
+    # The deadline is for applying and baking: a pause (an operator's, or at a wave boundary
+    # once the gates passed) does not count, and a resume restarts it (Kubernetes does so too).
+    waiting = state.phase is ControlPhase.PAUSED or _gates_passed(state)
+    if not waiting and ctx.now - started > timedelta(seconds=strategy.progress_deadline_s):
         why = f"wave {state.wave} did not pass its gates within {strategy.progress_deadline_s:g} s"
         return _aborting(state, LocalCode.PROGRESS_DEADLINE_EXCEEDED, why, spec.rollback, ctx.now)
     wave = state.waves[state.wave]
@@ -278,6 +282,8 @@ def _advance(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutSta
                 strategy.progress_deadline_s,
                 strategy.command_timeout_s,
             )
+            if state.phase is ControlPhase.PAUSED:  # resumed: the deadline starts again
+                state = state.model_copy(update={"wave_started_at": ctx.now})
             return _progressing(state, f"wave {state.wave} batch {state.batch} published")
         if batch_id in ctx.fleet and ctx.fleet.status(batch_id, ctx.now).terminal:
             return state.model_copy(update={"batch": state.batch + 1})
@@ -292,8 +298,7 @@ def _after_wave(ctx: _Context, rollout: Rollout, state: RolloutState) -> Rollout
     spec, strategy = rollout.spec, rollout.spec.strategy
     done_at = state.wave_done_at
     assert done_at is not None
-    passed = any(g.wave == state.wave and g.gate == "health" and g.passed for g in state.gates)
-    if not passed:
+    if not _gates_passed(state):
         updated = [
             w for wave in state.waves[: state.wave + 1] for w in wave if w not in state.failed
         ]
@@ -346,6 +351,11 @@ def _after_wave(ctx: _Context, rollout: Rollout, state: RolloutState) -> Rollout
             "message": f"wave {state.wave + 1} started",
         }
     )
+
+
+def _gates_passed(state: RolloutState) -> bool:
+    """Whether the wave in progress passed its gates (it waits at its boundary)."""
+    return any(g.wave == state.wave and g.gate == "health" and g.passed for g in state.gates)
 
 
 def _gate_failure(
