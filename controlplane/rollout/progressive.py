@@ -149,13 +149,18 @@ def decide(
     drifting worker's command."""
     ctx = _Context(control, fleet, probes or {}, now, issuer)
     states: list[RolloutState] = []
-    running = {r.spec.target for r in control.rollouts() if r.state is not None and not r.ended}
+    #: target -> its rollout in progress (one started in this very decision included)
+    running = {
+        r.spec.target: r.rollout_id
+        for r in control.rollouts()
+        if r.state is not None and not r.ended
+    }
     for rollout in list(control.open_rollouts()):
         state = rollout.state
         if state is None:
             state = _start(ctx, rollout, running)
             if not state.phase.terminal:
-                running.add(rollout.spec.target)
+                running[rollout.spec.target] = rollout.rollout_id
         for _ in range(_MAX_STEPS):
             moved = _advance(ctx, rollout, state)
             if moved == state:
@@ -194,7 +199,7 @@ def conflicts(control: ControlState, fleet: Fleet, now: datetime) -> dict[str, l
 # ------------------------------------------------------------------ one rollout
 
 
-def _start(ctx: _Context, rollout: Rollout, running: set[str]) -> RolloutState:
+def _start(ctx: _Context, rollout: Rollout, running: Mapping[str, str]) -> RolloutState:
     spec = rollout.spec
     base = RolloutState(
         rollout_id=spec.rollout_id,
@@ -209,8 +214,7 @@ def _start(ctx: _Context, rollout: Rollout, running: set[str]) -> RolloutState:
     if target is None:
         return _rejected(base, LocalCode.TARGET_UNKNOWN, f"no target {spec.target!r}", ctx.now)
     if spec.target in running:
-        active = ctx.control.active(spec.target)
-        other = active.rollout_id if active is not None else "another rollout"
+        other = running[spec.target]
         return _rejected(
             base, LocalCode.TARGET_BUSY, f"{other} is in progress on {spec.target}", ctx.now
         )

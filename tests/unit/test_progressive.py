@@ -486,7 +486,7 @@ def test_a_second_rollout_of_a_busy_target_is_rejected() -> None:
         ("r2", PHASE.REJECTED),
     ]
     r2 = decision.states[1]
-    assert r2.code == "TARGET_BUSY"
+    assert r2.code == "TARGET_BUSY" and r2.message == "r1 is in progress on llama"
     assert {c.rollout_id for c in decision.commands} == {"r1.w0.b0"}
     # Once r1 ended, a new rollout starts.
     _paused_after_canary(sim)
