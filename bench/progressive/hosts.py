@@ -1,0 +1,93 @@
+"""The coordinator's child process (``--coordinator-child``) and the parent's handle on it.
+
+The child runs one ``Coordinator`` (follower, probes, controller) until told to stop on stdin,
+and answers on stdout, one JSON line each: ``ready`` once its controller leads; ``stats``
+(decisions written, commands published); ``wait-target <name> <selector JSON>`` once its own
+fold of the controller topic holds that selector for the target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPO_ROOT
+from bench.fanout.hosts import Child
+
+
+async def coordinator_host(cfg: dict[str, Any]) -> None:
+    from controlplane.coordinator.service import Coordinator, CoordinatorSettings
+    from controlplane.kafka.settings import KafkaSettings
+
+    kafka = KafkaSettings(
+        bootstrap_servers=cfg["bootstrap"], topic_prefix=cfg["prefix"], client_id="bench-coord"
+    )
+    settings = CoordinatorSettings(kafka=kafka, issuer="bench-controller")
+    started = time.perf_counter()
+    async with Coordinator(settings) as coordinator:
+        await coordinator.wait_ready(120)
+        controller = coordinator.controller
+        assert controller is not None
+        await _until(lambda: controller.leading is not None, 120, "the controller to lead")
+        _say({"ready": True, "start_s": round(time.perf_counter() - started, 3)})
+        loop = asyncio.get_running_loop()
+        while True:
+            line = (await loop.run_in_executor(None, sys.stdin.readline)).strip()
+            if line == "stats":
+                _say(
+                    {
+                        "decisions": controller.decisions,
+                        "commands_published": controller.commands_published,
+                        "leading": controller.leading,
+                        "fenced": controller.fenced,
+                        "last_error": controller.last_error,
+                    }
+                )
+            elif line.startswith("wait-target "):
+                _, name, selector = line.split(" ", 2)
+                wanted = json.loads(selector)
+
+                def holds(name: str = name, wanted: dict[str, str] = wanted) -> bool:
+                    target = coordinator.control.target(name)
+                    return target is not None and dict(target.spec.selector) == wanted
+
+                await _until(holds, 60, f"target {name} to select {wanted}")
+                _say({"ok": line})
+            else:  # "stop" or EOF
+                break
+
+
+async def _until(condition: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)  # the coordinator offers no event for these
+
+
+def _say(message: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+async def spawn_coordinator(cfg: dict[str, Any], log_file: Path) -> Child:
+    """A coordinator child of this package, behind bench.fanout's JSON-lines handle."""
+    with open(log_file, "ab") as err:  # noqa: ASYNC230 - a local log file
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "bench.progressive",
+            "--coordinator-child",
+            json.dumps(cfg),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=err,
+            cwd=REPO_ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    return Child(proc, f"coordinator:{log_file.name}")

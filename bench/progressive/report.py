@@ -1,0 +1,176 @@
+"""Medians over rounds, the printed tables and the targets' verdicts."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from bench.common import fmt, ratio, table
+
+#: The issue's target: a progressive rollout takes at most this much longer than its waves by hand.
+TARGET_RATIO = 1.2
+
+
+def _median(values: list[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return statistics.median(kept) if kept else None
+
+
+def derive(data: dict[str, Any], n: int) -> dict[str, Any]:
+    """Per round and over rounds: times, the ratio, the coordinator's CPU per worker per wave."""
+    waves = len(data["waves"])
+    per_round = []
+    for r in data["rounds"]:
+        hand, ctrl = r["hand"], r["controller"]
+        idle_rate = ctrl["idle_cpu_s"] / ctrl["total_s"] if ctrl["total_s"] else 0.0
+        per_round.append(
+            {
+                "hand_s": hand["total_s"],
+                "controller_s": ctrl["total_s"],
+                "ratio": ratio(ctrl["total_s"], hand["total_s"]),
+                # the coordinator's CPU over its idle rate, per worker per wave (N x waves)
+                "controller_cpu_ms_per_worker_wave": 1e3
+                * (ctrl["coordinator_cpu_s"] - ctrl["idle_cpu_s"])
+                / (n * waves),
+                "controller_cpu_ms_per_worker_wave_raw": 1e3
+                * ctrl["coordinator_cpu_s"]
+                / (n * waves),
+                "hand_cpu_ms_per_worker_wave": 1e3
+                * (hand["coordinator_cpu_s"] - idle_rate * hand["total_s"])
+                / (n * waves),
+                "controller_cpu_ms_per_rollout": 1e3
+                * (ctrl["coordinator_cpu_s"] - ctrl["idle_cpu_s"]),
+                "idle_pct_core": 100 * idle_rate,
+                "decisions": ctrl["decisions"],
+                "last_ack_to_state_s": ctrl["last_ack_to_state_s"],
+            }
+        )
+
+    def med(key: str) -> float | None:
+        return _median([r[key] for r in per_round])
+
+    def wave_med(arm: str, i: int, key: str) -> float | None:
+        return _median([r[arm]["waves"][i][key] for r in data["rounds"]])
+
+    per_wave = [
+        {
+            "wave": i,
+            "workers": size,
+            **{
+                f"{arm}_{key}": wave_med(arm, i, key)
+                for arm in ("hand", "controller")
+                for key in ("to_command_s", "apply_s", "to_last_ack_s")
+            },
+        }
+        for i, size in enumerate(data["waves"])
+    ]
+    hand_s, ctrl_s = med("hand_s"), med("controller_s")
+    return {
+        "rounds": per_round,
+        "per_wave": per_wave,
+        "hand_s": hand_s,
+        "controller_s": ctrl_s,
+        "controller_over_hand": ratio(ctrl_s, hand_s),
+        "ratio_per_round_median": med("ratio"),
+        "controller_cpu_ms_per_worker_wave": med("controller_cpu_ms_per_worker_wave"),
+        "controller_cpu_ms_per_worker_wave_raw": med("controller_cpu_ms_per_worker_wave_raw"),
+        "hand_cpu_ms_per_worker_wave": med("hand_cpu_ms_per_worker_wave"),
+        "controller_cpu_ms_per_rollout": med("controller_cpu_ms_per_rollout"),
+        "idle_pct_core": med("idle_pct_core"),
+        "decisions_per_rollout": med("decisions"),
+        "last_ack_to_state_s": med("last_ack_to_state_s"),
+    }
+
+
+def targets(summary: dict[str, Any], n: int, waves: int) -> list[dict[str, Any]]:
+    r = summary["controller_over_hand"]
+    cpu = summary["controller_cpu_ms_per_worker_wave"]
+    return [
+        {
+            "name": f"controller <= {TARGET_RATIO}x the same waves by hand (N={n}, {waves} waves)",
+            "value": r,
+            "verdict": "n/a" if r is None else "met" if r <= TARGET_RATIO else "missed",
+            "detail": f"{fmt(r)}x: {fmt(summary['controller_s'])} s against "
+            f"{fmt(summary['hand_s'])} s (medians)",
+        },
+        {
+            "name": "controller CPU per worker per wave",
+            "value": cpu,
+            "verdict": "reported",
+            "detail": f"{fmt(cpu)} ms of the coordinator's CPU over idle, / (N x waves); "
+            f"{fmt(summary['controller_cpu_ms_per_rollout'])} ms per rollout",
+        },
+    ]
+
+
+def report(result: dict[str, Any]) -> str:
+    ms = 1e3
+    s = result["summary"]
+    rows = [
+        [
+            i,
+            rnd["order"],
+            d["hand_s"] * ms,
+            d["controller_s"] * ms,
+            d["ratio"],
+            d["decisions"],
+            d["last_ack_to_state_s"] * ms,
+            d["controller_cpu_ms_per_rollout"],
+            d["controller_cpu_ms_per_worker_wave"],
+            d["hand_cpu_ms_per_worker_wave"],
+            d["idle_pct_core"],
+        ]
+        for i, (rnd, d) in enumerate(zip(result["rounds"], s["rounds"], strict=True))
+    ]
+    head = [
+        "round",
+        "order",
+        "by hand ms",
+        "controller ms",
+        "ctrl/hand",
+        "decisions",
+        "last ack->state ms",
+        "ctrl CPU ms",
+        "ctrl CPU ms/worker/wave",
+        "hand CPU ms/worker/wave",
+        "idle % core",
+    ]
+    wave_rows = [
+        [
+            w["wave"],
+            w["workers"],
+            *(
+                None if w[f"{arm}_{key}"] is None else w[f"{arm}_{key}"] * ms
+                for arm in ("hand", "controller")
+                for key in ("to_command_s", "apply_s", "to_last_ack_s")
+            ),
+        ]
+        for w in s["per_wave"]
+    ]
+    wave_head = [
+        "wave",
+        "workers",
+        "hand: to command ms",
+        "hand: apply ms",
+        "hand: wave ms",
+        "ctrl: to command ms",
+        "ctrl: apply ms",
+        "ctrl: wave ms",
+    ]
+    lines = [
+        table(rows, head),
+        "",
+        "per wave, medians over rounds (to command: from the previous wave's last ack read "
+        "back, or the start, to the wave's command read back; apply: command to last ack):",
+        table(wave_rows, wave_head),
+        "",
+        "CPU: the coordinator child's, over its idle rate (a quiet window as long as the "
+        "rollout); per worker per wave = / (N x waves). hand: the same coordinator following "
+        "the waves by hand (its controller deciding nothing).",
+        f"controller/by hand: {fmt(s['controller_over_hand'])}x (medians: "
+        f"{fmt(s['controller_s'])} s / {fmt(s['hand_s'])} s; per-round ratio median "
+        f"{fmt(s['ratio_per_round_median'])})",
+    ]
+    for t in result["targets"]:
+        lines.append(f"target {t['name']}: {t['verdict']} ({t['detail']})")
+    return "\n".join(lines)
