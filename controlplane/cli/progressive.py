@@ -638,6 +638,7 @@ def undo(
         async with read_control(settings) as (follower, _):
             found = _target(_control(follower), target)
             previous = found.previous
+            current = found.history[-1] if found.history else None
         if previous is None:
             raise ControlPlaneError(
                 f"target {target} has no previous stable state to go back to",
@@ -647,7 +648,7 @@ def undo(
             rollout_id=f"undo-{datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}",
             target=target,
             desired=previous.desired,
-            undo_of=previous.rollout_id,
+            undo_of=None if current is None else current.rollout_id,
             issued_at=datetime.now().astimezone(),
             issuer=_issuer(),
         )

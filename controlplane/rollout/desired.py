@@ -17,7 +17,7 @@ from enum import StrEnum
 from pydantic import AwareDatetime, BaseModel, ConfigDict
 
 from controlplane.rollout.fleet import Fleet
-from controlplane.rollout.progressive import should_run
+from controlplane.rollout.progressive import held, should_run
 from controlplane.rollout.targets import ControlState, Target
 from controlplane.wire.control import ControlPhase, Desired, RolloutState
 from controlplane.wire.messages import WorkerStatus
@@ -99,9 +99,10 @@ def target_status(
         new_version = shown.spec.desired.version
         rollout = summary(shown.state, shown.rollout_id, new_version)
     members: list[WorkerAlignment] = []
+    hold = held(control, target)
     for view in fleet.registry.matching(target.selector, now, alive_only=False):
         conflict = len(control.targets_of(view.labels)) > 1
-        desired = should_run(control, target, view.worker_id)
+        desired = stable if view.worker_id in hold else should_run(control, target, view.worker_id)
         version = None if desired is None else desired.version
         if conflict:
             alignment = Alignment.CONFLICT

@@ -612,6 +612,20 @@ def should_run(control: ControlState, target: Target, worker_id: str) -> Desired
     return stable
 
 
+def held(control: ControlState, target: Target) -> frozenset[str]:
+    """Workers the controller leaves as they are: those the target's latest rollout reached,
+    when it ended ``aborted`` (``--no-rollback``, or a rollback that failed or had nothing to
+    go back to): an operator said not to touch them, or has to look. Shown as drifting; a new
+    rollout of the target (``rollout undo``, say) releases them."""
+    rollouts = control.rollouts(target.name)
+    if not rollouts:
+        return frozenset()
+    last = rollouts[-1].state
+    if last is None or last.phase is not ControlPhase.ABORTED:
+        return frozenset()
+    return frozenset(w for wave in last.waves[: last.wave + 1] for w in wave)
+
+
 def reconcile(
     control: ControlState,
     fleet: Fleet,
@@ -624,7 +638,10 @@ def reconcile(
     should run, once per (target state, worker incarnation); nothing for one that conflicts."""
     ctx = _Context(control, fleet, {}, now, issuer, published if published is not None else set())
     for target in control.targets():
+        hold = held(control, target)
         for worker_id in members(control, fleet, target, now):
+            if worker_id in hold:
+                continue
             desired = should_run(control, target, worker_id)
             if desired is None or desired.weights is None:
                 continue
