@@ -300,5 +300,20 @@ class Sim:
     def receivers(self, commands: Iterable[Command]) -> list[str]:
         return [w for c in commands for w in c.selector.worker_ids or []]
 
+    def most_applying(self, prefix: str = "") -> int:
+        """From the acks' timings: the most workers applying a command at once (of the
+        commands whose rollout id starts with ``prefix``)."""
+        edges: list[tuple[datetime, int]] = []
+        for event in self.events:
+            if isinstance(event, Ack) and event.rollout_id.startswith(prefix):
+                timings = event.timings
+                if event.state.terminal and timings.started_at and timings.finished_at:
+                    edges += [(timings.started_at, 1), (timings.finished_at, -1)]
+        most = applying = 0
+        for _, change in sorted(edges):  # an end before a start at the same instant
+            applying += change
+            most = max(most, applying)
+        return most
+
     def versions(self) -> dict[str, str | None]:
         return {w.worker_id: w.version for w in self.workers.values()}

@@ -1,0 +1,184 @@
+"""The controller's decisions on failures and gates (controlplane/rollout/progressive.py), over a
+simulated fleet (tests/unit/progressive_sim.py): max_failures, lost workers, the health,
+agreement and probe gates, bake and pause times, the progress deadline. Pure: no Kafka.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from controlplane.wire.control import (
+    ControlPhase,
+    ProbeGate,
+    Strategy,
+)
+from controlplane.wire.protocol import Command, ReloadWeightsSpec, UpdateConfigSpec
+from tests.unit.progressive_sim import Outcome, Sim, weights
+
+PHASE = ControlPhase
+
+
+def _fails(*workers: str) -> Any:
+    def policy(command: Command, worker_id: str) -> Outcome:
+        return "fail" if worker_id in workers and ".rb." not in command.rollout_id else "ok"
+
+    return policy
+
+
+# --------------------------------------------------------------------------- failures and gates
+
+
+def test_max_failures_exceeded_aborts_and_rolls_back_exactly_the_workers_that_applied() -> None:
+    sim = Sim(10, policy=_fails("w01", "w02"))
+    sim.start(Strategy(canary=1, steps=["50%", "100%"], max_failures="1"))
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.phase is PHASE.ROLLED_BACK
+    assert state.code == "MAX_FAILURES_EXCEEDED"
+    assert state.failed == ["w01", "w02"]
+    assert sorted(sim.receivers(sim.published("r1.rb."))) == ["w00", "w03", "w04"]
+    assert not sim.published("r1.w2.")  # no further wave started
+    assert set(sim.versions().values()) == {"v1"}
+
+
+def test_failures_up_to_max_failures_are_tolerated() -> None:
+    sim = Sim(10, policy=_fails("w03"))
+    sim.start(Strategy(canary=1, steps=["50%", "100%"], max_failures="10%"))
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.phase is PHASE.SUCCEEDED, state.message
+    assert state.failed == ["w03"]
+
+
+def test_a_rejected_command_counts_as_a_failure() -> None:
+    def policy(command: Command, worker_id: str) -> Outcome:
+        return "reject" if worker_id == "w00" and ".rb." not in command.rollout_id else "ok"
+
+    sim = Sim(3, policy=policy)
+    sim.start(Strategy(canary=1))
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.phase is PHASE.ROLLED_BACK
+    assert state.code == "MAX_FAILURES_EXCEEDED" and state.failed == ["w00"]
+    # Nobody had applied it: nothing to roll back.
+    assert not sim.published("r1.rb.")
+    assert [c.rollout_id for c in sim.published()] == ["r1.w0.b0"]
+
+
+def _probe_answer(logprob_of: dict[str, float]) -> Any:
+    def probe(command: Command, worker_id: str) -> dict[str, Any]:
+        return {"tokens": [5, 6, 7], "mean_logprob": logprob_of.get(worker_id, -0.5)}
+
+    return probe
+
+
+def test_a_canary_failing_the_probe_gate_is_rolled_back_and_nobody_else_gets_a_command() -> None:
+    sim = Sim(10, probe=_probe_answer({"w00": -9.0}))
+    gate = ProbeGate(prompt="The capital of France is", max_tokens=3, min_mean_logprob=-2.0)
+    sim.start(Strategy(canary=1, steps=["50%", "100%"], probe=gate))
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.phase is PHASE.ROLLED_BACK
+    assert state.code == "GATE_FAILED" and "probe" in state.message
+    assert [g.gate for g in state.gates if not g.passed] == ["probe"]
+    assert sim.receivers(sim.published()) == ["w00", "w00"]
+    assert [c.rollout_id for c in sim.published()] == ["r1.w0.b0", "r1.rb.b0"]
+    assert sim.versions()["w00"] == "v1"
+
+
+def test_the_probe_gate_is_asked_of_the_workers_in_their_commands() -> None:
+    """The workers run the probe only when the command asks for it (ReloadWeightsSpec.probe):
+    without it, no answer ever comes back and the gate would judge nothing."""
+    sim = Sim(3)
+    gate = ProbeGate(prompt="The capital of France is", max_tokens=4, expect_tokens=[1, 2, 3, 4])
+    sim.start(Strategy(canary=1, probe=gate))
+    sim.decide()
+    (command,) = sim.published()
+    assert isinstance(command.spec, ReloadWeightsSpec)
+    assert command.spec.probe is not None
+    assert (command.spec.probe.prompt, command.spec.probe.max_tokens) == (gate.prompt, 4)
+
+
+def test_expected_probe_tokens_and_agreement() -> None:
+    tokens = {"w00": [1, 2], "w01": [1, 2], "w02": [1, 3]}
+
+    def probe(command: Command, worker_id: str) -> dict[str, Any]:
+        return {"tokens": tokens[worker_id], "mean_logprob": -1.0}
+
+    sim = Sim(3, probe=probe)
+    sim.start(Strategy(canary=2, probe=ProbeGate(prompt="p", max_tokens=2)))
+    sim.run(sim.ended())
+    state = sim.current()
+    # w00 and w01 agree: the canary passes; w02 disagrees with them: the second wave fails.
+    assert state.phase is PHASE.ROLLED_BACK
+    assert state.code == "GATE_FAILED" and "differently" in state.message
+    assert [(g.wave, g.gate, g.passed) for g in state.gates][-1] == (1, "probe", False)
+
+    expect = Sim(2, probe=probe)
+    expect.start(Strategy(probe=ProbeGate(prompt="p", max_tokens=2, expect_tokens=[9, 9])))
+    expect.run(expect.ended())
+    assert expect.current().code == "GATE_FAILED"
+    assert "expected [9, 9]" in expect.current().message
+
+
+def test_a_runner_that_cannot_probe_fails_the_probe_gate() -> None:
+    sim = Sim(2, probe=lambda c, w: {"unsupported": True})
+    sim.start(Strategy(probe=ProbeGate(prompt="p")))
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.code == "GATE_FAILED" and "cannot run a probe" in state.message
+
+
+def test_a_degraded_worker_during_the_bake_fails_the_health_gate() -> None:
+    sim = Sim(4)
+    sim.start(Strategy(canary=1, bake_s=10))
+    sim.run(lambda: sim.workers["w00"].version == "v2")
+    sim.workers["w00"].degraded = True
+    sim.tick(1)
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.phase is PHASE.ROLLED_BACK
+    assert state.code == "GATE_FAILED" and "health gate" in state.message
+    assert not sim.published("r1.w1.")
+
+
+def test_the_bake_time_passes_before_the_next_wave() -> None:
+    sim = Sim(4)
+    sim.start(Strategy(canary=1, bake_s=10))
+    sim.run(lambda: len(sim.published()) == 2)
+    canary_done = min(t for t, c in sim.commands if c.rollout_id == "r1.w0.b0") + sim.delay
+    second = next(t for t, c in sim.commands if c.rollout_id == "r1.w1.b0")
+    assert second >= canary_done + 10
+
+
+def test_a_pause_in_seconds_passes_between_waves() -> None:
+    sim = Sim(4)
+    sim.start(Strategy(canary=1, pause=20))
+    sim.run(sim.ended())
+    first, second = (t for t, _ in sim.commands)
+    assert second - first >= 20
+    assert sim.current().phase is PHASE.SUCCEEDED
+
+
+def test_a_config_rollout_checks_the_workers_agree_on_their_config() -> None:
+    sim = Sim(3)
+    sim.start(
+        Strategy(canary=1), desired=weights("v1", top_k=4).model_copy(update={"weights": None})
+    )
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.phase is PHASE.SUCCEEDED, state.message
+    assert all(isinstance(c.spec, UpdateConfigSpec) for c in sim.published())
+    target = sim.control.target("llama")
+    assert target is not None and target.stable == weights("v1", top_k=4)
+
+
+def test_the_progress_deadline_aborts_a_wave_that_does_not_finish() -> None:
+    sim = Sim(3, policy=lambda c, w: "silent")
+    sim.start(Strategy(canary=1, progress_deadline_s=30))
+    sim.run(sim.ended(), limit=100)
+    state = sim.current()
+    assert state.phase is PHASE.ROLLED_BACK
+    assert state.code == "PROGRESS_DEADLINE_EXCEEDED"
+    assert sim.t >= 30
+    assert [c.rollout_id for c in sim.published()] == ["r1.w0.b0"]

@@ -1,0 +1,103 @@
+"""The reconcile loop (controlplane/rollout/progressive.py): every live worker of a target runs
+what it should (its stable state, or a rollout's change once its wave passed), one command per
+worker incarnation; a worker two targets claim is left alone. Over a simulated fleet
+(tests/unit/progressive_sim.py). Pure: no Kafka.
+"""
+
+from __future__ import annotations
+
+from controlplane.rollout.progressive import (
+    conflicts,
+    members,
+    reconcile,
+    should_run,
+    sync_rollout_id,
+)
+from controlplane.wire.control import (
+    ActionKind,
+    ControlPhase,
+    Strategy,
+    TargetSpec,
+)
+from controlplane.wire.protocol import ReloadWeightsSpec
+from tests.factories import at
+from tests.unit.progressive_sim import LABELS, V1, V2, Sim, weights
+
+PHASE = ControlPhase
+
+
+# --------------------------------------------------------------------------- reconcile
+
+
+def test_a_drifting_worker_gets_one_sync_command_per_incarnation() -> None:
+    sim = Sim(3)
+    sim.workers["w01"].version = "v0"
+    sim.beat()
+    first = sim.decide().commands
+    assert len(first) == 1
+    (command,) = first
+    assert command.selector.worker_ids == ["w01"]
+    assert command.spec == ReloadWeightsSpec(path="/ckpt/v1", version="v1")
+    assert command.rollout_id == sync_rollout_id("llama", V1, "w01", 1)
+    # Not applied yet (the worker still reports v0): no second command for the same incarnation.
+    for _ in range(5):
+        sim.tick(1)
+        assert not sim.decide().commands
+    sim.restart("w01", version="v0")
+    sim.tick(1)
+    (again,) = sim.decide().commands
+    assert again.selector.worker_ids == ["w01"] and again.rollout_id != command.rollout_id
+    assert again.rollout_id == sync_rollout_id("llama", V1, "w01", 2)
+
+
+def test_a_worker_restarted_from_an_old_journal_converges() -> None:
+    sim = Sim(3)
+    sim.start(Strategy(canary=1))
+    sim.run(sim.ended())
+    sim.restart("w02", version="v1")
+    sim.tick(1)
+    sim.run(lambda: sim.workers["w02"].version == "v2", limit=5)
+    assert set(sim.versions().values()) == {"v2"}
+
+
+def test_a_worker_matched_by_two_targets_gets_nothing() -> None:
+    sim = Sim(3)
+    sim.observe(
+        TargetSpec(
+            name="zone-a", selector={"zone": "a"}, stable=weights("v7"), issued_at=at(0), issuer="o"
+        )
+    )
+    sim.workers["w01"].labels = {**LABELS, "zone": "a"}
+    sim.workers["w01"].version = "v0"
+    sim.workers["w02"].version = "v0"
+    sim.beat()
+    assert conflicts(sim.control, sim.fleet, sim.now) == {"w01": ["llama", "zone-a"]}
+    target = sim.control.target("llama")
+    assert target is not None
+    assert members(sim.control, sim.fleet, target, sim.now) == ["w00", "w02"]
+    commands = sim.decide().commands
+    assert [c.selector.worker_ids for c in commands] == [["w02"]]
+    sim.start(Strategy())
+    sim.run(sim.ended())
+    assert "w01" not in sim.receivers(sim.published("r1"))
+
+
+def test_should_run_follows_the_waves() -> None:
+    sim = Sim(5)
+    sim.start(Strategy(canary=1, steps=["50%", "100%"], pause="manual"))
+    target = sim.control.target("llama")
+    assert target is not None
+    assert should_run(sim.control, target, "w04") == V1
+    sim.run(sim.in_phase(PHASE.PAUSED))
+    assert should_run(sim.control, target, "w00") is None  # in the wave being judged
+    sim.act(ActionKind.PROMOTE)
+    sim.decide()
+    assert should_run(sim.control, target, "w00") == V2
+    assert should_run(sim.control, target, "w01") is None
+    assert should_run(sim.control, target, "w04") == V1
+    assert should_run(sim.control, target, "new") == V1
+
+
+def test_reconcile_alone_leaves_workers_in_sync_alone() -> None:
+    sim = Sim(3)
+    assert reconcile(sim.control, sim.fleet, sim.now) == []
