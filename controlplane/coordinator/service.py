@@ -249,6 +249,11 @@ class Coordinator(AsyncService):
         changed = batch.rollout_ids
         if batch.heartbeats:
             changed.add("*workers")
+        for record in batch.control:
+            rollout_id = getattr(record, "rollout_id", None)
+            changed.add(rollout_id if isinstance(rollout_id, str) else "*targets")
+        if batch.control:
+            changed.add("*targets")
         for queue in self._subscribers:
             _offer(queue, changed)
 
