@@ -16,8 +16,9 @@ The rules, wave by wave (docs/rollouts.md, "Progressive rollouts"):
 
 1. A rollout starts when no other of its target runs; its waves are planned over the live workers
    of the target (:mod:`controlplane.rollout.waves`) and written into its state.
-2. A wave's batches are published one at a time; the next once the previous one ended.
-3. Failed workers (failed, rejected, or lost when their batch ended) count against
+2. A wave's batches are published one at a time; the next once the previous one is over: it
+   ended, or each of its workers acked an end or is lost (a dead worker is not waited for).
+3. Failed workers (failed, rejected, or lost when their batch was over) count against
    ``max_failures``; one more aborts the rollout.
 4. When a wave's last batch ended: during ``bake_s``, a degraded worker fails the health gate; at
    the end of it every updated worker must be alive, ready, not degraded and on the new version
@@ -43,7 +44,7 @@ from datetime import datetime, timedelta
 from typing import Any, Final
 
 from controlplane.rollout.fleet import Fleet
-from controlplane.rollout.models import WorkerState
+from controlplane.rollout.models import RolloutStatus, WorkerState
 from controlplane.rollout.targets import ControlState, Rollout, Target, applied
 from controlplane.rollout.waves import batches, max_failures, plan_waves
 from controlplane.wire.control import (
@@ -289,7 +290,7 @@ def _advance(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutSta
             if state.phase is ControlPhase.PAUSED:  # resumed: the deadline starts again
                 state = state.model_copy(update={"wave_started_at": ctx.now})
             return _progressing(state, f"wave {state.wave} batch {state.batch} published")
-        if batch_id in ctx.fleet and ctx.fleet.status(batch_id, ctx.now).terminal:
+        if _batch_over(ctx, batch_id):
             return state.model_copy(update={"batch": state.batch + 1})
         return state
     if state.wave_done_at is None:
@@ -437,6 +438,18 @@ def _not_healthy(ctx: _Context, desired: Desired, updated: list[str]) -> str | N
     return None
 
 
+def _over(status: RolloutStatus) -> bool:
+    """Whether a batch is over for the controller: it ended, or each of its workers acked an
+    end or is lost. Lost is provisional for the fleet (the command ends only when it expires),
+    but a dead worker must not hold a wave until its deadline: it counts as failed, against
+    ``max_failures``, from then on (and no longer once it comes back)."""
+    return status.terminal or all(d.state.terminal for d in status.workers)
+
+
+def _batch_over(ctx: _Context, batch_id: str) -> bool:
+    return batch_id in ctx.fleet and _over(ctx.fleet.status(batch_id, ctx.now))
+
+
 def _failed(ctx: _Context, state: RolloutState) -> list[str]:
     """Workers of this rollout's ended batches that failed, were rejected or were lost."""
     failed: set[str] = set()
@@ -448,7 +461,7 @@ def _failed(ctx: _Context, state: RolloutState) -> list[str]:
             status = ctx.fleet.status(batch_id, ctx.now)
             for detail in status.workers:
                 if detail.state in (WorkerState.FAILED, WorkerState.REJECTED) or (
-                    status.terminal and detail.state in _FAILED_STATES
+                    _over(status) and detail.state in _FAILED_STATES
                 ):
                     failed.add(detail.worker_id)
     return sorted(failed)
@@ -466,7 +479,7 @@ def _updated(ctx: _Context, state: RolloutState) -> tuple[list[str], bool]:
                     ended = False  # published in this very decision
                 continue
             status = ctx.fleet.status(batch_id, ctx.now)
-            ended = ended and status.terminal
+            ended = ended and _over(status)
             done.update(d.worker_id for d in status.workers if d.state is WorkerState.SUCCEEDED)
     return sorted(done), ended
 
@@ -526,7 +539,7 @@ def _roll_back(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutS
             spec.strategy.command_timeout_s,
         )
         return state
-    if batch_id in ctx.fleet and ctx.fleet.status(batch_id, ctx.now).terminal:
+    if _batch_over(ctx, batch_id):
         return state.model_copy(update={"rollback_batch": state.rollback_batch + 1})
     return state
 

@@ -182,3 +182,39 @@ def test_the_progress_deadline_aborts_a_wave_that_does_not_finish() -> None:
     assert state.code == "PROGRESS_DEADLINE_EXCEEDED"
     assert sim.t >= 30
     assert [c.rollout_id for c in sim.published()] == ["r1.w0.b0"]
+
+
+def _lose_in_second_wave(sim: Sim, worker_id: str) -> None:
+    """Run until the second wave's first batch is published, then ``worker_id`` dies."""
+    sim.run(lambda: len(sim.published()) == 2)
+    sim.workers[worker_id].alive = False
+
+
+def test_a_lost_worker_is_a_tolerated_failure_not_a_stalled_wave() -> None:
+    """A worker that died with its batch counts as failed once it is lost (three missed
+    heartbeats), and the wave goes on: waiting for its command to expire would hold the wave
+    until the progress deadline aborts it, whatever ``max_failures`` says."""
+    sim = Sim(6)
+    sim.start(Strategy(canary=1, max_unavailable=2, max_failures="1", progress_deadline_s=120))
+    _lose_in_second_wave(sim, "w01")
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.phase is PHASE.SUCCEEDED, state.message
+    assert state.failed == ["w01"]
+    assert sim.t < 60
+    assert sorted(sim.receivers(sim.published())) == sorted(sim.workers)
+    assert not sim.published("r1.rb.")
+
+
+def test_a_lost_worker_beyond_max_failures_aborts_at_once() -> None:
+    sim = Sim(6)
+    sim.start(Strategy(canary=1, max_unavailable=2, progress_deadline_s=600))
+    _lose_in_second_wave(sim, "w01")
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.phase is PHASE.ROLLED_BACK
+    assert state.code == "MAX_FAILURES_EXCEEDED" and state.failed == ["w01"]
+    assert sim.t < 60
+    # w02 (its batch mate) applied: rolled back with the canary; w01 never acked: left alone.
+    assert sorted(sim.receivers(sim.published("r1.rb."))) == ["w00", "w02"]
+    assert not sim.published("r1.w1.b1")
