@@ -261,3 +261,19 @@ def test_worker_settings_exit_3_and_a_drain_exits_0(
     assert stopped == []
     assert invoke(worker_cli.app, args) == (WorkerExit.OK, "")
     assert stopped == [True]
+
+
+PROGRESSIVE_MD = Path(__file__).resolve().parents[2] / "docs" / "progressive.md"
+
+
+def test_each_progressive_phase_exits_as_docs_progressive_table_says() -> None:
+    from controlplane.wire.control import ControlPhase
+    from controlplane.wire.exits import CONTROL_PHASE_EXITS
+
+    rows = re.findall(r"^\| `(\w+)` \|[^|]*\| (\d) \|", PROGRESSIVE_MD.read_text(), re.M)
+    documented = {phase: int(n) for phase, n in rows}
+    assert documented == {"succeeded": 0, "rolled_back": 8, "aborted": 7, "rejected": 3}
+    assert dict(CONTROL_PHASE_EXITS) == documented
+    for phase in ControlPhase:
+        assert phase.terminal is (phase.value in documented)
+    assert (CliExit.ABORTED, CliExit.ROLLED_BACK) == (7, 8)
