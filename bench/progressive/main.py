@@ -42,6 +42,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=None,
         help="Where agent journals go (default: a temp dir in /dev/shm).",
     )
+    p.add_argument(
+        "--profile", action="store_true", help="cProfile the controller's decide() calls."
+    )
     p.add_argument("--out-dir", type=Path, default=None)
     p.add_argument("--coordinator-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -87,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bake_s": 0,
         "per_process": args.per_process,
         "heartbeat_s": args.heartbeat_s,
+        "profile": args.profile,
         "state_dir": str(args.state_dir),
         "coordinator": "a child process (Coordinator with its controller, elected)",
     }

@@ -42,6 +42,10 @@ def derive(data: dict[str, Any], n: int) -> dict[str, Any]:
                 * (ctrl["coordinator_cpu_s"] - ctrl["idle_cpu_s"]),
                 "idle_pct_core": 100 * idle_rate,
                 "decisions": ctrl["decisions"],
+                "decide_calls": ctrl["decide"]["calls"],
+                "decide_ms": 1e3 * ctrl["decide"]["total_s"],
+                "hand_decide_calls": hand["decide"]["calls"],
+                "hand_decide_ms": 1e3 * hand["decide"]["total_s"],
                 "last_ack_to_state_s": ctrl["last_ack_to_state_s"],
             }
         )
@@ -64,10 +68,30 @@ def derive(data: dict[str, Any], n: int) -> dict[str, Any]:
         }
         for i, size in enumerate(data["waves"])
     ]
+
+    def gap_med(i: int, key: str) -> float | None:
+        return _median([r["controller"]["boundaries"][i].get(key) for r in data["rounds"]])
+
+    gaps = [
+        {
+            "wave": i,
+            **{
+                key: gap_med(i, key)
+                for key in ("wake_s", "decide_s", "txn_s", "to_reader_s", "total_s")
+            },
+            "decides_between": gap_med(i, "decides_between"),
+        }
+        for i in range(len(data["waves"]))
+    ]
     hand_s, ctrl_s = med("hand_s"), med("controller_s")
     return {
         "rounds": per_round,
         "per_wave": per_wave,
+        "gaps": gaps,
+        "decide_calls_per_rollout": med("decide_calls"),
+        "decide_ms_per_rollout": med("decide_ms"),
+        "hand_decide_calls": med("hand_decide_calls"),
+        "hand_decide_ms": med("hand_decide_ms"),
         "hand_s": hand_s,
         "controller_s": ctrl_s,
         "controller_over_hand": ratio(ctrl_s, hand_s),
@@ -157,12 +181,41 @@ def report(result: dict[str, Any]) -> str:
         "ctrl: apply ms",
         "ctrl: wave ms",
     ]
+    gap_rows = [
+        [
+            g["wave"],
+            *(
+                None if g[key] is None else g[key] * ms
+                for key in ("total_s", "wake_s", "decide_s", "txn_s", "to_reader_s")
+            ),
+            g["decides_between"],
+        ]
+        for g in s["gaps"]
+    ]
+    gap_head = [
+        "wave",
+        "to command ms",
+        "wake ms",
+        "decide() ms",
+        "transaction ms",
+        "to reader ms",
+        "decide() calls before",
+    ]
     lines = [
         table(rows, head),
         "",
         "per wave, medians over rounds (to command: from the previous wave's last ack read "
         "back, or the start, to the wave's command read back; apply: command to last ack):",
         table(wave_rows, wave_head),
+        "",
+        "controller, from the spec's publish (wave 0) or the previous wave's last ack read here "
+        "to the wave's command read here (medians; wall clocks of the two processes): the "
+        "coordinator waking to the decide() that publishes it, decide(), its transaction "
+        "(writes, commit), the command reaching this reader (read_committed):",
+        table(gap_rows, gap_head),
+        f"decide() per rollout: {fmt(s['decide_calls_per_rollout'])} calls, "
+        f"{fmt(s['decide_ms_per_rollout'])} ms; during the waves by hand: "
+        f"{fmt(s['hand_decide_calls'])} calls, {fmt(s['hand_decide_ms'])} ms.",
         "",
         "CPU: the coordinator child's, over its idle rate (a quiet window as long as the "
         "rollout); per worker per wave = / (N x waves). hand: the same coordinator following "
@@ -173,4 +226,19 @@ def report(result: dict[str, Any]) -> str:
     ]
     for t in result["targets"]:
         lines.append(f"target {t['name']}: {t['verdict']} ({t['detail']})")
+    prof = result.get("decide_profile")
+    if prof:
+        lines.append(
+            f"\ndecide() profile over the controller's rollouts ({prof['commands']} calls, "
+            f"{prof['cpu_ms_per_command']} ms of CPU each):"
+        )
+        lines.append(
+            table(
+                [
+                    [x["function"], x["calls"], x["tottime_s"], x["cumtime_s"]]
+                    for x in prof["top_cumtime"]
+                ],
+                ["function (by cumtime)", "calls", "tottime s", "cumtime s"],
+            )
+        )
     return "\n".join(lines)

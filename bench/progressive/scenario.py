@@ -12,7 +12,7 @@ from typing import Any
 
 from bench.common import loadavg
 from bench.fanout.hosts import Child
-from bench.fanout.scenario import Fanout
+from bench.fanout.scenario import Fanout, profile_summary
 from bench.progressive import AGENT_LABELS, RETIRED, TARGET
 from bench.progressive.hosts import spawn_coordinator
 
@@ -25,17 +25,22 @@ class Reader:
         self.terminal: dict[str, set[str]] = defaultdict(set)
         self.failed: dict[str, set[str]] = defaultdict(set)
         self.last_ack_at: dict[str, float] = {}
+        #: The same two instants on the wall clock (to set beside the coordinator's trace).
+        self.command_wall: dict[str, float] = {}
+        self.last_ack_wall: dict[str, float] = {}
 
     def __call__(self, batch: Any) -> None:
-        now = time.perf_counter()
+        now, wall = time.perf_counter(), time.time()
         for command in batch.commands:
             self.command_at.setdefault(command.rollout_id, now)
+            self.command_wall.setdefault(command.rollout_id, wall)
         for ack in batch.acks:
             if ack.state.terminal:
                 self.terminal[ack.rollout_id].add(ack.worker_id)
                 if ack.state.value != "succeeded":
                     self.failed[ack.rollout_id].add(ack.worker_id)
                 self.last_ack_at[ack.rollout_id] = now
+                self.last_ack_wall[ack.rollout_id] = wall
 
 
 class Bench:
@@ -53,6 +58,7 @@ class Bench:
         self.checkpoint = Path()
         self.version = 1  # the agents' FakeRunner starts on "init"; v2 is the first rolled out
         self.running = "init"
+        self.profile_path = tmp / "decide.prof"
 
     @property
     def control(self) -> Any:
@@ -72,7 +78,11 @@ class Bench:
         (state_dir,) = self.args.state_dir.glob(f"n{self.args.n}-*")  # the agents' allowed root
         self.checkpoint = state_dir / "model.safetensors"
         self.checkpoint.write_bytes(b"\0" * 64)
-        cfg = {"bootstrap": self.fan.bootstrap, "prefix": self.fan.settings.topic_prefix}
+        cfg = {
+            "bootstrap": self.fan.bootstrap,
+            "prefix": self.fan.settings.topic_prefix,
+            "profile": str(self.profile_path) if self.args.profile else None,
+        }
         started = time.perf_counter()
         self.coordinator = await spawn_coordinator(cfg, self.tmp / "coordinator.log")
         hello = await self.coordinator.read(300)
@@ -124,9 +134,11 @@ class Bench:
         assert self.coordinator is not None
         return self.coordinator.cpu(), self.fan.cpu()
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self, profile: bool = False) -> dict[str, Any]:
+        """The coordinator's counters and trace since the last call; ``profile``: profile its
+        decide() calls until the next."""
         assert self.coordinator is not None
-        await self.coordinator.send("stats")
+        await self.coordinator.send("stats profile-on" if profile else "stats")
         return await self.coordinator.read(60)
 
     async def set_target(self, selector: dict[str, str], stable: str | None) -> None:
@@ -191,6 +203,7 @@ class Bench:
             "agents_cpu_s": cpu1[1] - cpu0[1],
             # The target is retired meanwhile: the controller must leave the workers alone.
             "controller_commands": after["commands_published"] - before["commands_published"],
+            "decide": _decide_cost(after["trace"]),
             "failed": sorted({w for r in waves for w in r["failed"]}),
         }
 
@@ -212,9 +225,9 @@ class Bench:
             issued_at=utcnow(),
             issuer="bench",
         )
-        before = await self.stats()
+        before = await self.stats(profile=self.args.profile)
         cpu0 = self._cpu()
-        start = time.perf_counter()
+        start, start_wall = time.perf_counter(), time.time()
         await publish_control(self.fan.settings, spec, self.producer)
 
         def ended() -> bool:
@@ -246,6 +259,10 @@ class Bench:
             "decisions": after["decisions"] - before["decisions"],
             "commands": after["commands_published"] - before["commands_published"],
             "state_revision": state.revision,
+            "decide": _decide_cost(after["trace"]),
+            "boundaries": _boundaries(
+                after["trace"], self.reader, rid, len(state.waves), start_wall
+            ),
         }
         await self.set_target(RETIRED, None)
         # The quiet window, as long as the rollout: what the coordinator spends anyway.
@@ -268,6 +285,65 @@ class Bench:
             "apply_s": None if command is None or last is None else last - command,
             "failed": sorted(self.reader.failed.get(rid, ())),
         }
+
+
+def _decide_cost(trace: list[dict[str, Any]]) -> dict[str, Any]:
+    """decide() calls in a window of the coordinator's trace, and their wall time in all."""
+    calls = [e["s"] for e in trace if "decide" in e]
+    writes = [e["s"] for e in trace if "write" in e]
+    return {
+        "calls": len(calls),
+        "total_s": sum(calls),
+        "max_s": max(calls, default=0.0),
+        "writes": len(writes),
+        "write_total_s": sum(writes),
+    }
+
+
+def _boundaries(
+    trace: list[dict[str, Any]], reader: Reader, rid: str, waves: int, start_wall: float
+) -> list[dict[str, Any]]:
+    """Where the time goes between a wave's last ack (or the spec's publish) read here and the
+    next wave's command read here: the coordinator waking to decide, decide() itself, the
+    transaction, then the command reaching this reader."""
+    from controlplane.rollout.progressive import batch_rollout_id
+
+    out = []
+    since = start_wall
+    for wave in range(waves):
+        batch = batch_rollout_id(rid, wave, 0)
+        decided = next((e for e in trace if "decide" in e and batch in e["commands"]), None)
+        command = reader.command_wall.get(batch)
+        row: dict[str, Any] = {"wave": wave}
+        if decided is not None and command is not None:
+            end = decided["decide"] + decided["s"]
+            write = next((e for e in trace if "write" in e and e["write"] >= end - 1e-3), None)
+            back = next(
+                (
+                    e
+                    for e in trace
+                    if "read_back" in e and write and e["read_back"] >= write["write"]
+                ),
+                None,
+            )
+            txn = None if write is None else write["s"] - (back["s"] if back else 0.0)
+            row.update(
+                {
+                    "wake_s": decided["decide"] - since,
+                    "decide_s": decided["s"],
+                    "txn_s": txn,
+                    "to_reader_s": None if txn is None else command - (end + txn),
+                    "total_s": command - since,
+                    "decides_between": sum(
+                        1
+                        for e in trace
+                        if "decide" in e and since <= e["decide"] < decided["decide"]
+                    ),
+                }
+            )
+        out.append(row)
+        since = reader.last_ack_wall.get(batch, since)
+    return out
 
 
 async def measure(bootstrap: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -297,5 +373,9 @@ async def measure(bootstrap: str, args: argparse.Namespace, tmp: Path) -> dict[s
         out["rounds"] = rounds
     finally:
         await bench.stop()
+    if args.profile:
+        calls = sum(r["controller"]["decide"]["calls"] for r in out["rounds"])
+        calls += out["warmup"]["controller"]["decide"]["calls"]
+        out["decide_profile"] = profile_summary([str(bench.profile_path)], calls)
     out["loadavg_after"] = loadavg()
     return out

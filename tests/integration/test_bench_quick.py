@@ -113,3 +113,30 @@ def test_reload_quick(tmp_path: Path, pytestconfig: pytest.Config) -> None:
     xla = data["sections"]["xla"]
     assert "runs" in xla or "skipped" in xla
     assert "skipped" in data["sections"]["cuda"] or "runs" in data["sections"]["cuda"]
+
+
+@pytest.mark.kafka
+def test_progressive_quick(tmp_path: Path, pytestconfig: pytest.Config) -> None:
+    data = run_bench(pytestconfig, "progressive", tmp_path)
+    n, rounds = data["parameters"]["n"], data["parameters"]["rounds"]
+    assert len(data["waves"]) == 4 and sum(data["waves"]) == n  # canary 1, 10%, 50%, 100% of 20
+    assert len(data["rounds"]) == rounds
+    for rnd in data["rounds"]:
+        hand, controller = rnd["hand"], rnd["controller"]
+        assert controller["phase"] == "succeeded", controller["message"]
+        assert hand["failed"] == [] and hand["controller_commands"] == 0
+        assert controller["commands"] == len(data["waves"])  # one batch per wave, nothing else
+        assert [w["workers"] for w in controller["waves"]] == data["waves"]
+        assert [w["workers"] for w in hand["waves"]] == data["waves"]
+        for arm in (hand, controller):
+            assert number(arm["total_s"]) and number(arm["coordinator_cpu_s"])
+            assert all(number(w["to_last_ack_s"]) for w in arm["waves"])
+        assert number(controller["idle_cpu_s"])
+        assert [g["wave"] for g in controller["boundaries"]] == list(range(len(data["waves"])))
+    summary = data["summary"]
+    for key in ("hand_s", "controller_s", "controller_over_hand"):
+        assert number(summary[key]), key
+    assert isinstance(summary["controller_cpu_ms_per_worker_wave"], int | float)
+    names = [t["name"] for t in data["targets"]]
+    assert any(name.startswith("controller <= 1.2x") for name in names)
+    assert "controller CPU per worker per wave" in names
