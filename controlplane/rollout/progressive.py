@@ -23,7 +23,7 @@ The rules, wave by wave (docs/rollouts.md, "Progressive rollouts"):
 4. When a wave's last batch ended: during ``bake_s``, a degraded worker fails the health gate; at
    the end of it every updated worker must be alive, ready, not degraded and on the new version
    (health), agree on its config digest (agreement) and, with a probe, have answered it
-   alike and as the strategy expects (probe). A failed gate aborts. A wave that has not passed its
+   alike and as the strategy expects (probe; a worker of the wave without an answer fails it). A failed gate aborts. A wave that has not passed its
    gates within ``progress_deadline_s`` of its start aborts (time paused does not count: an
    operator's pause, or at the boundary once its gates passed; a resume restarts the clock).
 5. Between waves: ``pause`` seconds, or until a ``promote`` (manual). An operator's pause holds
@@ -41,7 +41,7 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from controlplane.rollout.fleet import Fleet
 from controlplane.rollout.models import RolloutStatus, WorkerState
@@ -72,6 +72,7 @@ SYNC_TTL_S: Final = 3600.0
 _MAX_STEPS: Final = 16
 _FAILED_STATES: Final = frozenset({WorkerState.FAILED, WorkerState.REJECTED, WorkerState.LOST})
 
+Gate = Literal["health", "agreement", "probe"]
 #: (rollout id, worker id) -> the ``probe`` of the worker's succeeded ack for that rollout.
 Probes = Mapping[tuple[str, str], Mapping[str, Any]]
 
@@ -309,23 +310,22 @@ def _after_wave(ctx: _Context, rollout: Rollout, state: RolloutState) -> Rollout
         ]
         failure = _gate_failure(ctx, spec.desired, spec.rollout_id, updated, state, rollout)
         if failure is not None:
-            gate, why = failure
-            state = state.model_copy(
-                update={
-                    "gates": [
-                        *state.gates,
-                        GateResult(wave=state.wave, gate=gate, passed=False, message=why),
-                    ]
-                }
-            )
-            return _aborting(
-                state, LocalCode.GATE_FAILED, f"{gate} gate: {why}", spec.rollback, ctx.now
-            )
+            return _gate_failed(state, *failure, spec.rollback, ctx.now)
         if ctx.now < done_at + timedelta(seconds=strategy.bake_s):
             return state
         waiting = _not_healthy(ctx, spec.desired, updated)
         if waiting:
             return _progressing(state, f"wave {state.wave}: waiting for {waiting}")
+        if strategy.probe is not None:  # every worker of the wave is on the new version now
+            wave = state.waves[state.wave]
+            silent = [
+                w
+                for w in updated
+                if w in wave and _probe_of(ctx, spec.rollout_id, state, w) is None
+            ]
+            if silent:
+                why = f"no probe answer from {', '.join(silent)}"
+                return _gate_failed(state, "probe", why, spec.rollback, ctx.now)
         results = [GateResult(wave=state.wave, gate="health", passed=True)]
         results.append(GateResult(wave=state.wave, gate="agreement", passed=True))
         if strategy.probe is not None:
@@ -358,6 +358,14 @@ def _after_wave(ctx: _Context, rollout: Rollout, state: RolloutState) -> Rollout
     )
 
 
+def _gate_failed(
+    state: RolloutState, gate: Gate, why: str, rollback: bool, now: datetime
+) -> RolloutState:
+    result = GateResult(wave=state.wave, gate=gate, passed=False, message=why)
+    state = state.model_copy(update={"gates": [*state.gates, result]})
+    return _aborting(state, LocalCode.GATE_FAILED, f"{gate} gate: {why}", rollback, now)
+
+
 def _gates_passed(state: RolloutState) -> bool:
     """Whether the wave in progress passed its gates (it waits at its boundary)."""
     return any(g.wave == state.wave and g.gate == "health" and g.passed for g in state.gates)
@@ -370,7 +378,7 @@ def _gate_failure(
     updated: list[str],
     state: RolloutState,
     rollout: Rollout,
-) -> tuple[str, str] | None:
+) -> tuple[Gate, str] | None:
     """A gate that failed for good: a degraded worker, disagreeing digests, a bad probe."""
     registry = ctx.fleet.registry
     digests: dict[str, list[str]] = {}

@@ -96,7 +96,7 @@ class Sim:
         stable: Desired | None = V1,
         policy: Policy = always_ok,
         delay: float = 1.0,
-        probe: Callable[[Command, str], dict[str, Any]] | None = None,
+        probe: Callable[[Command, str], dict[str, Any] | None] | None = None,
     ) -> None:
         self.t = 0.0
         self.control = ControlState()
@@ -240,10 +240,9 @@ class Sim:
                 worker.version = spec.version
             elif isinstance(spec, UpdateConfigSpec):
                 worker.config = {**worker.config, **spec.overrides}
-            if self.probe is not None and isinstance(spec, ReloadWeightsSpec):
-                self.probes[(command.rollout_id, worker.worker_id)] = self.probe(
-                    command, worker.worker_id
-                )
+            answer = None if self.probe is None else self.probe(command, worker.worker_id)
+            if answer is not None and isinstance(spec, ReloadWeightsSpec):
+                self.probes[(command.rollout_id, worker.worker_id)] = answer
         start = reply.due - 0.9
         steps = [(A, start), (R, start + 0.1), (terminal, start + 0.5)]
         for state, sent in steps if terminal is not X else [(X, start)]:

@@ -129,6 +129,20 @@ def test_a_runner_that_cannot_probe_fails_the_probe_gate() -> None:
     assert state.code == "GATE_FAILED" and "cannot run a probe" in state.message
 
 
+def test_a_worker_that_applied_without_answering_the_probe_fails_the_probe_gate() -> None:
+    """The gate runs on each updated worker: one that gave no answer (a runner that ignored the
+    probe, an answer lost) cannot be judged, so the gate fails rather than pass on the others."""
+    answers = {"w01": {"tokens": [1], "mean_logprob": -0.1}}
+    sim = Sim(4, probe=lambda c, w: answers.get(w))
+    sim.start(Strategy(canary=1, probe=ProbeGate(prompt="p")))
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.phase is PHASE.ROLLED_BACK
+    assert state.code == "GATE_FAILED" and "no probe answer from w00" in state.message
+    assert [(g.wave, g.gate, g.passed) for g in state.gates] == [(0, "probe", False)]
+    assert [c.rollout_id for c in sim.published()] == ["r1.w0.b0", "r1.rb.b0"]
+
+
 def test_a_degraded_worker_during_the_bake_fails_the_health_gate() -> None:
     sim = Sim(4)
     sim.start(Strategy(canary=1, bake_s=10))
