@@ -656,10 +656,15 @@ def reconcile(
     published: set[str] | None = None,
 ) -> list[Command]:
     """A command for every live, idle worker of a target whose weights differ from what it
-    should run, once per (target state, worker incarnation); nothing for one that conflicts."""
+    should run, once per (target state, worker incarnation); nothing for one that conflicts,
+    nor for one its rollout in progress counts as failed (retried once the rollout ended: a
+    command now would apply beside the batches, beyond ``max_unavailable``)."""
     ctx = _Context(control, fleet, {}, now, issuer, published if published is not None else set())
     for target in control.targets():
         hold = held(control, target)
+        active = control.active(target.name)
+        if active is not None and active.state is not None:
+            hold = hold | frozenset(active.state.failed)
         for worker_id in members(control, fleet, target, now):
             if worker_id in hold:
                 continue

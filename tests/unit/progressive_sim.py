@@ -299,6 +299,10 @@ class Sim:
     def receivers(self, commands: Iterable[Command]) -> list[str]:
         return [w for c in commands for w in c.selector.worker_ids or []]
 
+    def handed_out(self) -> set[str]:
+        """Workers holding a command they have not answered yet (silent ones included)."""
+        return {r.worker_id for r in self._pending}
+
     def most_applying(self, prefix: str = "") -> int:
         """From the acks' timings: the most workers applying a command at once (of the
         commands whose rollout id starts with ``prefix``)."""

@@ -19,9 +19,9 @@ from controlplane.wire.control import (
     Strategy,
     TargetSpec,
 )
-from controlplane.wire.protocol import ReloadWeightsSpec
+from controlplane.wire.protocol import Command, ReloadWeightsSpec
 from tests.factories import at
-from tests.unit.progressive_sim import LABELS, V1, V2, Sim, weights
+from tests.unit.progressive_sim import LABELS, V1, V2, Outcome, Sim, weights
 
 PHASE = ControlPhase
 
@@ -101,3 +101,27 @@ def test_should_run_follows_the_waves() -> None:
 def test_reconcile_alone_leaves_workers_in_sync_alone() -> None:
     sim = Sim(3)
     assert reconcile(sim.control, sim.fleet, sim.now) == []
+
+
+def test_a_worker_that_failed_in_a_rollout_is_left_alone_until_it_ends() -> None:
+    """A failed worker of an updated wave is the rollout's (counted against max_failures): a
+    sync command to it during the rollout would retry the failed change outside the batches, one
+    more worker applying than ``max_unavailable`` allows. Once the rollout ended, it converges."""
+
+    def policy(command: Command, worker_id: str) -> Outcome:
+        return "fail" if worker_id == "w01" and command.rollout_id.startswith("r1.") else "ok"
+
+    sim = Sim(10, policy=policy, delay=3.0)
+    sim.start(Strategy(canary=1, steps=["50%", "100%"], max_unavailable=2, max_failures="1"))
+
+    def until() -> bool:
+        assert len(sim.handed_out()) <= 2, sim.handed_out()
+        return sim.ended()()
+
+    sim.run(until)
+    assert sim.current().phase is PHASE.SUCCEEDED and sim.current().failed == ["w01"]
+    assert sim.receivers(sim.published()).count("w01") == 1
+    sim.tick(1)
+    (sync,) = sim.decide().commands
+    assert sync.selector.worker_ids == ["w01"]
+    assert sync.spec == ReloadWeightsSpec(path="/ckpt/v2", version="v2")
