@@ -300,8 +300,10 @@ class Sim:
         return [w for c in commands for w in c.selector.worker_ids or []]
 
     def handed_out(self) -> set[str]:
-        """Workers holding a command they have not answered yet (silent ones included)."""
-        return {r.worker_id for r in self._pending}
+        """Workers holding a command they have not answered yet and that has not expired
+        (silent ones included)."""
+        now = self.now
+        return {r.worker_id for r in self._pending if r.command.expires_at > now}
 
     def most_applying(self, prefix: str = "") -> int:
         """From the acks' timings: the most workers applying a command at once (of the

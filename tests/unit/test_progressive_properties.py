@@ -107,6 +107,8 @@ def test_an_ended_rollout_never_reopens(scenario: Scenario) -> None:
             sim.act(ActionKind.RESUME)
             sim.act(ActionKind.PROMOTE)
         decision = sim.decide()
+        limit = scenario.strategy.max_unavailable
+        assert limit is None or len(sim.handed_out()) <= limit, sim.handed_out()
         for state in decision.states:
             assert ended is None, f"ended {ended.phase} rollout moved again: {state.phase}"
             assert state.revision == revision + 1
@@ -114,7 +116,6 @@ def test_an_ended_rollout_never_reopens(scenario: Scenario) -> None:
         for command in decision.commands:
             if command.rollout_id.startswith("r1."):
                 size = len(command.selector.worker_ids or [])
-                limit = scenario.strategy.max_unavailable
                 assert limit is None or size <= limit
                 assert command.rollout_id not in seen_batches
                 seen_batches.add(command.rollout_id)
