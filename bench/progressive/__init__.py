@@ -21,7 +21,7 @@ window of the same length right after it, is the controller's cost, reported per
 wave (``/ (N x waves)``, as the issue asks) and per rollout.
 
     .venv/bin/python -m bench.progressive --quick     # 20 agents, 1 round (< 2 minutes)
-    .venv/bin/python -m bench.progressive             # 100 agents, 3 rounds
+    .venv/bin/python -m bench.progressive             # 100 agents, 5 rounds
 """
 
 from __future__ import annotations

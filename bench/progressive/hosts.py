@@ -8,7 +8,7 @@ profile-on`` profiles decide() from then on, until the next ``stats``);
 selector for the target.
 
 The trace (wall-clock times, comparable with the parent's on one machine): every ``decide()``
-call (its start, duration, the commands it returned), every write of a decision (its
+call (its start, duration, CPU time, the commands and states it returned), every write of a decision (its
 transaction, then the wait until the follower read it back), wrapped around the controller's
 own functions in this process only. With ``profile`` (a path) in its config, decide() runs under
 cProfile after a ``stats profile-on``, and the profile is written there when the child stops.
@@ -93,7 +93,7 @@ def _trace(
     decide = module.decide  # type: ignore[attr-defined]
 
     def timed_decide(*args: Any, **kwargs: Any) -> Any:
-        at, t0 = time.time(), time.perf_counter()
+        at, t0, c0 = time.time(), time.perf_counter(), time.thread_time()
         if profiler is None or not profiling[0]:
             decision = decide(*args, **kwargs)
         else:
@@ -102,8 +102,9 @@ def _trace(
             {
                 "decide": at,
                 "s": time.perf_counter() - t0,
+                "cpu_s": time.thread_time() - c0,
                 "commands": [c.rollout_id for c in decision.commands],
-                "states": len(decision.states),
+                "states": [[s.phase.value, s.wave, s.message[:80]] for s in decision.states],
             }
         )
         return decision

@@ -49,7 +49,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--coordinator-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     mode = mode_of(args.quick, args.tiny)
-    n, rounds = {"tiny": (4, 1), "quick": (20, 1), "full": (100, 3)}[mode]
+    n, rounds = {"tiny": (4, 1), "quick": (20, 1), "full": (100, 5)}[mode]
     args.mode = mode
     args.n = args.n or n
     args.rounds = args.rounds or rounds

@@ -44,8 +44,9 @@ def derive(data: dict[str, Any], n: int) -> dict[str, Any]:
                 "decisions": ctrl["decisions"],
                 "decide_calls": ctrl["decide"]["calls"],
                 "decide_ms": 1e3 * ctrl["decide"]["total_s"],
+                "decide_cpu_ms": 1e3 * ctrl["decide"]["cpu_s"],
                 "hand_decide_calls": hand["decide"]["calls"],
-                "hand_decide_ms": 1e3 * hand["decide"]["total_s"],
+                "hand_decide_cpu_ms": 1e3 * hand["decide"]["cpu_s"],
                 "last_ack_to_state_s": ctrl["last_ack_to_state_s"],
             }
         )
@@ -74,14 +75,21 @@ def derive(data: dict[str, Any], n: int) -> dict[str, Any]:
 
     gaps = [
         {
-            "wave": i,
+            "wave": data["rounds"][0]["controller"]["boundaries"][i]["wave"],
             **{
                 key: gap_med(i, key)
-                for key in ("wake_s", "decide_s", "txn_s", "to_reader_s", "total_s")
+                for key in (
+                    "wake_s",
+                    "decide_s",
+                    "decide_cpu_s",
+                    "txn_s",
+                    "to_reader_s",
+                    "total_s",
+                    "decides_between",
+                )
             },
-            "decides_between": gap_med(i, "decides_between"),
         }
-        for i in range(len(data["waves"]))
+        for i in range(len(data["waves"]) + 1)
     ]
     hand_s, ctrl_s = med("hand_s"), med("controller_s")
     return {
@@ -90,8 +98,9 @@ def derive(data: dict[str, Any], n: int) -> dict[str, Any]:
         "gaps": gaps,
         "decide_calls_per_rollout": med("decide_calls"),
         "decide_ms_per_rollout": med("decide_ms"),
+        "decide_cpu_ms_per_rollout": med("decide_cpu_ms"),
         "hand_decide_calls": med("hand_decide_calls"),
-        "hand_decide_ms": med("hand_decide_ms"),
+        "hand_decide_cpu_ms": med("hand_decide_cpu_ms"),
         "hand_s": hand_s,
         "controller_s": ctrl_s,
         "controller_over_hand": ratio(ctrl_s, hand_s),
@@ -186,7 +195,7 @@ def report(result: dict[str, Any]) -> str:
             g["wave"],
             *(
                 None if g[key] is None else g[key] * ms
-                for key in ("total_s", "wake_s", "decide_s", "txn_s", "to_reader_s")
+                for key in ("total_s", "wake_s", "decide_s", "decide_cpu_s", "txn_s", "to_reader_s")
             ),
             g["decides_between"],
         ]
@@ -197,6 +206,7 @@ def report(result: dict[str, Any]) -> str:
         "to command ms",
         "wake ms",
         "decide() ms",
+        "decide() CPU ms",
         "transaction ms",
         "to reader ms",
         "decide() calls before",
@@ -210,12 +220,15 @@ def report(result: dict[str, Any]) -> str:
         "",
         "controller, from the spec's publish (wave 0) or the previous wave's last ack read here "
         "to the wave's command read here (medians; wall clocks of the two processes): the "
-        "coordinator waking to the decide() that publishes it, decide(), its transaction "
-        "(writes, commit), the command reaching this reader (read_committed):",
+        "coordinator waking to the decide() that publishes it, decide() (wall, CPU), its "
+        "transaction (writes, commit), the command reaching this reader (read_committed):",
         table(gap_rows, gap_head),
+        "(end: from the last wave's last ack read here to the decision that ended the rollout, "
+        "and its state read here.)",
         f"decide() per rollout: {fmt(s['decide_calls_per_rollout'])} calls, "
-        f"{fmt(s['decide_ms_per_rollout'])} ms; during the waves by hand: "
-        f"{fmt(s['hand_decide_calls'])} calls, {fmt(s['hand_decide_ms'])} ms.",
+        f"{fmt(s['decide_ms_per_rollout'])} ms, {fmt(s['decide_cpu_ms_per_rollout'])} ms of CPU; "
+        f"during the waves by hand: {fmt(s['hand_decide_calls'])} calls, "
+        f"{fmt(s['hand_decide_cpu_ms'])} ms of CPU.",
         "",
         "CPU: the coordinator child's, over its idle rate (a quiet window as long as the "
         "rollout); per worker per wave = / (N x waves). hand: the same coordinator following "

@@ -28,6 +28,8 @@ class Reader:
         #: The same two instants on the wall clock (to set beside the coordinator's trace).
         self.command_wall: dict[str, float] = {}
         self.last_ack_wall: dict[str, float] = {}
+        #: rollout id -> when its state was first read here ended
+        self.state_wall: dict[str, float] = {}
 
     def __call__(self, batch: Any) -> None:
         now, wall = time.perf_counter(), time.time()
@@ -41,6 +43,9 @@ class Reader:
                     self.failed[ack.rollout_id].add(ack.worker_id)
                 self.last_ack_at[ack.rollout_id] = now
                 self.last_ack_wall[ack.rollout_id] = wall
+        for record in batch.control:
+            if getattr(record, "type", None) == "state" and record.phase.terminal:
+                self.state_wall.setdefault(record.rollout_id, wall)
 
 
 class Bench:
@@ -289,12 +294,13 @@ class Bench:
 
 def _decide_cost(trace: list[dict[str, Any]]) -> dict[str, Any]:
     """decide() calls in a window of the coordinator's trace, and their wall time in all."""
-    calls = [e["s"] for e in trace if "decide" in e]
+    calls = [e for e in trace if "decide" in e]
     writes = [e["s"] for e in trace if "write" in e]
     return {
         "calls": len(calls),
-        "total_s": sum(calls),
-        "max_s": max(calls, default=0.0),
+        "total_s": sum(e["s"] for e in calls),
+        "cpu_s": sum(e["cpu_s"] for e in calls),
+        "max_cpu_s": max((e["cpu_s"] for e in calls), default=0.0),
         "writes": len(writes),
         "write_total_s": sum(writes),
     }
@@ -310,11 +316,23 @@ def _boundaries(
 
     out = []
     since = start_wall
-    for wave in range(waves):
-        batch = batch_rollout_id(rid, wave, 0)
-        decided = next((e for e in trace if "decide" in e and batch in e["commands"]), None)
-        command = reader.command_wall.get(batch)
-        row: dict[str, Any] = {"wave": wave}
+    for wave in range(waves + 1):
+        # the last row: the decision that wrote the end, and this reader reading it
+        batch = batch_rollout_id(rid, wave, 0) if wave < waves else "end"
+        if wave < waves:
+            decided = next((e for e in trace if "decide" in e and batch in e["commands"]), None)
+            command = reader.command_wall.get(batch)
+        else:
+            decided = next(
+                (
+                    e
+                    for e in trace
+                    if "decide" in e and any(s[0] != "progressing" for s in e["states"])
+                ),
+                None,
+            )
+            command = reader.state_wall.get(rid)
+        row: dict[str, Any] = {"wave": wave if wave < waves else "end"}
         if decided is not None and command is not None:
             end = decided["decide"] + decided["s"]
             write = next((e for e in trace if "write" in e and e["write"] >= end - 1e-3), None)
@@ -331,6 +349,7 @@ def _boundaries(
                 {
                     "wake_s": decided["decide"] - since,
                     "decide_s": decided["s"],
+                    "decide_cpu_s": decided["cpu_s"],
                     "txn_s": txn,
                     "to_reader_s": None if txn is None else command - (end + txn),
                     "total_s": command - since,
