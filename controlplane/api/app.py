@@ -24,6 +24,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from controlplane.api.models import (
+    API,
     ROLLOUT_REQUEST,
     ApiError,
     ApiErrorCode,
@@ -37,6 +38,7 @@ from controlplane.api.models import (
     parse_rollout_request,
     validation_details,
 )
+from controlplane.api.progressive import BODIES, progressive_router
 from controlplane.coordinator.metrics import CONTENT_TYPE, CoordinatorMetrics
 from controlplane.coordinator.publisher import PublishUnconfirmed
 from controlplane.coordinator.service import RESYNC, Coordinator
@@ -46,7 +48,6 @@ from controlplane.wire.errors import BusError, ControlPlaneError, LocalCode
 
 log = logging.getLogger(__name__)
 
-API: Final = "/api/v1"
 #: How often an SSE stream re-judges its rollout without news (deadlines pass, workers go silent).
 SSE_TICK_S: Final = 1.0
 SSE_PING_S: Final = 15.0
@@ -355,6 +356,19 @@ def create_app(
     async def index() -> HTMLResponse:
         return HTMLResponse(dashboard.read_text("utf-8"), headers={"Cache-Control": "no-cache"})
 
+    # ------------------------------------------------------------------ targets, progressive rollouts
+
+    app.include_router(
+        progressive_router(
+            coordinator,
+            ready=ready,
+            token=Depends(require_token),
+            closing=closing,
+            sse_tick_s=sse_tick_s,
+            sse_ping_s=sse_ping_s,
+        )
+    )
+
     _document_request_body(app)
     return app
 
@@ -411,6 +425,11 @@ def _document_request_body(app: FastAPI) -> None:
             for name, definition in defs.items():
                 schemas.setdefault(name, definition)
             schemas["RolloutRequest"] = schema
+            for name, adapter in BODIES.items():
+                body = adapter.json_schema(ref_template="#/components/schemas/{model}")
+                for inner, definition in body.pop("$defs", {}).items():
+                    schemas.setdefault(inner, definition)
+                schemas.setdefault(name, body)
             # Our 422s are ErrorBody too, not FastAPI's default HTTPValidationError.
             for operation in (op for path in doc["paths"].values() for op in path.values()):
                 invalid = operation.get("responses", {}).get("422")

@@ -6,8 +6,10 @@ Errors render as ``{"error": {code, message, retryable, details?}}``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from enum import StrEnum
-from typing import Annotated
+from types import MappingProxyType
+from typing import Annotated, Final, TypeVar
 
 from fastapi import Depends
 from fastapi.exceptions import RequestValidationError
@@ -19,14 +21,32 @@ from pydantic import (
     ConfigDict,
     Field,
     JsonValue,
+    StringConstraints,
     TypeAdapter,
     ValidationError,
 )
 
 from controlplane.coordinator.publisher import MAX_TTL_S, PublishUnconfirmed, RolloutRequest
+from controlplane.rollout.desired import RolloutSummary, TargetStatus
 from controlplane.rollout.models import WorkerLevel
 from controlplane.rollout.registry import WorkerView
+from controlplane.rollout.targets import Rollout, StableEntry
+from controlplane.wire.control import (
+    ActionKind,
+    ControlPhase,
+    Desired,
+    GateResult,
+    LeaderRecord,
+    RolloutAction,
+    RolloutId,
+    RolloutSpec,
+    RolloutState,
+    Strategy,
+    TargetSpec,
+)
 from controlplane.wire.errors import BusError, ControlPlaneError, LocalCode, WireCode
+from controlplane.wire.exits import CONTROL_PHASE_EXITS
+from controlplane.wire.messages import Labels
 from controlplane.wire.protocol import (
     MAX_MESSAGE_BYTES,
     Command,
@@ -38,6 +58,9 @@ from controlplane.wire.protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+API: Final = "/api/v1"
+Body = TypeVar("Body")
 
 
 # --------------------------------------------------------------------------- errors
@@ -95,8 +118,25 @@ def error_response(exc: ApiError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
+#: Domain codes that are an HTTP status of their own; any other code of a refused request is 400.
+STATUS_OF: Final[Mapping[WireCode | LocalCode, int]] = MappingProxyType(
+    {
+        # Nothing of that name in the log.
+        LocalCode.TARGET_UNKNOWN: 404,
+        LocalCode.ROLLOUT_UNKNOWN: 404,
+        # The request is fine, the state of the log refuses it.
+        LocalCode.NO_MATCHING_WORKERS: 409,
+        LocalCode.ROLLOUT_EXISTS: 409,
+        LocalCode.TARGET_BUSY: 409,
+        LocalCode.ROLLOUT_ENDED: 409,
+        LocalCode.ROLLBACK_UNAVAILABLE: 409,
+        LocalCode.PUBLISH_OUTCOME_UNKNOWN: 504,
+    }
+)
+
+
 def from_domain(exc: ControlPlaneError) -> ApiError:
-    """Our error tree, translated to HTTP in this one place.
+    """Our error tree, translated to HTTP in this one place (:data:`STATUS_OF`).
 
     A publish the cluster did not confirm in time is 504 PUBLISH_OUTCOME_UNKNOWN with the
     rollout and command ids in ``details``: the command may be in the log (never a 503, which
@@ -110,14 +150,9 @@ def from_domain(exc: ControlPlaneError) -> ApiError:
             f"{exc.rollout_id}`) before posting it again, with the same rollout_id",
             details=[{"rollout_id": exc.rollout_id, "command_id": exc.command_id}],
         )
-    if exc.code in (LocalCode.NO_MATCHING_WORKERS, LocalCode.ROLLOUT_EXISTS):
-        status = 409
-    elif exc.code is LocalCode.PUBLISH_OUTCOME_UNKNOWN:
-        status = 504
-    elif isinstance(exc, BusError):
-        status = 503
-    else:
-        status = 400
+    status = STATUS_OF.get(exc.code)
+    if status is None:
+        status = 503 if isinstance(exc, BusError) else 400
     return ApiError(status, exc.code.value, exc.message, retryable=exc.retryable or status == 503)
 
 
@@ -208,28 +243,218 @@ class RolloutCreated(BaseModel):
     events_url: str
 
 
-def parse_rollout_request(body: bytes) -> tuple[CommandSpec, RolloutOptions]:
-    """Validate a POST body exactly as the wire decoder validates a command (strict JSON)."""
+def parse_body(adapter: TypeAdapter[Body], body: bytes, what: str) -> Body:
+    """Validate a request body exactly as the wire decoder validates a record (strict JSON):
+    413 MESSAGE_TOO_LARGE, 400 MALFORMED_JSON, 422 SCHEMA_INVALID saying where."""
     if len(body) > MAX_MESSAGE_BYTES:
         raise ApiError(
             413, WireCode.MESSAGE_TOO_LARGE.value, f"body over {MAX_MESSAGE_BYTES} bytes"
         )
     try:
-        request = ROLLOUT_REQUEST.validate_json(body, strict=True)
+        return adapter.validate_json(body, strict=True)
     except ValidationError as exc:
         if any(e["type"] == "json_invalid" for e in exc.errors()):
             raise ApiError(
                 400, WireCode.MALFORMED_JSON.value, "the body is not valid JSON"
             ) from None
         raise ApiError(
-            422,
-            WireCode.SCHEMA_INVALID.value,
-            "invalid rollout request",
-            details=validation_details(exc),
+            422, WireCode.SCHEMA_INVALID.value, f"invalid {what}", details=validation_details(exc)
         ) from None
+
+
+def parse_rollout_request(body: bytes) -> tuple[CommandSpec, RolloutOptions]:
+    """Validate a POST body exactly as the wire decoder validates a command (strict JSON)."""
+    request = parse_body(ROLLOUT_REQUEST, body, "rollout request")
     spec_cls = SPEC_OF[type(request)]
     spec = spec_cls.model_validate(request.model_dump(include=set(spec_cls.model_fields)))
     options = RolloutOptions.model_validate(
         request.model_dump(include=set(RolloutOptions.model_fields))
     )
     return spec, options
+
+
+# --------------------------------------------------------------------------- targets, progressive rollouts
+# Bodies of the writes (strict, as the controller topic's records are) and views of the fold.
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TargetRequest(_Request):
+    """PUT /targets/{name}: the target's selector and, optionally, its stable state."""
+
+    selector: Labels = Field(min_length=1, description="Every label must match.")
+    stable: Desired | None = Field(
+        default=None,
+        description="Declare the stable state directly (no rollout): the controller converges "
+        "the workers that run something else. Omitted: the stable state stays as it is.",
+    )
+
+
+class RolloutStartRequest(_Request):
+    """POST /targets/{name}/rollouts: a progressive rollout of ``desired`` to the target."""
+
+    desired: Desired
+    strategy: Strategy = Field(default_factory=Strategy)
+    rollback: bool = Field(
+        default=True, description="On abort, put every updated worker back on the stable state."
+    )
+    rollout_id: RolloutId | None = Field(default=None, description="Generated when omitted.")
+
+
+class UndoRequest(_Request):
+    """POST /targets/{name}/undo: optional; a rollout back to the previous stable state."""
+
+    rollout_id: RolloutId | None = Field(default=None, description="Generated when omitted.")
+
+
+class ActionRequest(_Request):
+    """POST /progressive-rollouts/{id}/pause|resume|promote: optional body."""
+
+    action_id: Identifier | None = Field(
+        default=None,
+        description="Generated when omitted. Give one to retry safely after a 504: the log "
+        "keeps one action per id (a promote sent twice would release two manual pauses).",
+    )
+    reason: Annotated[str, StringConstraints(max_length=1024)] = ""
+
+
+class AbortRequest(ActionRequest):
+    """POST /progressive-rollouts/{id}/abort: optional body."""
+
+    rollback: bool | None = Field(
+        default=None,
+        description="Put updated workers back on the stable state; null keeps the rollout's own.",
+    )
+
+
+TARGET_REQUEST: Final = TypeAdapter(TargetRequest)
+ROLLOUT_START_REQUEST: Final = TypeAdapter(RolloutStartRequest)
+UNDO_REQUEST: Final = TypeAdapter(UndoRequest)
+ACTION_REQUEST: Final = TypeAdapter(ActionRequest)
+ABORT_REQUEST: Final = TypeAdapter(AbortRequest)
+
+
+class StableOut(BaseModel):
+    """One stable state a target had: set by its spec (``rollout_id`` null) or a rollout."""
+
+    desired: Desired
+    rollout_id: str | None
+    since: AwareDatetime
+
+
+class TargetDetail(TargetStatus):
+    """A target's desired against actual, its stable history (oldest first) and its rollouts."""
+
+    history: list[StableOut]
+    rollouts: list[RolloutSummary]
+
+
+class TargetWritten(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    created: bool = Field(description="No target of that name was in the log before.")
+    spec: TargetSpec = Field(description="The record as appended to the controller topic.")
+    offset: int
+    url: str
+
+
+class WaveOut(BaseModel):
+    index: int
+    workers: list[str]
+    #: Every wave before the rollout's current one has passed its gates.
+    passed: bool
+    current: bool = Field(description="The wave in progress (false once the rollout ended).")
+    gates: list[GateResult]
+
+
+class ProgressiveRolloutOut(BaseModel):
+    """A progressive rollout as the controller topic says: the request, the controller's
+    latest state (null until a controller starts it), the operators' actions, and its waves."""
+
+    rollout_id: str
+    target: str
+    phase: ControlPhase | None = Field(description="null: not started by a controller yet.")
+    ended: bool
+    exit_code: int | None = Field(
+        description="What `controlplane rollout status` exits with once ended: 0 succeeded, "
+        "7 aborted, 8 rolled back, 3 rejected; null before."
+    )
+    code: str | None
+    message: str
+    waves: list[WaveOut]
+    spec: RolloutSpec
+    state: RolloutState | None
+    actions: list[RolloutAction]
+
+
+class ProgressiveRolloutCreated(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    rollout_id: str
+    target: str
+    spec: RolloutSpec = Field(description="The request as appended to the controller topic.")
+    offset: int
+    status_url: str
+    events_url: str
+
+
+class ActionAccepted(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    rollout_id: str
+    action_id: str
+    action: ActionKind
+    offset: int
+    status_url: str
+
+
+class ControllerOut(BaseModel):
+    enabled: bool = Field(description="This coordinator campaigns for the controller.")
+    leading: bool
+    generation: int | None = Field(description="The generation this coordinator leads in.")
+    member: str | None
+    fenced: int = Field(description="Times this coordinator was fenced and stepped down.")
+    decisions: int
+    commands_published: int
+    last_error: str | None
+    leader: LeaderRecord | None = Field(
+        description="Who leads, as the log says (the same on every coordinator)."
+    )
+
+
+def stable_out(entry: StableEntry) -> StableOut:
+    return StableOut(desired=entry.desired, rollout_id=entry.rollout_id, since=entry.since)
+
+
+def rollout_out(rollout: Rollout) -> ProgressiveRolloutOut:
+    state = rollout.state
+    waves: list[WaveOut] = []
+    if state is not None:
+        for index, workers in enumerate(state.waves):
+            waves.append(
+                WaveOut(
+                    index=index,
+                    workers=list(workers),
+                    passed=index < state.wave,
+                    current=index == state.wave and not state.phase.terminal,
+                    gates=[g for g in state.gates if g.wave == index],
+                )
+            )
+    phase = None if state is None else state.phase
+    exit_code = CONTROL_PHASE_EXITS.get(phase.value) if phase is not None else None
+    return ProgressiveRolloutOut(
+        rollout_id=rollout.rollout_id,
+        target=rollout.spec.target,
+        phase=phase,
+        ended=rollout.ended,
+        exit_code=None if exit_code is None else int(exit_code),
+        code=None if state is None else state.code,
+        message="waiting for a controller" if state is None else state.message,
+        waves=waves,
+        spec=rollout.spec,
+        state=state,
+        actions=list(rollout.actions),
+    )
