@@ -17,6 +17,7 @@ target's spec, then each rollout of it that succeeded, in log order). No I/O.
 
 from __future__ import annotations
 
+import codecs
 import re
 from enum import StrEnum
 from typing import Annotated, Final, Literal
@@ -331,8 +332,9 @@ def decode_control(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Contro
     ``type``; the refusals of :func:`~controlplane.wire.codec.decode_model` otherwise)."""
     kind: object = None
     if len(data) <= max_bytes:
+        body = data[3:] if data[:3] == codecs.BOM_UTF8 else data  # as the codec ignores it
         try:
-            raw = from_json(data, allow_inf_nan=False)
+            raw = from_json(body, allow_inf_nan=False)
         except ValueError:
             raw = None  # decode_model says why, below
         else:

@@ -5,6 +5,7 @@ has its compaction key. Pure: no Kafka.
 
 from __future__ import annotations
 
+import codecs
 import json
 from datetime import UTC, datetime
 from typing import Any
@@ -146,6 +147,13 @@ def test_every_record_round_trips_through_the_control_channel(record: WireModel)
     assert CONTROL.reader(value) == record
 
 
+@pytest.mark.parametrize("record", RECORDS, ids=lambda r: type(r).__name__)
+def test_a_record_after_a_utf8_bom_decodes_as_on_the_other_channels(record: WireModel) -> None:
+    """The codec ignores a leading BOM (RFC 8259 8.1) on every channel; so must the sniffing of
+    a controller record's ``type`` (it read no type and decoded a TargetSpec)."""
+    assert decode_control(codecs.BOM_UTF8 + encode(record)) == record
+
+
 def test_minimal_records_take_their_defaults() -> None:
     spec = decode_control(
         json.dumps(
@@ -170,7 +178,9 @@ def test_minimal_records_take_their_defaults() -> None:
 # --------------------------------------------------------------------------- keys
 
 
-@pytest.mark.parametrize(("record", "key"), list(zip(RECORDS, KEYS, strict=True)), ids=[k.decode() for k in KEYS])
+@pytest.mark.parametrize(
+    ("record", "key"), list(zip(RECORDS, KEYS, strict=True)), ids=[k.decode() for k in KEYS]
+)
 def test_control_key_per_record(record: WireModel, key: bytes) -> None:
     assert control_key(record) == key
     assert CONTROL.key(record) == key
