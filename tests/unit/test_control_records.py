@@ -11,6 +11,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from controlplane.wire.channels import CONTROL
@@ -36,6 +38,7 @@ from controlplane.wire.control import (
 from controlplane.wire.errors import ProtocolError, WireCode
 from controlplane.wire.messages import WireModel
 from controlplane.wire.topics import Topics
+from tests.unit.strategies import Pairs, containers, dump, fuzz, mutate, wire_bytes
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 V1 = Desired(
@@ -330,3 +333,29 @@ def test_phases_that_end_a_rollout() -> None:
         ControlPhase.ROLLED_BACK,
         ControlPhase.REJECTED,
     }
+
+
+# --------------------------------------------------------------------------- fuzz
+
+
+@st.composite
+def control_mutants(draw: st.DrawFn) -> bytes:
+    """A valid record of each kind, mutated as the protocol fuzz mutates messages."""
+    tree: Any = json.loads(encode(draw(st.sampled_from(RECORDS))))
+    for _ in range(draw(st.integers(1, 3))):
+        if isinstance(tree, Pairs) or not containers(tree):
+            break
+        tree = draw(mutate(tree))
+    return draw(wire_bytes(dump(tree)))
+
+
+@fuzz(200)
+@given(data=control_mutants() | st.binary(max_size=200))
+def test_any_bytes_decode_to_a_record_or_a_coded_refusal(data: bytes) -> None:
+    try:
+        record = decode_control(data)
+    except ProtocolError as exc:
+        assert isinstance(exc.code, WireCode), exc
+    else:
+        assert decode_control(encode(record)) == record
+        assert control_key(record)
