@@ -6,9 +6,10 @@ Separate processes (a coordinator SIGKILLed or SIGSTOPped) are in test_controlle
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -19,6 +20,8 @@ from controlplane.coordinator.publisher import publish_control
 from controlplane.coordinator.service import Coordinator, CoordinatorSettings
 from controlplane.kafka.bus import Consumer
 from controlplane.kafka.settings import KafkaSettings
+from controlplane.rollout.desired import Alignment, TargetStatus, target_status
+from controlplane.rollout.models import WorkerState
 from controlplane.rollout.progressive import batch_rollout_id
 from controlplane.rollout.targets import Rollout
 from controlplane.wire.control import (
@@ -57,6 +60,36 @@ class Fleet:
     agents: dict[str, Agent]
     runners: dict[str, FakeRunner]
     ckpts: Path
+    tasks: dict[str, asyncio.Task[None]]
+    killed: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def start_agent(
+        self, worker: str, tmp_path: Path, options: dict[str, Any], initial: str = "v1"
+    ) -> Agent:
+        """An agent of worker ``worker`` (its journal in ``tmp_path/state-<worker>``: a
+        restarted worker finds its old journal), ready."""
+        runner = FakeRunner({"initial_version": initial, **options})
+        settings = agent_settings(
+            self.kafka, tmp_path, worker_id=worker, state_dir=tmp_path / f"state-{worker}"
+        )
+        agent = Agent(settings, runner)
+        task = asyncio.create_task(agent.run(), name=f"agent-{worker}")
+        self.agents[worker], self.runners[worker], self.tasks[worker] = agent, runner, task
+        await asyncio.wait_for(agent.ready.wait(), 60)
+        return agent
+
+    def kill(self, worker: str) -> None:
+        """Gone at once, as if SIGKILLed: no drain, no ack, no more heartbeats. (Its runner's
+        thread finishes the reload in the background; nothing reports it.)"""
+        task = self.tasks.pop(worker)
+        task.cancel()
+        self.killed.append(task)
+
+    async def stop_all(self) -> None:
+        for worker in list(self.tasks):
+            self.agents[worker].request_stop()
+        await asyncio.gather(*self.tasks.values(), *self.killed, return_exceptions=True)
+        self.tasks.clear()
 
     def weights(self, version: str) -> WeightsRef:
         return WeightsRef(path=str(self.ckpts / "model.safetensors"), version=version)
@@ -121,30 +154,27 @@ class Fleet:
 async def fleet_of(
     kafka: KafkaSettings, tmp_path: Path, n: int, *, runner: dict[str, Any] | None = None
 ) -> AsyncIterator[Fleet]:
+    """``n`` in-process agents (fake runner at v1, labels model=tiny), then a coordinator whose
+    controller leads; every agent still running is stopped when the block ends."""
     ckpts = tmp_path / "ckpts"
     ckpts.mkdir()
     (ckpts / "model.safetensors").write_bytes(b"\0" * 64)
     settings = CoordinatorSettings(kafka=kafka, controller_session_timeout_ms=6000)
-    async with contextlib.AsyncExitStack() as stack:
-        agents: dict[str, Agent] = {}
-        runners: dict[str, FakeRunner] = {}
-        for i in range(n):
-            worker = f"w{i:02d}"
-            runners[worker] = FakeRunner({"initial_version": "v1", **(runner or {})})
-            agent_settings_ = agent_settings(
-                kafka, tmp_path, worker_id=worker, state_dir=tmp_path / f"state-{worker}"
-            )
-            agent, _ = await stack.enter_async_context(
-                agent_running(agent_settings_, runners[worker])
-            )
-            agents[worker] = agent
-        coordinator = await stack.enter_async_context(Coordinator(settings))
-        await coordinator.wait_ready(60)
-        fleet = Fleet(kafka, coordinator, agents, runners, ckpts)
-        await wait_for(lambda: len(coordinator.fleet.registry) == n, 30)
-        assert coordinator.controller is not None
-        await wait_for(lambda: coordinator.controller.leading is not None, 60)  # type: ignore[union-attr]
-        yield fleet
+    fleet = Fleet(kafka, None, {}, {}, ckpts, {})  # type: ignore[arg-type]
+    try:
+        await asyncio.gather(
+            *(fleet.start_agent(f"w{i:02d}", tmp_path, runner or {}) for i in range(n))
+        )
+        async with Coordinator(settings) as coordinator:
+            fleet.coordinator = coordinator
+            await coordinator.wait_ready(60)
+            await wait_for(lambda: len(coordinator.fleet.registry) == n, 60)
+            controller = coordinator.controller
+            assert controller is not None
+            await wait_for(lambda: controller.leading is not None, 60)
+            yield fleet
+    finally:
+        await fleet.stop_all()
 
 
 async def read_all(kafka: KafkaSettings, topic: str, decode: Callable[[bytes], T]) -> list[T]:
@@ -307,3 +337,55 @@ async def test_a_worker_that_joins_later_converges_to_the_stable_state(
         async with agent_running(settings, late):
             await wait_for(lambda: late.history[-1:] == ["v2"], 60)
         assert late.history == ["v1", "v2"]
+
+
+async def test_38_of_40_applied_2_killed_targets_shows_it_and_the_2_converge_when_restarted(
+    kafka: KafkaSettings, tmp_path: Path
+) -> None:
+    """The issue's case: the 38 that applied are in sync (not red), the 2 dead ones are lost
+    (not "busy" and "in sync"); restarted from their old journals, they converge."""
+    dying = ("w07", "w23")
+    async with fleet_of(kafka, tmp_path, 40) as fleet:
+        for worker in dying:  # slow enough to be killed mid-apply
+            fleet.runners[worker].options = fleet.runners[worker].options.model_copy(
+                update={"reload_delay_s": 20.0}
+            )
+        await fleet.target()
+        await fleet.rollout("r-38", "v2", Strategy(max_failures="5%"))
+
+        def running(worker: str) -> bool:
+            batch = batch_rollout_id("r-38", 0, 0)
+            if batch not in fleet.coordinator.fleet:
+                return False
+            detail = fleet.coordinator.fleet.status(batch, fleet.coordinator.now()).worker(worker)
+            return detail is not None and detail.state is WorkerState.RUNNING
+
+        await wait_for(lambda: all(running(w) for w in dying), 60)
+        for worker in dying:
+            fleet.kill(worker)
+        assert await fleet.phase("r-38", ControlPhase.SUCCEEDED, timeout=90) is (
+            ControlPhase.SUCCEEDED
+        )
+        state = fleet.rollout_of("r-38").state
+        assert state is not None and state.failed == sorted(dying)
+
+        def status() -> TargetStatus:
+            control, coordinator = fleet.coordinator.control, fleet.coordinator
+            target = control.target("tiny")
+            assert target is not None
+            return target_status(control, coordinator.fleet, target, coordinator.now())
+
+        await wait_for(lambda: status().at_stable == 38, 30)
+        shown = status()
+        assert (shown.stable_version, shown.workers, shown.lost, shown.drifting) == ("v2", 38, 2, 0)
+        alignment = {m.worker_id: m.alignment for m in shown.members}
+        assert {w for w, a in alignment.items() if a is Alignment.LOST} == set(dying)
+        assert {w for w, a in alignment.items() if a is Alignment.IN_SYNC} == (
+            set(fleet.runners) - set(dying)
+        )
+
+        for worker in dying:  # back from their old journals, still on v1
+            await fleet.start_agent(worker, tmp_path, {})
+        await wait_for(lambda: status().at_stable == 40, 60)
+        assert all(fleet.runners[w].history == ["v1", "v2"] for w in dying)
+        assert status().lost == 0 and status().drifting == 0
