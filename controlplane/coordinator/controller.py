@@ -40,7 +40,7 @@ from controlplane.kafka.transactions import (
     TransactionFenced,
     TransactionOutcomeUnknown,
 )
-from controlplane.rollout.progressive import Decision, decide
+from controlplane.rollout.progressive import Decision, conflicts, decide
 from controlplane.rollout.targets import ControlState
 from controlplane.wire.channels import COMMANDS, CONTROL
 from controlplane.wire.control import LeaderRecord
@@ -93,6 +93,8 @@ class Controller:
         self.fenced = 0
         self.last_error: str | None = None
         self._changed = asyncio.Event()
+        #: Workers two targets claim, as last reported.
+        self._conflicts: dict[str, list[str]] = {}
         follower.listeners.append(self._on_batch)
 
     def _on_batch(self, batch: Batch) -> None:
@@ -161,6 +163,7 @@ class Controller:
                 decision = decide(
                     self.control, self.fleet, now, issuer=self.issuer, probes=self.probes
                 )
+                self._report_conflicts(now)
                 if not decision:
                     await self._wait_change()
                     continue
@@ -202,6 +205,20 @@ class Controller:
             )
         # The next decision starts from these records: fold them first.
         await self.follower.wait_reached(_ends(txn.records))
+
+    def _report_conflicts(self, now: datetime) -> None:
+        """Say once per worker that two targets claim it (it is left alone meanwhile)."""
+        found = conflicts(self.control, self.fleet, now)
+        for worker, names in found.items():
+            if self._conflicts.get(worker) != names:
+                log.warning(
+                    "error: %s: worker %s is matched by targets %s: left alone until only one "
+                    "selector matches it",
+                    LocalCode.TARGET_CONFLICT,
+                    worker,
+                    ", ".join(names),
+                )
+        self._conflicts = found
 
     async def _judge_time(self, election: LeaderElection, generation: int) -> datetime:
         while True:

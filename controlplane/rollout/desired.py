@@ -20,6 +20,7 @@ from controlplane.rollout.fleet import Fleet
 from controlplane.rollout.progressive import held, should_run
 from controlplane.rollout.targets import ControlState, Target
 from controlplane.wire.control import ControlPhase, Desired, RolloutState
+from controlplane.wire.errors import LocalCode
 from controlplane.wire.messages import WorkerStatus
 
 
@@ -44,6 +45,9 @@ class WorkerAlignment(_Out):
     desired_version: str | None
     degraded: bool
     alignment: Alignment
+    #: TARGET_CONFLICT for a worker two targets match (``targets``: their names).
+    code: str | None = None
+    targets: tuple[str, ...] = ()
 
 
 class RolloutSummary(_Out):
@@ -101,7 +105,8 @@ def target_status(
     members: list[WorkerAlignment] = []
     hold = held(control, target)
     for view in fleet.registry.matching(target.selector, now, alive_only=False):
-        conflict = len(control.targets_of(view.labels)) > 1
+        claims = tuple(sorted(t.name for t in control.targets_of(view.labels)))
+        conflict = len(claims) > 1
         desired = stable if view.worker_id in hold else should_run(control, target, view.worker_id)
         version = None if desired is None else desired.version
         if conflict:
@@ -124,6 +129,8 @@ def target_status(
                 desired_version=version,
                 degraded=view.degraded is not None,
                 alignment=alignment,
+                code=LocalCode.TARGET_CONFLICT.value if conflict else None,
+                targets=claims if conflict else (),
             )
         )
     live = [m for m in members if m.alive and m.alignment is not Alignment.CONFLICT]

@@ -88,6 +88,8 @@ class LocalCode(StrEnum):
     TARGET_UNKNOWN = "TARGET_UNKNOWN"
     #: Another rollout of the target is in progress.
     TARGET_BUSY = "TARGET_BUSY"
+    #: A worker matched by two targets' selectors: shown, and left alone by the controller.
+    TARGET_CONFLICT = "TARGET_CONFLICT"
     ROLLOUT_UNKNOWN = "ROLLOUT_UNKNOWN"
     #: An action on a rollout that has ended (ended is ended).
     ROLLOUT_ENDED = "ROLLOUT_ENDED"
