@@ -358,6 +358,13 @@ def _boundaries(
                         for e in trace
                         if "decide" in e and since <= e["decide"] < decided["decide"]
                     ),
+                    # states those wrote (e.g. "waiting for <worker>"), each a transaction
+                    "states_between": [
+                        s
+                        for e in trace
+                        if "decide" in e and since <= e["decide"] < decided["decide"]
+                        for s in e["states"]
+                    ],
                 }
             )
         out.append(row)
