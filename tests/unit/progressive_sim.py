@@ -299,11 +299,15 @@ class Sim:
     def receivers(self, commands: Iterable[Command]) -> list[str]:
         return [w for c in commands for w in c.selector.worker_ids or []]
 
-    def handed_out(self) -> set[str]:
+    def handed_out(self, prefix: str = "") -> set[str]:
         """Workers holding a command they have not answered yet and that has not expired
-        (silent ones included)."""
+        (silent ones included), of the commands whose rollout id starts with ``prefix``."""
         now = self.now
-        return {r.worker_id for r in self._pending if r.command.expires_at > now}
+        return {
+            r.worker_id
+            for r in self._pending
+            if r.command.expires_at > now and r.command.rollout_id.startswith(prefix)
+        }
 
     def most_applying(self, prefix: str = "") -> int:
         """From the acks' timings: the most workers applying a command at once (of the

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controlplane.rollout.fleet import Fleet
-from controlplane.rollout.progressive import decide
+from controlplane.rollout.progressive import decide, held
 from controlplane.rollout.targets import ControlState
 from controlplane.wire.control import ActionKind, ProbeGate, RolloutState, Strategy
 from controlplane.wire.protocol import Ack, Command
@@ -47,6 +47,8 @@ class Scenario:
     delay: float
     actions: dict[int, list[ActionKind]]
     deaths: dict[int, str]
+    #: tick -> a worker that restarts then, from an old journal (it reports v1 again)
+    restarts: dict[int, str]
 
 
 @st.composite
@@ -66,11 +68,14 @@ def scenarios(draw: st.DrawFn) -> Scenario:
             )
         ),
         deaths=draw(st.dictionaries(st.integers(1, 40), st.sampled_from(workers), max_size=1)),
+        restarts=draw(st.dictionaries(st.integers(1, 40), st.sampled_from(workers), max_size=2)),
     )
 
 
 def simulate(scenario: Scenario) -> Sim:
     def policy(command: Command, worker_id: str) -> Outcome:
+        if command.rollout_id.startswith("sync-"):
+            return "ok"
         if ".rb." in command.rollout_id:
             return scenario.rollback_outcomes[worker_id]
         return scenario.outcomes[worker_id]
@@ -89,6 +94,9 @@ def _step(sim: Sim, scenario: Scenario, tick: int) -> None:
     dead = scenario.deaths.get(tick)
     if dead is not None:
         sim.workers[dead].alive = False
+    restarted = scenario.restarts.get(tick)
+    if restarted is not None:
+        sim.restart(restarted, version="v1")
 
 
 @fuzz(60)
@@ -99,7 +107,8 @@ def test_an_ended_rollout_never_reopens(scenario: Scenario) -> None:
     ended: RolloutState | None = None
     seen_batches: set[str] = set()
     revision = -1
-    for tick in range(200):
+    ended_at = 0
+    for tick in range(300):
         _step(sim, scenario, tick)
         if tick == 80:
             sim.act(ActionKind.ABORT)  # whatever happened, it ends
@@ -108,7 +117,7 @@ def test_an_ended_rollout_never_reopens(scenario: Scenario) -> None:
             sim.act(ActionKind.PROMOTE)
         decision = sim.decide()
         limit = scenario.strategy.max_unavailable
-        assert limit is None or len(sim.handed_out()) <= limit, sim.handed_out()
+        assert limit is None or len(sim.handed_out("r1.")) <= limit, sim.handed_out("r1.")
         for state in decision.states:
             assert ended is None, f"ended {ended.phase} rollout moved again: {state.phase}"
             assert state.revision == revision + 1
@@ -121,10 +130,10 @@ def test_an_ended_rollout_never_reopens(scenario: Scenario) -> None:
                 seen_batches.add(command.rollout_id)
         current = sim.state()
         if ended is None and current is not None and current.phase.terminal:
-            ended = current
+            ended, ended_at = current, tick
         if ended is not None:
             assert sim.state() == ended
-        if ended is not None and tick > 100:
+        if ended is not None and tick > ended_at + 30:
             break
         sim.tick(1)
     assert ended is not None, f"never ended: {sim.state()}"
@@ -133,6 +142,14 @@ def test_an_ended_rollout_never_reopens(scenario: Scenario) -> None:
     rollback_receivers = sim.receivers(sim.published("r1.rb."))
     assert len(rollback_receivers) == len(set(rollback_receivers))
     assert set(rollback_receivers) <= set(wave_receivers)
+    # Then every live worker converged on the target's stable state, but those an aborted
+    # rollout left as they were (held).
+    target = sim.control.target("llama")
+    assert target is not None and target.stable is not None
+    hold = held(sim.control, target)
+    for worker in sim.workers.values():
+        if worker.alive and worker.worker_id not in hold:
+            assert worker.version == target.stable.version, (worker, ended.phase)
 
 
 @fuzz(50)
