@@ -154,7 +154,7 @@ def test_an_ended_rollout_never_reopens(scenario: Scenario) -> None:
 
 @fuzz(50)
 @given(scenario=scenarios(), ticks=st.integers(0, 40), data=st.data())
-def test_any_order_of_the_same_events_gives_the_same_decision(
+def test_any_order_of_the_same_events_redelivered_or_not_gives_the_same_decision(
     scenario: Scenario, ticks: int, data: st.DataObject
 ) -> None:
     sim = simulate(scenario)
@@ -164,7 +164,8 @@ def test_any_order_of_the_same_events_gives_the_same_decision(
         sim.decide()
         sim.tick(1)
     _step(sim, scenario, ticks)
-    events = data.draw(st.permutations(sim.events))
+    redelivered = data.draw(st.lists(st.sampled_from(sim.events), max_size=20))
+    events = data.draw(st.permutations(sim.events + redelivered))
     fleet = Fleet()
     for event in events:
         if isinstance(event, Command):
