@@ -97,7 +97,7 @@ def state(
 
 
 def gate(wave: int, name: str = "health", passed: bool = True) -> GateResult:
-    return GateResult(wave=wave, gate=name, passed=passed)  # type: ignore[arg-type]
+    return GateResult(wave=wave, gate=name, passed=passed)
 
 
 def feed_control(coordinator: Coordinator, *records: ControlRecord) -> None:
