@@ -450,7 +450,7 @@ def _over(status: RolloutStatus) -> bool:
     """Whether a batch is over for the controller: it ended, or each of its workers acked an
     end or is lost. Lost is provisional for the fleet (the command ends only when it expires),
     but a dead worker must not hold a wave until its deadline: it counts as failed, against
-    ``max_failures``, from then on (and no longer once it comes back)."""
+    ``max_failures``, from then on."""
     return status.terminal or all(d.state.terminal for d in status.workers)
 
 
@@ -459,8 +459,10 @@ def _batch_over(ctx: _Context, batch_id: str) -> bool:
 
 
 def _failed(ctx: _Context, state: RolloutState) -> list[str]:
-    """Workers of this rollout's ended batches that failed, were rejected or were lost."""
-    failed: set[str] = set()
+    """Workers of this rollout's ended batches that failed, were rejected or were lost, and
+    those it counted before: a worker counted failed stays so (the fleet summarizes old ended
+    batches, dropping their per-worker details, while a long rollout still runs)."""
+    failed: set[str] = set(state.failed)
     for wave_index, wave in enumerate(state.waves[: state.wave + 1]):
         for batch_index in range(len(wave)):
             batch_id = batch_rollout_id(state.rollout_id, wave_index, batch_index)
@@ -475,7 +477,9 @@ def _failed(ctx: _Context, state: RolloutState) -> list[str]:
     return sorted(failed)
 
 
-def _updated(ctx: _Context, state: RolloutState) -> tuple[list[str], bool]:
+def _updated(
+    ctx: _Context, state: RolloutState, max_unavailable: int | None
+) -> tuple[list[str], bool]:
     """Workers that applied this rollout's change, and whether every batch handed out ended."""
     done: set[str] = set()
     ended = True
@@ -488,6 +492,10 @@ def _updated(ctx: _Context, state: RolloutState) -> tuple[list[str], bool]:
                 continue
             status = ctx.fleet.status(batch_id, ctx.now)
             ended = ended and _over(status)
+            if status.details_dropped:  # summarized: each worker of it not counted failed applied
+                members_ = batches(wave, max_unavailable)[batch_index]
+                done.update(w for w in members_ if w not in state.failed)
+                continue
             done.update(d.worker_id for d in status.workers if d.state is WorkerState.SUCCEEDED)
     return sorted(done), ended
 
@@ -508,7 +516,7 @@ def _aborting(
 def _roll_back(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutState:
     spec = rollout.spec
     if not state.rollback:
-        updated, ended = _updated(ctx, state)
+        updated, ended = _updated(ctx, state, spec.strategy.max_unavailable)
         if not ended:
             return state  # commands already handed out finish first
         if not updated:
@@ -554,8 +562,13 @@ def _roll_back(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutS
 
 def _rollback_failures(ctx: _Context, state: RolloutState) -> list[str]:
     failed: list[str] = []
-    for index in range(len(state.rollback)):
+    for index, members_ in enumerate(state.rollback):
         status = ctx.fleet.status(rollback_rollout_id(state.rollout_id, index), ctx.now)
+        if status.details_dropped:  # summarized: only its counts are left
+            missing = status.expected - status.counts.succeeded
+            if missing:
+                failed.append(f"{missing} of {', '.join(members_)}")
+            continue
         failed.extend(d.worker_id for d in status.workers if d.state is not WorkerState.SUCCEEDED)
     return sorted(failed)
 

@@ -97,10 +97,13 @@ class Sim:
         policy: Policy = always_ok,
         delay: float = 1.0,
         probe: Callable[[Command, str], dict[str, Any] | None] | None = None,
+        max_ended_rollouts: int | None = None,
     ) -> None:
+        """``max_ended_rollouts``: the fleet keeps that many ended rollouts in full and
+        summarizes the others at every tick, as the coordinator does."""
         self.t = 0.0
         self.control = ControlState()
-        self.fleet = Fleet()
+        self.fleet = Fleet(max_ended_rollouts=max_ended_rollouts)
         self.workers = {f"w{i:02}": Worker(f"w{i:02}") for i in range(n)}
         self.policy = policy
         self.delay = delay
@@ -223,6 +226,7 @@ class Sim:
         for reply in due:
             self._answer(reply)
         self.beat()
+        self.fleet.compact(self.now)
 
     def _answer(self, reply: _Reply) -> None:
         worker = self.workers[reply.worker_id]

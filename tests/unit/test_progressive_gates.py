@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from controlplane.wire.control import (
+    ActionKind,
     ControlPhase,
     ProbeGate,
     Strategy,
@@ -232,3 +233,38 @@ def test_a_lost_worker_beyond_max_failures_aborts_at_once() -> None:
     # w02 (its batch mate) applied: rolled back with the canary; w01 never acked: left alone.
     assert sorted(sim.receivers(sim.published("r1.rb."))) == ["w00", "w02"]
     assert not sim.published("r1.w1.b1")
+
+
+def test_failures_and_rollback_survive_the_fleet_summarizing_ended_batches() -> None:
+    """The coordinator's fleet keeps only the last ``max_ended_rollouts`` ended rollouts in
+    full: a long rollout's first batches lose their per-worker details while it runs. Its
+    failures must still count, and its rollback still reach every worker that applied."""
+
+    def policy(command: Command, worker_id: str) -> Outcome:
+        if command.rollout_id.startswith("r1.w"):
+            return "fail" if worker_id in ("w01", "w06") else "ok"
+        return "ok"
+
+    sim = Sim(7, policy=policy, max_ended_rollouts=1)
+    sim.start(Strategy(max_unavailable=1, max_failures="1"))
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.code == "MAX_FAILURES_EXCEEDED", state.message
+    assert state.failed == ["w01", "w06"]
+    assert sorted(sim.receivers(sim.published("r1.rb."))) == ["w00", "w02", "w03", "w04", "w05"]
+    assert state.phase is PHASE.ROLLED_BACK
+
+
+def test_a_failed_rollback_batch_counts_once_the_fleet_summarized_it() -> None:
+    def policy(command: Command, worker_id: str) -> Outcome:
+        return "fail" if ".rb." in command.rollout_id and worker_id == "w00" else "ok"
+
+    sim = Sim(4, policy=policy, max_ended_rollouts=1)
+    sim.start(Strategy(canary=3, max_unavailable=1, pause="manual"))
+    sim.run(sim.in_phase(PHASE.PAUSED))
+    sim.act(ActionKind.ABORT)
+    sim.run(sim.ended())
+    state = sim.current()
+    assert len(sim.published("r1.rb.")) == 3
+    assert state.phase is PHASE.ABORTED and state.code == "ROLLBACK_FAILED"
+    assert "w00" in state.message
