@@ -119,12 +119,15 @@ class Follower(AsyncService):
         probe: bool = False,
         probe_interval_s: float = 1.0,
         control: ControlState | None = None,
+        control_optional: bool = False,
     ) -> None:
         """``decode_ack``: None, the acks channel's compiled decoder; ``protocol.decode_ack``
         gives the same acks as pydantic models, several times slower. ``probe``: write a probe record to
         the workers topic every ``probe_interval_s`` and judge only up to what was read back
         (see the module's docstring). ``control``: also fold the controller topic into it
-        (targets and progressive rollouts)."""
+        (targets and progressive rollouts); ``control_optional``: when that topic does not
+        exist (a fleet whose topics were made before it), follow the rest and say so, instead
+        of failing (:attr:`control_missing`)."""
         self.settings = settings
         self.probe = probe
         self.probe_interval_s = probe_interval_s
@@ -169,6 +172,9 @@ class Follower(AsyncService):
             for channel in CHANNELS
         }
         self.control = control
+        self.control_optional = control_optional
+        #: The controller topic was asked for, optional, and not there at start.
+        self.control_missing = False
         if control is not None:
             self._decoders[CONTROL.topic(self.topics)] = (
                 CONTROL.decode,
@@ -180,6 +186,8 @@ class Follower(AsyncService):
 
     async def start(self) -> None:
         await self._consumer.start()
+        if self.control is not None and self.control_optional:
+            await self._drop_missing_control_topic()
         names = list(self._decoders)
         await self._consumer.assign_many(names)
         await self._consumer.seek_to_beginning()
@@ -193,6 +201,21 @@ class Follower(AsyncService):
             self._paused_collector = True
         if self.probe:
             self._probe_task = asyncio.create_task(self._probe_loop(), name="follower-probe")
+
+    async def _drop_missing_control_topic(self) -> None:
+        topic = CONTROL.topic(self.topics)
+        try:
+            await self._consumer.partitions(topic)
+        except BusError as exc:
+            if "does not exist" not in exc.message:
+                raise
+            del self._decoders[topic]
+            self.control_missing = True
+            log.warning(
+                "the controller topic %s does not exist: targets and progressive rollouts are "
+                "off until `controlplane topics ensure` creates it",
+                topic,
+            )
 
     async def stop(self) -> None:
         self._resume_collector()

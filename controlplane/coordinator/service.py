@@ -111,6 +111,7 @@ class Coordinator(AsyncService):
             probe=True,
             probe_interval_s=settings.probe_interval_s,
             control=self.control,
+            control_optional=True,
         )
         self.follower.listeners.append(self._on_batch)
         self.controller: Controller | None = None
@@ -160,7 +161,7 @@ class Coordinator(AsyncService):
         await self.follower.start()
         await self._producer.start()
         self._task = asyncio.create_task(self._run(), name="coordinator-follower")
-        if self.controller is not None:
+        if self.controller is not None and not self.follower.control_missing:
             self._controller_task = asyncio.create_task(
                 self._run_controller(self.controller), name="coordinator-controller"
             )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -44,6 +45,7 @@ from controlplane.wire.protocol import (
 )
 from tests.factories import agent_running, agent_settings
 from tests.fleet import wait_for
+from tests.integration.test_bus_publish import create_topic
 from workers.agent.loop import Agent
 from workers.runners.fake_runner import FakeRunner
 
@@ -389,3 +391,19 @@ async def test_38_of_40_applied_2_killed_targets_shows_it_and_the_2_converge_whe
         await wait_for(lambda: status().at_stable == 40, 60)
         assert all(fleet.runners[w].history == ["v1", "v2"] for w in dying)
         assert status().lost == 0 and status().drifting == 0
+
+
+async def test_a_fleet_without_the_controller_topic_keeps_its_coordinator_serving(
+    kafka_bootstrap: str,
+) -> None:
+    """Topics made before the controller's (an older `topics ensure`): the coordinator follows
+    the three channels as before and says the controller is off, instead of failing to start."""
+    settings = KafkaSettings(
+        bootstrap_servers=kafka_bootstrap, topic_prefix=f"old{uuid.uuid4().hex[:8]}"
+    )
+    for spec in settings.topics.all():
+        await create_topic(kafka_bootstrap, spec.name, spec.config, partitions=spec.partitions)
+    async with Coordinator(CoordinatorSettings(kafka=settings)) as coordinator:
+        await coordinator.wait_ready(60)
+        assert coordinator.follower.control_missing
+        assert coordinator.ready and coordinator.control.targets() == []
