@@ -169,9 +169,16 @@ def test_a_probe_delay_ends_at_close() -> None:
     runner = FakeRunner({"probe_delay_s": 600})
     runner.load()
     done = threading.Event()
-    thread = threading.Thread(target=lambda: (runner.probe("p", 1), done.set()))
+
+    def probe() -> None:
+        runner.probe("p", 1)
+        done.set()
+
+    thread = threading.Thread(target=probe)
     thread.start()
+    deadline = time.monotonic() + 60
     while not runner.probes:  # the probe started its delay
+        assert time.monotonic() < deadline, "the probe never began"
         time.sleep(0.01)
     assert not done.is_set()
     runner.close()
