@@ -35,9 +35,9 @@ def derive(data: dict[str, Any], n: int) -> dict[str, Any]:
                 "controller_cpu_ms_per_worker_wave_raw": 1e3
                 * ctrl["coordinator_cpu_s"]
                 / (n * waves),
-                "hand_cpu_ms_per_worker_wave": 1e3
-                * (hand["coordinator_cpu_s"] - idle_rate * hand["total_s"])
-                / (n * waves),
+                "hand_cpu_ms": 1e3 * hand["coordinator_cpu_s"],
+                "idle_decide_calls_per_s": ctrl["idle_decide"]["calls"] / ctrl["total_s"],
+                "idle_decide_cpu_ms": 1e3 * ctrl["idle_decide"]["cpu_s"],
                 "controller_cpu_ms_per_rollout": 1e3
                 * (ctrl["coordinator_cpu_s"] - ctrl["idle_cpu_s"]),
                 "idle_pct_core": 100 * idle_rate,
@@ -107,7 +107,9 @@ def derive(data: dict[str, Any], n: int) -> dict[str, Any]:
         "ratio_per_round_median": med("ratio"),
         "controller_cpu_ms_per_worker_wave": med("controller_cpu_ms_per_worker_wave"),
         "controller_cpu_ms_per_worker_wave_raw": med("controller_cpu_ms_per_worker_wave_raw"),
-        "hand_cpu_ms_per_worker_wave": med("hand_cpu_ms_per_worker_wave"),
+        "hand_cpu_ms": med("hand_cpu_ms"),
+        "idle_decide_calls_per_s": med("idle_decide_calls_per_s"),
+        "idle_decide_cpu_ms": med("idle_decide_cpu_ms"),
         "controller_cpu_ms_per_rollout": med("controller_cpu_ms_per_rollout"),
         "idle_pct_core": med("idle_pct_core"),
         "decisions_per_rollout": med("decisions"),
@@ -150,7 +152,7 @@ def report(result: dict[str, Any]) -> str:
             d["last_ack_to_state_s"] * ms,
             d["controller_cpu_ms_per_rollout"],
             d["controller_cpu_ms_per_worker_wave"],
-            d["hand_cpu_ms_per_worker_wave"],
+            d["hand_cpu_ms"],
             d["idle_pct_core"],
         ]
         for i, (rnd, d) in enumerate(zip(result["rounds"], s["rounds"], strict=True))
@@ -165,7 +167,7 @@ def report(result: dict[str, Any]) -> str:
         "last ack->state ms",
         "ctrl CPU ms",
         "ctrl CPU ms/worker/wave",
-        "hand CPU ms/worker/wave",
+        "hand: coord. CPU ms",
         "idle % core",
     ]
     wave_rows = [
@@ -227,12 +229,15 @@ def report(result: dict[str, Any]) -> str:
         "and its state read here.)",
         f"decide() per rollout: {fmt(s['decide_calls_per_rollout'])} calls, "
         f"{fmt(s['decide_ms_per_rollout'])} ms, {fmt(s['decide_cpu_ms_per_rollout'])} ms of CPU; "
-        f"during the waves by hand: {fmt(s['hand_decide_calls'])} calls, "
-        f"{fmt(s['hand_decide_cpu_ms'])} ms of CPU.",
+        f"during the waves by hand (target retired): {fmt(s['hand_decide_calls'])} calls, "
+        f"{fmt(s['hand_decide_cpu_ms'])} ms of CPU; idle (target on the agents): "
+        f"{fmt(s['idle_decide_calls_per_s'])} calls/s, {fmt(s['idle_decide_cpu_ms'])} ms of CPU "
+        "in a window as long as the rollout.",
         "",
-        "CPU: the coordinator child's, over its idle rate (a quiet window as long as the "
-        "rollout); per worker per wave = / (N x waves). hand: the same coordinator following "
-        "the waves by hand (its controller deciding nothing).",
+        "CPU: the coordinator child's (/proc, 10 ms ticks). ctrl: during the rollout, over its "
+        "idle rate (a quiet window as long as the rollout right after it, the target still on "
+        "the agents); per worker per wave = / (N x waves). hand: the same coordinator during "
+        "the waves by hand (target retired, its controller deciding nothing), not less idle.",
         f"controller/by hand: {fmt(s['controller_over_hand'])}x (medians: "
         f"{fmt(s['controller_s'])} s / {fmt(s['hand_s'])} s; per-round ratio median "
         f"{fmt(s['ratio_per_round_median'])})",

@@ -269,12 +269,14 @@ class Bench:
                 after["trace"], self.reader, rid, len(state.waves), start_wall
             ),
         }
-        await self.set_target(RETIRED, None)
-        # The quiet window, as long as the rollout: what the coordinator spends anyway.
+        # The quiet window, as long as the rollout, the target still on the agents: what the
+        # coordinator spends anyway (following heartbeats, deciding there is nothing to do).
         assert self.coordinator is not None
         c0, t0 = self.coordinator.cpu(), time.perf_counter()
         await asyncio.sleep(total)
         result["idle_cpu_s"] = (self.coordinator.cpu() - c0) * total / (time.perf_counter() - t0)
+        result["idle_decide"] = _decide_cost((await self.stats())["trace"])
+        await self.set_target(RETIRED, None)
         return result
 
     def _wave(self, rid: str, size: int, since: float) -> dict[str, Any]:
