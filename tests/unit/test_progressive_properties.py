@@ -49,6 +49,8 @@ class Scenario:
     deaths: dict[int, str]
     #: tick -> a worker that restarts then, from an old journal (it reports v1 again)
     restarts: dict[int, str]
+    #: The simulated coordinator's fleet summarizes ended rollouts beyond this many.
+    max_ended_rollouts: int | None
 
 
 @st.composite
@@ -69,6 +71,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         ),
         deaths=draw(st.dictionaries(st.integers(1, 40), st.sampled_from(workers), max_size=1)),
         restarts=draw(st.dictionaries(st.integers(1, 40), st.sampled_from(workers), max_size=2)),
+        max_ended_rollouts=draw(st.sampled_from([None, 0, 2])),
     )
 
 
@@ -85,6 +88,7 @@ def simulate(scenario: Scenario) -> Sim:
         policy=policy,
         delay=scenario.delay,
         probe=lambda c, w: {"tokens": [1], "mean_logprob": scenario.logprobs[w]},
+        max_ended_rollouts=scenario.max_ended_rollouts,
     )
 
 
@@ -166,7 +170,7 @@ def test_any_order_of_the_same_events_redelivered_or_not_gives_the_same_decision
     _step(sim, scenario, ticks)
     redelivered = data.draw(st.lists(st.sampled_from(sim.events), max_size=20))
     events = data.draw(st.permutations(sim.events + redelivered))
-    fleet = Fleet()
+    fleet = Fleet(max_ended_rollouts=scenario.max_ended_rollouts)
     for event in events:
         if isinstance(event, Command):
             fleet.observe_command(event)
@@ -174,6 +178,10 @@ def test_any_order_of_the_same_events_redelivered_or_not_gives_the_same_decision
             fleet.observe_ack(event)
         else:
             fleet.observe_heartbeat(event)
+    # Summarized as the simulated coordinator's fleet was, tick after tick (the same rollouts:
+    # ended ones beyond the newest few). A batch summarized before any decision saw it end
+    # loses which of its workers failed: the same summaries on both sides, then.
+    fleet.compact(sim.now)
     control = ControlState()
     for record in sim.records:
         control.observe(record)
