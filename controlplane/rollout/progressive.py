@@ -399,8 +399,8 @@ def _gate_failure(
     answers: dict[tuple[int, ...], list[str]] = {}
     for worker in updated:
         answer = _probe_of(ctx, rollout_id, state, worker)
-        if answer is None:
-            continue
+        if answer is None:  # its reload succeeded, so its ack would carry the answer
+            return "probe", f"{worker} applied the weights but sent no probe answer"
         if "unsupported" in answer:
             return "probe", f"{worker}'s runner cannot run a probe"
         if "error" in answer:
