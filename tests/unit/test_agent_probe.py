@@ -7,6 +7,7 @@ A reload that asks for a probe and succeeds carries ``result["probe"]``: the run
 from __future__ import annotations
 
 import asyncio
+import importlib
 import math
 import threading
 from pathlib import Path
@@ -20,7 +21,7 @@ from controlplane.wire.protocol import AckState, ReloadWeightsSpec
 from tests.unit.conftest import reload_command
 from workers.agent.apply import Outcome, apply
 from workers.agent.session import AgentLog, StopSignal
-from workers.runners.base import ProbeResult, ReloadResult, RunnerDescription
+from workers.runners.base import RUNNERS, ProbeResult, ReloadResult, RunnerDescription
 from workers.runners.fake_runner import FakeRunner, fake_probe
 
 PROBE = ProbeSpec(prompt="The capital of France is", max_tokens=5)
@@ -185,3 +186,17 @@ def test_a_probe_result_must_be_finite() -> None:
         ProbeResult.of([1], [-math.inf])
     with pytest.raises(ValueError, match="2 tokens and 1 log-probabilities"):
         ProbeResult.of([1, 2], [-1.0])
+
+
+@pytest.mark.parametrize("name", ["fake", "vllm"])
+def test_every_runner_has_a_probe(name: str) -> None:
+    """A runner without one would be "unsupported" everywhere, silently (torch's and xla's, the
+    torch runner's, are tested in tests/component/test_torch_runner.py)."""
+    module, _, attr = RUNNERS[name].partition(":")
+    assert callable(getattr(getattr(importlib.import_module(module), attr), "probe", None))
+
+
+def test_the_vllm_runner_says_it_cannot_probe() -> None:
+    from workers.runners.vllm_runner import VllmRunner
+
+    assert VllmRunner({"model": "m", "mode": "sidecar"}).probe("p", 1) is None
