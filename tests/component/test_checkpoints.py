@@ -8,21 +8,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import JsonValue
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from controlplane.wire.errors import WireCode
+from controlplane.wire.errors import ControlPlaneError, WireCode
+from controlplane.wire.protocol import ReloadWeightsSpec
 from tests.component.conftest import TINY
 from workers.demo.checkpoints import (
     BROKEN_CODES,
     BrokenKind,
     checkpoint_app,
     model_tensors,
+    probe_checkpoint,
     sha256_manifest,
     write_broken,
     write_checkpoint,
 )
 from workers.runners.tiny_lm import tiny_lm
+from workers.runners.torch_runner import TorchRunner
 
 
 def read_all(files: list[Path]) -> dict[str, torch.Tensor]:
@@ -126,3 +130,57 @@ def test_cli_write_and_broken(tmp_path: Path) -> None:
     assert json.loads(out.output)["code"] == WireCode.WEIGHTS_SHAPE_MISMATCH.value
     bad = cli.invoke(checkpoint_app, ["write", str(tmp_path / "x"), "--model-kwargs", "[1]"])
     assert bad.exit_code != 0
+
+
+PROMPT = "The capital of France is"
+
+
+def cli_probe(path: Path, *extra: str) -> dict[str, JsonValue]:
+    out = CliRunner().invoke(
+        checkpoint_app,
+        ["probe", str(path), "--prompt", PROMPT, "--model-kwargs", json.dumps(TINY), *extra],
+    )
+    assert out.exit_code == 0, out.output
+    answer: dict[str, JsonValue] = json.loads(out.output)
+    return answer
+
+
+def worker_probe(path: Path, max_tokens: int) -> dict[str, JsonValue]:
+    """What a worker's runner answers after reloading ``path`` over another model (seed 9)."""
+    runner = TorchRunner({"model_kwargs": TINY, "seed": 9})
+    runner.load()
+    try:
+        runner.reload_weights(ReloadWeightsSpec(path=str(path), version="v"), path)
+        result = runner.probe(PROMPT, max_tokens)
+    finally:
+        runner.close()
+    assert result is not None
+    return result.as_dict()
+
+
+def test_probe_answers_what_a_runner_running_the_checkpoint_reports(tmp_path: Path) -> None:
+    v4 = write_checkpoint(tmp_path / "v4", model_kwargs=TINY, seed=4, shards=2)
+    wrong = write_checkpoint(tmp_path / "wrong", model_kwargs=TINY, seed=5)
+    answer = cli_probe(v4)
+    assert answer == worker_probe(v4, 8)  # the default: the probe gate's --probe-max-tokens
+    assert set(answer) == {"tokens", "mean_logprob"}
+    assert isinstance(answer["tokens"], list) and len(answer["tokens"]) == 8
+    assert cli_probe(v4, "--max-tokens", "3") == worker_probe(v4, 3)
+    other = cli_probe(wrong)
+    assert other == worker_probe(wrong, 8)
+    assert other["tokens"] != answer["tokens"]  # valid shapes, other numbers: another answer
+
+
+def test_probe_of_a_checkpoint_that_does_not_load_is_one_coded_line(tmp_path: Path) -> None:
+    broken = write_broken(BrokenKind.SHAPE, tmp_path / "b", model_kwargs=TINY)
+    with pytest.raises(ControlPlaneError) as caught:
+        probe_checkpoint(broken.path, PROMPT, model_kwargs=TINY)
+    assert caught.value.code is WireCode.WEIGHTS_SHAPE_MISMATCH
+    out = CliRunner().invoke(
+        checkpoint_app,
+        ["probe", str(broken.path), "--prompt", PROMPT, "--model-kwargs", json.dumps(TINY)],
+    )
+    assert out.exit_code == 1
+    assert out.output.strip().splitlines() == [
+        f"error: WEIGHTS_SHAPE_MISMATCH: {caught.value.message}"
+    ]

@@ -1,7 +1,9 @@
-"""Write real safetensors checkpoints of a seeded model (whole, sharded, or broken on purpose).
+"""Write real safetensors checkpoints of a seeded model (whole, sharded, or broken on purpose),
+and probe one offline.
 
 A tool for tests, demos and benchmarks; torch is imported inside the functions so that mounting
-``checkpoint_app`` under the CLI stays cheap. It never loads checkpoints into a runner.
+``checkpoint_app`` under the CLI stays cheap. Only :func:`probe_checkpoint` loads a checkpoint,
+into the torch runner itself, so its answer is the one a worker running it reports.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from controlplane.wire.errors import WireCode
+from controlplane.wire.errors import ControlPlaneError, WireCode
+from controlplane.wire.exits import error_line
 from workers.weights.paths import checkpoint_files, open_member
 
 if TYPE_CHECKING:
     import torch
+
+    from workers.runners.base import ProbeResult
 
 DEFAULT_FACTORY = "workers.runners.tiny_lm:tiny_lm"
 INDEX_NAME = "model.safetensors.index.json"
@@ -238,6 +243,46 @@ def write_broken(
     return BrokenCheckpoint(file, manifest, code)
 
 
+def probe_checkpoint(
+    path: Path,
+    prompt: str,
+    max_tokens: int = 8,
+    *,
+    factory: str = DEFAULT_FACTORY,
+    model_kwargs: Mapping[str, Any] | None = None,
+) -> ProbeResult:
+    """What a worker's probe answers once it runs ``path``: a torch runner on the CPU loads the
+    checkpoint (strictly) and runs its own ``probe(prompt, max_tokens)``: same model build, byte
+    tokens and greedy decode. The release's expected answer, computed without a fleet.
+
+    ControlPlaneError (coded) when the checkpoint does not load or the model cannot probe.
+    """
+    from workers.runners.torch_runner import TorchRunner
+
+    try:
+        runner = TorchRunner(
+            {
+                "factory": factory,
+                "model_kwargs": dict(model_kwargs or {}),
+                "initial_checkpoint": str(path),
+                "initial_version": "probe",
+            }
+        )
+    except ValueError as exc:  # the options (a factory that is not 'module:callable')
+        raise ControlPlaneError(str(exc), code=WireCode.SCHEMA_INVALID) from None
+    try:
+        runner.load()
+        result = runner.probe(prompt, max_tokens)
+    finally:
+        runner.close()
+    if result is None:
+        raise ControlPlaneError(
+            f"the model of {factory!r} has no next_logits(): it cannot probe",
+            code=WireCode.RUNNER_FAILED,
+        )
+    return result
+
+
 # --------------------------------------------------------------------------- CLI
 
 checkpoint_app = typer.Typer(
@@ -298,3 +343,25 @@ def broken_command(
     typer.echo(
         json.dumps({"path": str(broken.path), "sha256": broken.sha256, "code": broken.code.value})
     )
+
+
+@checkpoint_app.command("probe")
+def probe_command(
+    path: Annotated[Path, typer.Argument(help="The checkpoint (file, directory or index json).")],
+    prompt: Annotated[str, typer.Option("--prompt", help="The probe's fixed prompt.")],
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", min=1, max=64, help="Greedy tokens to generate.")
+    ] = 8,
+    factory: FactoryOpt = DEFAULT_FACTORY,
+    model_kwargs: KwargsOpt = "{}",
+) -> None:
+    """Print what a worker running the checkpoint answers to the probe gate, as JSON:
+    {"tokens": [...], "mean_logprob": x} (tokens go to `rollout start --probe-expect-tokens`)."""
+    try:
+        result = probe_checkpoint(
+            path, prompt, max_tokens, factory=factory, model_kwargs=_kwargs(model_kwargs)
+        )
+    except ControlPlaneError as exc:
+        typer.echo(error_line(exc), err=True)
+        raise typer.Exit(1) from None
+    typer.echo(json.dumps(result.as_dict()))
