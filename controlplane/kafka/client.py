@@ -13,6 +13,7 @@ import gc
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+from aiokafka.conn import CloseReason
 from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError
 from aiokafka.helpers import create_ssl_context
 
@@ -111,6 +112,48 @@ def client_options(settings: KafkaSettings) -> dict[str, Any]:
         if settings.sasl_password is not None:
             opts["sasl_plain_password"] = settings.sasl_password.get_secret_value()
     return opts
+
+
+def finish_bootstrap_when_cancelled(client: Any) -> None:
+    """Make a cancelled ``client.bootstrap()`` (aiokafka's ``AIOKafkaClient``, the first step of
+    every client's start) leave no connection open.
+
+    aiokafka's bootstrap opens a connection, asks it for the cluster's metadata and closes it;
+    cancelled in between (a stop, or a timeout around start(), in the milliseconds that takes)
+    it drops that connection unclosed, where no close() reaches it: the socket stays open until
+    the garbage collector finds it ("Unclosed AIOKafkaConnection"). So the caller's cancellation
+    no longer reaches the bootstrap: it runs on to its end (each of its steps is bounded by the
+    request timeout) and whatever it opened is closed then. The cancelled start is followed by
+    a stop(), never by another start().
+    """
+    original = client.bootstrap
+
+    async def bootstrap() -> None:
+        task = asyncio.ensure_future(original())
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(functools.partial(_close_after_bootstrap, client))
+            raise
+
+    client.bootstrap = bootstrap
+
+
+def _close_after_bootstrap(client: Any, task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: its caller went away
+    close_now(client)
+
+
+def close_now(client: Any) -> None:
+    """What aiokafka's ``client.close()`` does, without waiting: stop its metadata task and
+    close every connection it holds (each socket closes on the loop's next turn)."""
+    sync_task = getattr(client, "_sync_task", None)
+    if sync_task is not None:
+        sync_task.cancel()
+        client._sync_task = None
+    for conn in list(client._conns.values()):
+        conn.close(reason=CloseReason.SHUTDOWN)
 
 
 class ClientLifecycle(AsyncService):

@@ -32,7 +32,13 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.coordinator.assignors.sticky.sticky_assignor import StickyPartitionAssignor
 
-from controlplane.kafka.client import ClientLifecycle, being_cancelled, client_options, translate
+from controlplane.kafka.client import (
+    ClientLifecycle,
+    being_cancelled,
+    client_options,
+    finish_bootstrap_when_cancelled,
+    translate,
+)
 from controlplane.kafka.health import log
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.errors import BusError, LocalCode
@@ -79,6 +85,7 @@ class LeaderElection(ClientLifecycle):
             heartbeat_interval_ms=heartbeat_interval_ms or max(1000, session_timeout_ms // 3),
             partition_assignment_strategy=(StickyPartitionAssignor,),
         )
+        finish_bootstrap_when_cancelled(self._consumer._client)
         self._poller: asyncio.Task[None] | None = None
 
     # ----------------------------------------------------------------- lifecycle

@@ -10,7 +10,13 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
-from controlplane.kafka.client import ClientLifecycle, Record, client_options, translate
+from controlplane.kafka.client import (
+    ClientLifecycle,
+    Record,
+    client_options,
+    finish_bootstrap_when_cancelled,
+    translate,
+)
 from controlplane.kafka.health import health, log
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.errors import BusError, LocalCode
@@ -84,6 +90,7 @@ class Producer(ClientLifecycle):
             linger_ms=linger_ms,
             max_request_size=2 * 1024 * 1024,
         )
+        finish_bootstrap_when_cancelled(self._producer.client)
         self.stop_timeout_s = stop_timeout_s
         self.disposable = disposable
         #: How long :meth:`send` waits for the cluster to confirm a record.

@@ -35,7 +35,13 @@ from aiokafka.errors import (
     TransactionalIdAuthorizationFailed,
 )
 
-from controlplane.kafka.client import ClientLifecycle, Record, client_options, translate
+from controlplane.kafka.client import (
+    ClientLifecycle,
+    Record,
+    client_options,
+    finish_bootstrap_when_cancelled,
+    translate,
+)
 from controlplane.kafka.health import health, log
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.errors import BusError, LocalCode
@@ -115,6 +121,7 @@ class TransactionalProducer(ClientLifecycle):
             transaction_timeout_ms=transaction_timeout_ms,
             max_request_size=2 * 1024 * 1024,
         )
+        finish_bootstrap_when_cancelled(self._producer.client)
         self._state = TxnState.NEW
         #: Held by a transaction; stop() waits for it (closing under one breaks aiokafka).
         self._lock = asyncio.Lock()
