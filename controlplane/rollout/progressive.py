@@ -23,7 +23,7 @@ The rules, wave by wave (docs/rollouts.md, "Progressive rollouts"):
 4. When a wave's last batch ended: during ``bake_s``, a degraded worker fails the health gate; at
    the end of it every updated worker must be alive, ready, not degraded and on the new version
    (health), agree on its config digest (agreement) and, with a probe, have answered it
-   alike and as the strategy expects (probe; a worker of the wave without an answer fails it). A failed gate aborts. A wave that has not passed its
+   alike and as the strategy expects (probe; no answer, or a malformed one, fails it). A failed gate aborts. A wave that has not passed its
    gates within ``progress_deadline_s`` of its start aborts (time paused does not count: an
    operator's pause, or at the boundary once its gates passed; a resume restarts the clock).
 5. Between waves: ``pause`` seconds, or until a ``promote`` (manual). An operator's pause holds
@@ -316,16 +316,6 @@ def _after_wave(ctx: _Context, rollout: Rollout, state: RolloutState) -> Rollout
         waiting = _not_healthy(ctx, spec.desired, updated)
         if waiting:
             return _progressing(state, f"wave {state.wave}: waiting for {waiting}")
-        if strategy.probe is not None:  # every worker of the wave is on the new version now
-            wave = state.waves[state.wave]
-            silent = [
-                w
-                for w in updated
-                if w in wave and _probe_of(ctx, spec.rollout_id, state, w) is None
-            ]
-            if silent:
-                why = f"no probe answer from {', '.join(silent)}"
-                return _gate_failed(state, "probe", why, spec.rollback, ctx.now)
         results = [GateResult(wave=state.wave, gate="health", passed=True)]
         results.append(GateResult(wave=state.wave, gate="agreement", passed=True))
         if strategy.probe is not None:
@@ -405,8 +395,10 @@ def _gate_failure(
             return "probe", f"{worker}'s runner cannot run a probe"
         if "error" in answer:
             return "probe", f"{worker}'s probe failed: {answer['error']}"
-        tokens = tuple(int(t) for t in answer.get("tokens", []))
-        logprob = float(answer.get("mean_logprob", float("-inf")))
+        reading = _reading(answer)
+        if reading is None:
+            return "probe", f"{worker}'s probe answer is malformed: {str(dict(answer))[:200]}"
+        tokens, logprob = reading
         if probe.expect_tokens is not None and list(tokens) != probe.expect_tokens:
             return "probe", f"{worker} answered {list(tokens)}, expected {probe.expect_tokens}"
         if probe.min_mean_logprob is not None and not logprob >= probe.min_mean_logprob:
@@ -418,6 +410,18 @@ def _gate_failure(
         shown = "; ".join(f"{list(t)}: {', '.join(ws)}" for t, ws in answers.items())
         return "probe", f"updated workers answered the probe differently ({shown})"
     return None
+
+
+def _reading(answer: Mapping[str, Any]) -> tuple[tuple[int, ...], float] | None:
+    """(tokens, mean log-prob) of a probe answer, as a worker's ack carries it; None when it is
+    not one (it is the worker's JSON: a bad one fails the gate, never the decision)."""
+    tokens = answer.get("tokens", [])
+    logprob = answer.get("mean_logprob", float("-inf"))
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        return None
+    if isinstance(logprob, bool) or not isinstance(logprob, int | float):
+        return None
+    return tuple(tokens), float(logprob)
 
 
 def _probe_of(

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from controlplane.wire.control import (
     ActionKind,
     ControlPhase,
@@ -139,7 +141,8 @@ def test_a_worker_that_applied_without_answering_the_probe_fails_the_probe_gate(
     sim.run(sim.ended())
     state = sim.current()
     assert state.phase is PHASE.ROLLED_BACK
-    assert state.code == "GATE_FAILED" and "no probe answer from w00" in state.message
+    assert state.code == "GATE_FAILED" and "probe answer" in state.message
+    assert "w00" in state.message
     assert [(g.wave, g.gate, g.passed) for g in state.gates] == [(0, "probe", False)]
     assert [c.rollout_id for c in sim.published()] == ["r1.w0.b0", "r1.rb.b0"]
 
@@ -268,3 +271,29 @@ def test_a_failed_rollback_batch_counts_once_the_fleet_summarized_it() -> None:
     assert len(sim.published("r1.rb.")) == 3
     assert state.phase is PHASE.ABORTED and state.code == "ROLLBACK_FAILED"
     assert "w00" in state.message
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"tokens": ["x"], "mean_logprob": -1.0},
+        {"tokens": [1, None], "mean_logprob": -1.0},
+        {"tokens": 7, "mean_logprob": -1.0},
+        {"tokens": [1], "mean_logprob": "high"},
+        {"tokens": [1], "mean_logprob": None},
+        {"tokens": [1], "mean_logprob": [1]},
+        {"tokens": [1.5], "mean_logprob": -1.0},
+        {"tokens": [True], "mean_logprob": -1.0},
+    ],
+)
+def test_a_malformed_probe_answer_fails_the_gate_without_breaking_the_decision(
+    answer: dict[str, Any],
+) -> None:
+    """Probe answers come from the workers' acks: whatever one says, the decision is made and
+    the gate fails with the reason (an exception here would stop the controller for good)."""
+    sim = Sim(3, probe=lambda c, w: answer if w == "w00" else {"tokens": [1], "mean_logprob": -1})
+    sim.start(Strategy(canary=1, probe=ProbeGate(prompt="p", min_mean_logprob=-2.0)))
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.phase is PHASE.ROLLED_BACK
+    assert state.code == "GATE_FAILED" and "w00" in state.message, state.message
