@@ -22,8 +22,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from controlplane.coordinator.follower import Batch
+from controlplane.rollout.desired import Alignment, targets_status
 from controlplane.rollout.models import RolloutPhase
 from controlplane.wire.ack_codec import AckLike
+from controlplane.wire.control import ControlPhase
 from controlplane.wire.errors import LocalCode, WireCode
 from controlplane.wire.protocol import Command
 
@@ -231,8 +233,10 @@ class _FleetCollector(Collector):
         undecodable.add_metric([], follower.undecodable)
         yield undecodable
 
+        yield from self._controller()
         if now is None:  # not caught up (or cut off from Kafka): no judgement to report
             return
+        yield from self._targets(now)
         phases = collections.Counter(s.phase for s in fleet.rollouts(now))
         rollouts = GaugeMetricFamily(
             "controlplane_rollouts", "Rollouts by phase.", labels=["phase"]
@@ -284,3 +288,57 @@ class _FleetCollector(Collector):
             gauge = GaugeMetricFamily(name, text)
             gauge.add_metric([], value)
             yield gauge
+
+    def _controller(self) -> Iterator[Metric]:
+        controller = self._coordinator.controller
+        leading = GaugeMetricFamily(
+            "controlplane_controller_leading",
+            "1 while this coordinator is the elected controller and writes.",
+        )
+        leading.add_metric([], 1.0 if controller is not None and controller.leading else 0.0)
+        yield leading
+        if controller is None:
+            return
+        for name, text, value in (
+            (
+                "controlplane_controller_decisions",
+                "Decisions this coordinator wrote as controller (one transaction each).",
+                controller.decisions,
+            ),
+            (
+                "controlplane_controller_commands",
+                "Commands this coordinator published as controller.",
+                controller.commands_published,
+            ),
+            (
+                "controlplane_controller_fenced",
+                "Times another coordinator fenced this one (CONTROLLER_FENCED).",
+                controller.fenced,
+            ),
+        ):
+            counter = CounterMetricFamily(name, text)
+            counter.add_metric([], value)
+            yield counter
+
+    def _targets(self, now: datetime) -> Iterator[Metric]:
+        coordinator = self._coordinator
+        control = coordinator.control
+        phases = collections.Counter(
+            r.phase.value if r.phase is not None else "pending" for r in control.rollouts()
+        )
+        progressive = GaugeMetricFamily(
+            "controlplane_progressive_rollouts", "Progressive rollouts by phase.", labels=["phase"]
+        )
+        for phase in ("pending", *(p.value for p in ControlPhase)):
+            progressive.add_metric([phase], phases[phase])
+        yield progressive
+        workers = GaugeMetricFamily(
+            "controlplane_target_workers",
+            "Workers of each target by how they stand against its desired state.",
+            labels=["target", "alignment"],
+        )
+        for status in targets_status(control, coordinator.fleet, now):
+            counts = collections.Counter(m.alignment for m in status.members)
+            for alignment in Alignment:
+                workers.add_metric([status.name, alignment.value], counts[alignment])
+        yield workers

@@ -18,7 +18,7 @@ from controlplane.wire.protocol import (
     AckState,
     Command,
 )
-from tests.component.conftest import ack, command, feed, heartbeat, sample
+from tests.component.conftest import T0, ack, command, feed, heartbeat, sample
 
 # --------------------------------------------------------------------------- metrics
 
@@ -119,3 +119,37 @@ async def test_unknown_error_codes_are_one_label_value(
     assert sample(text, "controlplane_acks_total", state="failed", code="OTHER") == 5
     assert sample(text, "controlplane_acks_total", state="failed", code="RUNNER_FAILED") == 1
     assert "MADE_UP" not in text
+
+
+async def test_metrics_show_the_controller_and_each_target_against_its_desired_state(
+    client: httpx.AsyncClient, coordinator: Coordinator
+) -> None:
+    from controlplane.wire.control import Desired, RolloutSpec, TargetSpec, WeightsRef
+
+    stable = Desired(weights=WeightsRef(path="/ckpt/v1", version="v1"))
+    coordinator.control.observe(
+        TargetSpec(name="tiny", selector={"model": "tiny"}, stable=stable, issued_at=T0, issuer="t")
+    )
+    coordinator.control.observe(
+        RolloutSpec(
+            rollout_id="r-next",
+            target="tiny",
+            desired=Desired(weights=WeightsRef(path="/ckpt/v2", version="v2")),
+            issued_at=T0,
+            issuer="t",
+        )
+    )
+    feed(
+        coordinator,
+        heartbeat("w1", 1, labels={"model": "tiny"}),
+        heartbeat("w2", 1, version="v0", labels={"model": "tiny"}),
+    )
+    text = (await client.get("/metrics")).text
+    assert sample(text, "controlplane_controller_leading") == 0  # never started here
+    assert sample(text, "controlplane_controller_fenced_total") == 0
+    assert sample(text, "controlplane_progressive_rollouts", phase="pending") == 1
+    assert sample(text, "controlplane_progressive_rollouts", phase="succeeded") == 0
+    aligned = "controlplane_target_workers"
+    assert sample(text, aligned, target="tiny", alignment="in_sync") == 1
+    assert sample(text, aligned, target="tiny", alignment="drifting") == 1
+    assert sample(text, aligned, target="tiny", alignment="lost") == 0
