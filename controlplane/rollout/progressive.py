@@ -531,12 +531,8 @@ def _roll_back(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutS
                 f"{state.message}; no worker had applied it",
                 ctx.now,
             )
-        back = _rollback_spec(state.previous, spec.desired)
-        if back is None:
-            why = (
-                f"{state.message}; nothing to roll back to (the target had no stable state for it)"
-            )
-            return _ended(state, ControlPhase.ABORTED, LocalCode.ROLLBACK_UNAVAILABLE, why, ctx.now)
+        if _rollback_spec(state.previous, spec.desired) is None:
+            return _unavailable(state, ctx.now)
         plan = batches(updated, spec.strategy.max_unavailable)
         return state.model_copy(update={"rollback": plan, "rollback_batch": 0})
     if state.rollback_batch >= len(state.rollback):
@@ -550,7 +546,8 @@ def _roll_back(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutS
     batch_id = rollback_rollout_id(spec.rollout_id, state.rollback_batch)
     if not ctx.known(batch_id):
         back = _rollback_spec(state.previous, spec.desired)
-        assert back is not None  # checked when the rollback was planned
+        if back is None:  # checked when the rollback was planned, unless the log says otherwise
+            return _unavailable(state, ctx.now)
         ctx.publish(
             batch_id,
             state.rollback[state.rollback_batch],
@@ -564,10 +561,19 @@ def _roll_back(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutS
     return state
 
 
+def _unavailable(state: RolloutState, now: datetime) -> RolloutState:
+    why = f"{state.message}; nothing to roll back to (the target had no stable state for it)"
+    return _ended(state, ControlPhase.ABORTED, LocalCode.ROLLBACK_UNAVAILABLE, why, now)
+
+
 def _rollback_failures(ctx: _Context, state: RolloutState) -> list[str]:
     failed: list[str] = []
     for index, members_ in enumerate(state.rollback):
-        status = ctx.fleet.status(rollback_rollout_id(state.rollout_id, index), ctx.now)
+        batch_id = rollback_rollout_id(state.rollout_id, index)
+        if batch_id not in ctx.fleet:  # never seen: nothing says these went back
+            failed.extend(members_)
+            continue
+        status = ctx.fleet.status(batch_id, ctx.now)
         if status.details_dropped:  # summarized: only its counts are left
             missing = status.expected - status.counts.succeeded
             if missing:

@@ -209,6 +209,8 @@ class Sim:
                 self.commands.append((self.t, command))
                 self.feed(command)
                 for worker_id in command.selector.worker_ids or []:
+                    if worker_id not in self.workers:
+                        continue  # no such worker: nobody answers
                     outcome = self.policy(command, worker_id)
                     self._pending.append(_Reply(self.t + self.delay, command, worker_id, outcome))
             for state in decision.states:

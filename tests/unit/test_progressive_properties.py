@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 from controlplane.rollout.fleet import Fleet
 from controlplane.rollout.progressive import decide, held
 from controlplane.rollout.targets import ControlState
-from controlplane.wire.control import ActionKind, ProbeGate, RolloutState, Strategy
+from controlplane.wire.control import ActionKind, ControlPhase, ProbeGate, RolloutState, Strategy
 from controlplane.wire.protocol import Ack, Command
-from tests.unit.progressive_sim import Outcome, Sim
+from tests.factories import at
+from tests.unit.progressive_sim import V1, Outcome, Sim, weights
 from tests.unit.strategies import fuzz
 
 STEPS = st.lists(st.sampled_from(["1", "2", "25%", "50%", "75%"]), max_size=3).map(
@@ -188,3 +189,45 @@ def test_any_order_of_the_same_events_redelivered_or_not_gives_the_same_decision
     in_order = decide(sim.control, sim.fleet, sim.now, probes=sim.probes)
     shuffled = decide(control, fleet, sim.now, probes=dict(reversed(list(sim.probes.items()))))
     assert shuffled == in_order
+
+
+_POOL = ["w00", "w01", "w02", "w03", "w09"]
+_workers = st.lists(st.sampled_from(_POOL), max_size=4, unique=True)
+
+
+@st.composite
+def logged_states(draw: st.DrawFn) -> RolloutState:
+    """Any state record the controller topic may hold for r1 (hand-written ones included)."""
+    return RolloutState(
+        rollout_id="r1",
+        target=draw(st.sampled_from(["llama", "other"])),
+        revision=draw(st.integers(0, 5)),
+        phase=draw(st.sampled_from(list(ControlPhase))),
+        waves=draw(st.lists(_workers, max_size=3)),
+        wave=draw(st.integers(0, 4)),
+        batch=draw(st.integers(0, 4)),
+        wave_done_at=draw(st.one_of(st.none(), st.just(at(0)))),
+        wave_started_at=draw(st.one_of(st.none(), st.just(at(0)))),
+        promoted=draw(st.integers(0, 2)),
+        failed=draw(_workers),
+        previous=draw(st.sampled_from([None, V1, weights("v0", top_k=1)])),
+        rollback=draw(st.lists(_workers, max_size=2)),
+        rollback_batch=draw(st.integers(0, 3)),
+        started_at=at(0),
+        updated_at=at(0),
+    )
+
+
+@fuzz(100)
+@given(state=logged_states(), strategy=rollout_strategies, ticks=st.integers(0, 6))
+def test_decide_never_raises_whatever_state_the_log_holds(
+    state: RolloutState, strategy: Strategy, ticks: int
+) -> None:
+    sim = Sim(4)
+    sim.start(strategy)
+    sim.observe(state)
+    for _ in range(ticks):
+        sim.decide()
+        sim.tick(1)
+    for decided in sim.states:
+        assert decided.revision > state.revision
