@@ -132,7 +132,8 @@ def test_progressive_quick(tmp_path: Path, pytestconfig: pytest.Config) -> None:
             assert number(arm["total_s"]) and number(arm["coordinator_cpu_s"])
             assert all(number(w["to_last_ack_s"]) for w in arm["waves"])
         assert number(controller["idle_cpu_s"])
-        assert [g["wave"] for g in controller["boundaries"]] == list(range(len(data["waves"])))
+        waves = len(data["waves"])
+        assert [g["wave"] for g in controller["boundaries"]] == [*range(waves), "end"]
     summary = data["summary"]
     for key in ("hand_s", "controller_s", "controller_over_hand"):
         assert number(summary[key]), key
