@@ -156,6 +156,25 @@ def close_now(client: Any) -> None:
         conn.close(reason=CloseReason.SHUTDOWN)
 
 
+async def stop_producer(producer: Any, timeout_s: float, on_timeout: Callable[[], None]) -> None:
+    """aiokafka's ``producer.stop()`` (an ``AIOKafkaProducer``), within ``timeout_s``.
+
+    It delivers the records still pending first, and with Kafka down it would wait for them for
+    ever: past ``timeout_s``, ``on_timeout()`` (the caller says so) and the producer is closed
+    without them, its sender and then its connections."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await producer.stop()
+        return
+    except TimeoutError:
+        on_timeout()
+    sender = getattr(producer, "_sender", None)
+    if sender is not None:
+        with contextlib.suppress(Exception):
+            await sender.close()
+    await producer.client.close()
+
+
 class ClientLifecycle(AsyncService):
     """start()/stop() with a null state: stop() works after a failed start() and twice."""
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +14,7 @@ from controlplane.kafka.client import (
     Record,
     client_options,
     finish_bootstrap_when_cancelled,
+    stop_producer,
     translate,
 )
 from controlplane.kafka.health import health, log
@@ -101,22 +101,15 @@ class Producer(ClientLifecycle):
             await self._producer.start()
 
     async def _stop(self) -> None:
-        try:
-            async with asyncio.timeout(self.stop_timeout_s):
-                await self._producer.stop()
-            return
-        except TimeoutError:
-            log.log(
-                logging.DEBUG if self.disposable else logging.WARNING,
-                "the producer could not deliver its pending records within %g s "
-                "(Kafka unreachable?); closing without them",
-                self.stop_timeout_s,
-            )
-        sender = getattr(self._producer, "_sender", None)
-        if sender is not None:
-            with contextlib.suppress(Exception):
-                await sender.close()
-        await self._producer.client.close()
+        await stop_producer(self._producer, self.stop_timeout_s, self._closing_without_pending)
+
+    def _closing_without_pending(self) -> None:
+        log.log(
+            logging.DEBUG if self.disposable else logging.WARNING,
+            "the producer could not deliver its pending records within %g s "
+            "(Kafka unreachable?); closing without them",
+            self.stop_timeout_s,
+        )
 
     async def send(
         self,

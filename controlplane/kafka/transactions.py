@@ -40,6 +40,7 @@ from controlplane.kafka.client import (
     Record,
     client_options,
     finish_bootstrap_when_cancelled,
+    stop_producer,
     translate,
 )
 from controlplane.kafka.health import health, log
@@ -148,21 +149,14 @@ class TransactionalProducer(ClientLifecycle):
         if self._state in (TxnState.NEW, TxnState.READY):
             self._state = TxnState.CLOSED
         async with self._lock:
-            try:
-                async with asyncio.timeout(self.stop_timeout_s):
-                    await self._producer.stop()
-                return
-            except TimeoutError:
-                log.warning(
-                    "the transactional producer %r did not close within %g s; dropping it",
-                    self.transactional_id,
-                    self.stop_timeout_s,
-                )
-            sender = getattr(self._producer, "_sender", None)
-            if sender is not None:
-                with contextlib.suppress(Exception):
-                    await sender.close()
-            await self._producer.client.close()
+            await stop_producer(self._producer, self.stop_timeout_s, self._dropping)
+
+    def _dropping(self) -> None:
+        log.warning(
+            "the transactional producer %r did not close within %g s; dropping it",
+            self.transactional_id,
+            self.stop_timeout_s,
+        )
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[Transaction]:
