@@ -364,8 +364,10 @@ class TargetWritten(BaseModel):
 class WaveOut(BaseModel):
     index: int
     workers: list[str]
-    #: Every wave before the rollout's current one has passed its gates.
-    passed: bool
+    passed: bool = Field(
+        description="It passed its gates (a wave waiting at its boundary, for a pause or a "
+        "promote, has passed)."
+    )
     current: bool = Field(description="The wave in progress (false once the rollout ended).")
     gates: list[GateResult]
 
@@ -434,13 +436,14 @@ def rollout_out(rollout: Rollout) -> ProgressiveRolloutOut:
     waves: list[WaveOut] = []
     if state is not None:
         for index, workers in enumerate(state.waves):
+            gates = [g for g in state.gates if g.wave == index]
             waves.append(
                 WaveOut(
                     index=index,
                     workers=list(workers),
-                    passed=index < state.wave,
+                    passed=index < state.wave or (bool(gates) and all(g.passed for g in gates)),
                     current=index == state.wave and not state.phase.terminal,
-                    gates=[g for g in state.gates if g.wave == index],
+                    gates=gates,
                 )
             )
     phase = None if state is None else state.phase

@@ -21,7 +21,7 @@ from controlplane.api.app import create_app
 from controlplane.api.models import from_domain
 from controlplane.api.server import ApiServer
 from controlplane.coordinator.follower import Batch
-from controlplane.coordinator.service import Coordinator
+from controlplane.coordinator.service import SUBSCRIBER_QUEUE, Coordinator
 from controlplane.wire.control import (
     ActionKind,
     ControlPhase,
@@ -564,7 +564,11 @@ async def test_events_follow_waves_and_gates_until_the_end(
         assert (name, body["state"]["batch"]) == ("state", 1)
 
         feed_control(coordinator, state("r-live", ControlPhase.PROGRESSING, 3, gates=[gate(0)]))
-        assert await events.names(1) == ["state"]
+        name, body = await events.next()
+        assert [(w["passed"], w["current"]) for w in body["waves"]] == [
+            (True, True),  # its gates passed: it waits at its boundary
+            (False, False),
+        ]
         name, wave = await events.next()
         assert (name, wave["wave"], len(wave["gates"])) == ("wave", 0, 1)  # a gate result
 
@@ -605,19 +609,22 @@ async def test_news_that_changes_nothing_sends_nothing(
 
 
 async def test_a_client_too_slow_for_the_change_feed_gets_a_resync_then_the_state(
-    coordinator: Coordinator, client: httpx.AsyncClient, targets: None
+    coordinator: Coordinator, served: httpx.AsyncClient
 ) -> None:
     feed_control(
         coordinator, rollout_spec("r-live", "v4"), state("r-live", ControlPhase.PROGRESSING, 1)
     )
-    stream = asyncio.create_task(client.get("/api/v1/progressive-rollouts/r-live/events"))
-    await wait_for(lambda: coordinator.subscribers == 1)
-    for i in range(200):  # faster than it reads: its queue stays bounded
-        feed(coordinator, heartbeat("w1", 9.1 + i / 1000, version="v2"))
-    feed_control(coordinator, state("r-live", ControlPhase.SUCCEEDED, 2, wave=2))
-    names = [e for e, _ in sse_events((await asyncio.wait_for(stream, 10)).text)]
-    assert names[:2] == ["state", "wave"] and "resync" in names and names[-1] == "end"
-    assert names[names.index("resync") + 1] == "state"  # the full state again, even if unchanged
+    async with served.stream("GET", "/api/v1/progressive-rollouts/r-live/events") as stream:
+        events = Events(stream.aiter_lines())
+        assert await events.names(2) == ["state", "wave"]
+        await wait_for(lambda: coordinator.subscribers == 1)
+        for i in range(SUBSCRIBER_QUEUE * 3):  # faster than it reads: its queue stays bounded
+            feed(coordinator, heartbeat("w1", 9.1 + i / 1000, version="v2"))
+            assert coordinator.backlog <= SUBSCRIBER_QUEUE
+        # The changes it missed were dropped: the full state again, even if unchanged.
+        assert await events.names(2) == ["resync", "state"]
+        feed_control(coordinator, state("r-live", ControlPhase.SUCCEEDED, 2, wave=2))
+        assert await events.names(3) == ["state", "wave", "end"]
 
 
 async def test_events_wait_for_a_rollout_just_requested(
