@@ -189,6 +189,11 @@ class RolloutSpec(WireModel):
     def _changes_something(self) -> RolloutSpec:
         if self.desired.weights is None and not self.desired.config:
             raise ValueError("a rollout must change the weights or the config")
+        if self.desired.weights is None and self.strategy.probe is not None:
+            # Only a reload asks the workers for the probe (ReloadWeightsSpec.probe).
+            raise ValueError(
+                "a probe gate needs a rollout of weights (a config change is not probed)"
+            )
         return self
 
 

@@ -261,6 +261,17 @@ def test_a_rollout_that_changes_nothing_is_schema_invalid() -> None:
         ROLLOUT.model_validate({**ROLLOUT.model_dump(), "desired": Desired()})
 
 
+def test_a_probe_gate_on_a_config_rollout_is_schema_invalid() -> None:
+    """Only a reload asks the workers for the probe (ReloadWeightsSpec.probe): a config rollout
+    with a probe gate would get no answer and fail its gate every time."""
+    strategy = json.loads(encode(Strategy(probe=ProbeGate(prompt="p"))))
+    error = _refusal(_raw(ROLLOUT, desired={"config": {"top_k": 4}}, strategy=strategy))
+    assert error.code is WireCode.SCHEMA_INVALID
+    assert "probe gate needs a rollout of weights" in str(error)
+    weights_too = _raw(ROLLOUT, desired=json.loads(encode(V2)), strategy=strategy)
+    assert isinstance(decode_control(weights_too), RolloutSpec)
+
+
 def test_rollout_ids_are_at_most_96_characters() -> None:
     longest = "r" * MAX_ROLLOUT_ID
     assert decode_control(_raw(ROLLOUT, rollout_id=longest)).rollout_id == longest  # type: ignore[union-attr]
