@@ -448,8 +448,17 @@ def _finish(rollout: Rollout, as_json: bool) -> int:
     if as_json:
         typer.echo(_rollout_json(rollout))
     else:
-        console().print(rollout_table(rollout))
+        show(rollout)
     return int(CONTROL_PHASE_EXITS.get(state.phase.value, Exit.INTERNAL))
+
+
+def show(rollout: Rollout) -> None:
+    """The rollout's table, then why it stands where it stands (one line, never wrapped into
+    the table's width)."""
+    out = console()
+    out.print(rollout_table(rollout))
+    state = rollout.state
+    out.print(state.message if state is not None else "waiting for a controller to start it")
 
 
 def rollout_table(rollout: Rollout) -> Table:
@@ -458,7 +467,7 @@ def rollout_table(rollout: Rollout) -> Table:
     title = f"rollout {rollout.rollout_id} of {spec.target}: {s.phase or 'pending'}"
     if s.code:
         title += f" ({s.code})"
-    table = Table(title=title, caption=s.message)
+    table = Table(title=title)
     table.add_column("wave")
     table.add_column("workers")
     table.add_column("gates")
@@ -507,7 +516,7 @@ def status(
             if as_json:
                 typer.echo(_rollout_json(rollout))
             else:
-                console().print(rollout_table(rollout))
+                show(rollout)
             return Exit.OK
 
     raise typer.Exit(run(go()))
