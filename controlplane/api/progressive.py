@@ -16,7 +16,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import datetime
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, TypeVar
 
 from fastapi import APIRouter, Query, Request
 from fastapi.params import Depends
@@ -61,6 +61,8 @@ from controlplane.wire.errors import BusError, ControlPlaneError, LocalCode, Wir
 from controlplane.wire.messages import WireModel
 
 log = logging.getLogger(__name__)
+
+Record = TypeVar("Record", bound=WireModel)
 
 #: How long a write waits for this coordinator to read its record back before answering anyway.
 READ_BACK_S: Final = 5.0
@@ -160,7 +162,7 @@ def check_start(control: ControlState, spec: RolloutSpec) -> None:
         )
 
 
-def _record(model: type[WireModel], **fields: Any) -> Any:
+def _record(model: type[Record], **fields: Any) -> Record:
     """A controller-topic record; what the body could not say (the path's name) is 422 too."""
     try:
         return model(**fields)
@@ -186,10 +188,11 @@ def progressive_router(
     sse_ping_s: float,
 ) -> APIRouter:
     """Targets, progressive rollouts and the controller. ``ready`` guards every route,
-    ``token`` every write."""
-    router = APIRouter(dependencies=list(ready))
+    ``token`` every write (first: nothing is said to a caller without it)."""
+    router = APIRouter()
     control = coordinator.control
-    writes = [token]
+    reads = list(ready)
+    writes = [token, *ready]
     issuer = f"{coordinator.settings.issuer}@api"
 
     async def append(record: WireModel, **about: str) -> int:
@@ -242,7 +245,12 @@ def progressive_router(
 
     # ------------------------------------------------------------------ targets
 
-    @router.get(TARGETS, summary="Targets: desired against actual (workers at stable, at new, ...)")
+    @router.get(
+        TARGETS,
+        summary="Targets: desired against actual (workers at stable, at new, ...)",
+        responses=_errors(),
+        dependencies=reads,
+    )
     async def list_targets() -> list[TargetStatus]:
         return targets_status(control, coordinator.fleet, now())
 
@@ -250,6 +258,7 @@ def progressive_router(
         f"{TARGETS}/{{name}}",
         summary="One target: desired against actual per worker, stable history, rollouts",
         responses=_errors(404),
+        dependencies=reads,
     )
     async def get_target(name: str) -> TargetDetail:
         target = _target(control, name)
@@ -278,7 +287,7 @@ def progressive_router(
     async def put_target(name: str, request: Request) -> JSONResponse:
         body = parse_body(TARGET_REQUEST, await request.body(), "target")
         created = control.target(name) is None
-        spec: TargetSpec = _record(
+        spec = _record(
             TargetSpec,
             name=name,
             selector=body.selector,
@@ -315,7 +324,7 @@ def progressive_router(
     )
     async def start_rollout(name: str, request: Request) -> JSONResponse:
         body = parse_body(ROLLOUT_START_REQUEST, await request.body(), "rollout request")
-        spec: RolloutSpec = _record(
+        spec = _record(
             RolloutSpec,
             rollout_id=body.rollout_id or new_id("r"),
             target=name,
@@ -353,7 +362,7 @@ def progressive_router(
                 f"target {name} has no previous stable state to go back to",
                 code=LocalCode.ROLLBACK_UNAVAILABLE,
             )
-        spec: RolloutSpec = _record(
+        spec = _record(
             RolloutSpec,
             rollout_id=body.rollout_id or new_id("undo"),
             target=name,
@@ -366,7 +375,12 @@ def progressive_router(
 
     # ------------------------------------------------------------------ progressive rollouts
 
-    @router.get(ROLLOUTS, summary="Progressive rollouts, newest first")
+    @router.get(
+        ROLLOUTS,
+        summary="Progressive rollouts, newest first",
+        responses=_errors(),
+        dependencies=reads,
+    )
     async def list_rollouts(
         target: Annotated[str | None, Query(description="Only this target's.")] = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
@@ -377,6 +391,7 @@ def progressive_router(
         f"{ROLLOUTS}/{{rollout_id}}",
         summary="One progressive rollout: request, phase, waves with gate results, actions",
         responses=_errors(404),
+        dependencies=reads,
     )
     async def get_rollout(rollout_id: str) -> ProgressiveRolloutOut:
         return rollout_out(_rollout(control, rollout_id))
@@ -397,7 +412,7 @@ def progressive_router(
                     code=LocalCode.ROLLOUT_ENDED,
                 )
             action_id = body.action_id or f"{kind.value}-{uuid.uuid4().hex[:12]}"
-            record: RolloutAction = _record(
+            record = _record(
                 RolloutAction,
                 rollout_id=rollout_id,
                 action_id=action_id,
@@ -467,6 +482,7 @@ def progressive_router(
         ),
         response_class=EventSourceResponse,
         responses=_errors(404),
+        dependencies=reads,
     )
     async def rollout_events(
         rollout_id: str,
@@ -484,6 +500,8 @@ def progressive_router(
     @router.get(
         f"{API}/controller",
         summary="The controller: whether this coordinator leads, and who leads as the log says",
+        responses=_errors(),
+        dependencies=reads,
     )
     async def controller() -> ControllerOut:
         mine = coordinator.controller

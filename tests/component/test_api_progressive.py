@@ -252,6 +252,9 @@ async def test_every_route_waits_until_the_log_is_read(
     for method, path in [*READS, *WRITES]:
         r = await client.request(method, path, headers=AUTH, json={})
         assert r.status_code == 503 and r.json()["error"]["code"] == "NOT_READY", path
+    for method, path in WRITES:  # the token first: nothing is said to a caller without it
+        r = await client.request(method, path, json={})
+        assert r.status_code == 401, path
 
 
 # --------------------------------------------------------------------------- the controller
