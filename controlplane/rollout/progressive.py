@@ -21,9 +21,10 @@ The rules, wave by wave (docs/rollouts.md, "Progressive rollouts"):
 3. Failed workers (failed, rejected, or lost when their batch was over) count against
    ``max_failures``; one more aborts the rollout.
 4. When a wave's last batch ended: during ``bake_s``, a degraded worker fails the health gate; at
-   the end of it every updated worker must be alive, ready, not degraded and on the new version
-   (health), agree on its config digest (agreement) and, with a probe, have answered it
-   alike and as the strategy expects (probe; no answer, or a malformed one, fails it). A failed gate aborts. A wave that has not passed its
+   the end of it an updated worker that is lost counts as failed (rule 3), and every other one
+   must be ready, not degraded and on the new version (health), agree on its config digest
+   (agreement) and, with a probe, have answered it alike and as the strategy expects (probe; no
+   answer, or a malformed one, fails it). A failed gate aborts. A wave that has not passed its
    gates within ``progress_deadline_s`` of its start aborts (time paused does not count: an
    operator's pause, or at the boundary once its gates passed; a resume restarts the clock).
 5. Between waves: ``pause`` seconds, or until a ``promote`` (manual). An operator's pause holds
@@ -313,6 +314,9 @@ def _after_wave(ctx: _Context, rollout: Rollout, state: RolloutState) -> Rollout
             return _gate_failed(state, *failure, spec.rollback, ctx.now)
         if ctx.now < done_at + timedelta(seconds=strategy.bake_s):
             return state
+        lost = [w for w in updated if not ctx.fleet.registry.is_alive(w, ctx.now)]
+        if lost:  # failed, as one lost before its ack: counted against max_failures, not waited for
+            return state.model_copy(update={"failed": sorted({*state.failed, *lost})})
         waiting = _not_healthy(ctx, spec.desired, updated)
         if waiting:
             return _progressing(state, f"wave {state.wave}: waiting for {waiting}")

@@ -297,3 +297,33 @@ def test_a_malformed_probe_answer_fails_the_gate_without_breaking_the_decision(
     state = sim.current()
     assert state.phase is PHASE.ROLLED_BACK
     assert state.code == "GATE_FAILED" and "w00" in state.message, state.message
+
+
+def test_a_worker_lost_after_it_applied_is_a_tolerated_failure_not_a_stalled_wave() -> None:
+    """Dead before its wave's gates: it counts as failed, as one lost before its ack does; not a
+    wait for it until the progress deadline aborts the rollout, whatever ``max_failures`` says."""
+    sim = Sim(6)
+    sim.start(Strategy(canary=1, max_failures="1", bake_s=20, progress_deadline_s=120))
+    sim.run(lambda: sim.workers["w00"].version == "v2")
+    sim.workers["w00"].alive = False
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.phase is PHASE.SUCCEEDED, state.message
+    assert state.failed == ["w00"]
+    assert sim.t < 60
+    assert sorted(sim.receivers(sim.published())) == sorted(sim.workers)
+
+
+def test_a_worker_lost_after_it_applied_beyond_max_failures_aborts() -> None:
+    sim = Sim(6)
+    sim.start(Strategy(canary=2, bake_s=20, progress_deadline_s=600))
+    sim.run(lambda: sim.workers["w01"].version == "v2")
+    sim.workers["w01"].alive = False
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.failed == ["w01"] and "more than max_failures 0" in state.message
+    assert sim.t < 60
+    assert not sim.published("r1.w1.")
+    # w01 applied, so it is in the rollback; dead, it cannot go back: the rollback failed.
+    assert sorted(sim.receivers(sim.published("r1.rb."))) == ["w00", "w01"]
+    assert state.phase is PHASE.ABORTED and state.code == "ROLLBACK_FAILED"
