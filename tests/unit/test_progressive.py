@@ -232,6 +232,48 @@ def test_abort_without_rollback_ends_aborted() -> None:
     assert state.code == LocalCode.ABORTED_BY_OPERATOR.value == "ABORTED_BY_OPERATOR"
 
 
+def test_an_abort_s_rollback_choice_overrides_the_rollout_s() -> None:
+    sim = Sim(3)
+    sim.start(Strategy(canary=1, pause="manual"), rollback=False)
+    sim.run(sim.in_phase(PHASE.PAUSED))
+    sim.act(ActionKind.ABORT, rollback=True)
+    sim.run(sim.ended())
+    assert sim.current().phase is PHASE.ROLLED_BACK
+    assert sim.receivers(sim.published("r1.rb.")) == ["w00"]
+    # Without an abort, the rollout's own choice holds: aborted, the canary held on v2.
+    other = Sim(3, policy=lambda c, w: "fail" if c.rollout_id == "r1.w1.b0" else "ok")
+    other.start(Strategy(canary=1), rollback=False)
+    other.run(other.ended())
+    state = other.current()
+    assert state.phase is PHASE.ABORTED and state.code == "MAX_FAILURES_EXCEEDED"
+    assert other.versions()["w00"] == "v2" and not other.published("r1.rb.")
+    for _ in range(3):
+        other.tick(1)
+        assert not other.decide().commands  # held: no sync back to v1
+
+
+def test_rollouts_of_two_targets_progress_side_by_side() -> None:
+    sim = Sim(3)
+    for i in range(3):
+        sim.workers[f"m{i:02}"] = Worker(f"m{i:02}", labels={"model": "mistral"})
+    sim.observe(
+        TargetSpec(
+            name="mistral", selector={"model": "mistral"}, stable=V1, issued_at=at(0), issuer="o"
+        )
+    )
+    sim.beat()
+    sim.start(Strategy(canary=1, max_unavailable=1))
+    sim.start(Strategy(canary=2), desired=weights("v3"), rollout_id="r2", target="mistral")
+    sim.run(lambda: sim.ended("r1")() and sim.ended("r2")())
+    assert sim.current("r1").phase is sim.current("r2").phase is PHASE.SUCCEEDED
+    assert sorted(sim.receivers(sim.published("r1."))) == ["w00", "w01", "w02"]
+    assert sorted(sim.receivers(sim.published("r2."))) == ["m00", "m01", "m02"]
+    assert sim.versions() == {
+        **dict.fromkeys(["w00", "w01", "w02"], "v2"),
+        **dict.fromkeys(["m00", "m01", "m02"], "v3"),
+    }
+
+
 def test_abort_waits_for_the_commands_already_handed_out() -> None:
     sim = Sim(4, delay=5.0)
     sim.start(Strategy(canary=1, steps=["100%"]))
