@@ -492,16 +492,19 @@ def _updated(
     done: set[str] = set()
     ended = True
     for wave_index, wave in enumerate(state.waves):
-        for batch_index in range(len(wave)):
+        plan = batches(wave, max_unavailable)
+        for batch_index, members_ in enumerate(plan):
             batch_id = batch_rollout_id(state.rollout_id, wave_index, batch_index)
+            passed = (wave_index, batch_index) < (state.wave, state.batch)
             if batch_id not in ctx.fleet:
                 if ctx.known(batch_id):
                     ended = False  # published in this very decision
+                elif passed:  # gone from the log (retention), but it was over: as summarized
+                    done.update(w for w in members_ if w not in state.failed)
                 continue
             status = ctx.fleet.status(batch_id, ctx.now)
             ended = ended and _over(status)
             if status.details_dropped:  # summarized: each worker of it not counted failed applied
-                members_ = batches(wave, max_unavailable)[batch_index]
                 done.update(w for w in members_ if w not in state.failed)
                 continue
             done.update(d.worker_id for d in status.workers if d.state is WorkerState.SUCCEEDED)

@@ -9,13 +9,16 @@ from typing import Any
 
 import pytest
 
+from controlplane.rollout.fleet import Fleet
+from controlplane.rollout.progressive import decide
 from controlplane.wire.control import (
     ActionKind,
     ControlPhase,
     ProbeGate,
     Strategy,
 )
-from controlplane.wire.protocol import Command, ReloadWeightsSpec, UpdateConfigSpec
+from controlplane.wire.protocol import Ack, Command, ReloadWeightsSpec, UpdateConfigSpec
+from tests.factories import feed
 from tests.unit.progressive_sim import Outcome, Sim, weights
 
 PHASE = ControlPhase
@@ -327,3 +330,22 @@ def test_a_worker_lost_after_it_applied_beyond_max_failures_aborts() -> None:
     # w01 applied, so it is in the rollback; dead, it cannot go back: the rollback failed.
     assert sorted(sim.receivers(sim.published("r1.rb."))) == ["w00", "w01"]
     assert state.phase is PHASE.ABORTED and state.code == "ROLLBACK_FAILED"
+
+
+def test_a_rollback_reaches_the_workers_of_batches_gone_from_the_log() -> None:
+    """Commands and acks have a retention time: after a long pause, a restarted controller may
+    no longer read the first batches. It moved past them, so they were over, and their workers
+    not counted failed had applied the change: they are rolled back, not forgotten."""
+    sim = Sim(4)
+    sim.start(Strategy(canary=1, pause="manual"))
+    sim.run(sim.in_phase(PHASE.PAUSED))
+    sim.act(ActionKind.ABORT)
+    fleet = Fleet()  # what a restarted controller reads once the canary's records expired
+    for event in sim.events:
+        if not isinstance(event, Command | Ack) or event.rollout_id != "r1.w0.b0":
+            feed(fleet, [event])
+    decision = decide(sim.control, fleet, sim.now)
+    assert [(c.rollout_id, c.selector.worker_ids) for c in decision.commands] == [
+        ("r1.rb.b0", ["w00"])
+    ]
+    assert decision.states[-1].phase is PHASE.ROLLING_BACK
