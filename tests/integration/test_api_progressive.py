@@ -23,7 +23,17 @@ from pydantic import SecretStr
 from controlplane.api.app import create_app
 from controlplane.api.server import ApiServer
 from controlplane.coordinator.service import Coordinator, CoordinatorSettings
+from controlplane.kafka.broker import LocalCluster
 from controlplane.kafka.settings import KafkaSettings
+from controlplane.wire.topics import Topics
+from tests.integration.test_bus_publish import (
+    LEADER,
+    VICTIM,
+    create_topic,
+    fleet_below_min_isr,
+    node_down,
+    set_topic_config,
+)
 from tests.integration.test_progressive import Fleet, fleet_of
 
 pytestmark = pytest.mark.kafka
@@ -205,3 +215,33 @@ async def test_abort_over_the_api_rolls_the_canary_back_and_the_rollout_is_ended
         # Nothing to undo: the stable state never changed.
         undo = await api.post("/api/v1/targets/tiny/undo")
         assert undo.status_code == 409 and undo.json()["error"]["code"] == "ROLLBACK_UNAVAILABLE"
+
+
+@pytest.mark.slow
+async def test_a_write_kafka_does_not_confirm_is_504_unknown_and_says_what_to_look_for(
+    kafka_cluster: LocalCluster,
+) -> None:
+    """The controller topic below its min ISR: the write may still land (the producer keeps
+    trying), so it is 504 PUBLISH_OUTCOME_UNKNOWN naming the target, never 503."""
+    settings = await fleet_below_min_isr(kafka_cluster, held="none")  # the three on LEADER
+    spec = Topics(prefix=settings.topic_prefix, replication_factor=1).controller
+    await create_topic(
+        settings.bootstrap_servers,
+        spec.name,
+        {**spec.config, "min.insync.replicas": "2"},
+        partitions=spec.partitions,
+        replicas=[LEADER, VICTIM],
+    )
+    bounded = settings.model_copy(update={"delivery_timeout_ms": 3000})
+    async with node_down(kafka_cluster), api_of(bounded) as api:
+        put = await api.put("/api/v1/targets/t-unknown", json={"selector": {"model": "tiny"}})
+        assert put.status_code == 504, put.text
+        error = put.json()["error"]
+        assert (error["code"], error["retryable"]) == ("PUBLISH_OUTCOME_UNKNOWN", False)
+        assert error["details"] == [{"target": "t-unknown"}]
+        assert "GET it before sending it again" in error["message"]
+        assert (await api.get("/healthz")).status_code == 200  # still serving
+        # The topic takes writes again: the record the coordinator kept trying lands.
+        await set_topic_config(settings.bootstrap_servers, spec.name, spec.config)
+        landed = await until(api, "/api/v1/targets/t-unknown", lambda b: "name" in b, 120)
+        assert landed["selector"] == {"model": "tiny"}
