@@ -129,6 +129,7 @@ def test_an_ended_rollout_never_reopens(scenario: Scenario) -> None:
             revision = state.revision
         for command in decision.commands:
             if command.rollout_id.startswith("r1."):
+                assert ended is None, f"ended {ended.phase} rollout published {command.rollout_id}"
                 size = len(command.selector.worker_ids or [])
                 assert limit is None or size <= limit
                 assert command.rollout_id not in seen_batches
