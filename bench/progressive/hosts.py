@@ -10,7 +10,7 @@ selector for the target.
 The trace (wall-clock times, comparable with the parent's on one machine): every ``decide()``
 call (its start, duration, CPU time, the commands and states it returned), every write of a decision (its
 transaction, then the wait until the follower read it back), wrapped around the controller's
-own functions in this process only. With ``profile`` (a path) in its config, decide() runs under
+own functions in this process only; and when its follower folded terminal acks (per rollout id). With ``profile`` (a path) in its config, decide() runs under
 cProfile after a ``stats profile-on``, and the profile is written there when the child stops.
 """
 
@@ -45,13 +45,15 @@ async def coordinator_host(cfg: dict[str, Any]) -> None:
         await coordinator.wait_ready(120)
         controller = coordinator.controller
         assert controller is not None
-        _trace(controller, trace, profiler, profiling)
+        writing = [0]  # writes in progress: a stats answer waits for them to be traced
+        _trace(controller, trace, profiler, profiling, writing)
         await _until(lambda: controller.leading is not None, 120, "the controller to lead")
         _say({"ready": True, "start_s": round(time.perf_counter() - started, 3)})
         loop = asyncio.get_running_loop()
         while True:
             line = (await loop.run_in_executor(None, sys.stdin.readline)).strip()
             if line.startswith("stats"):
+                await _until(lambda: writing[0] == 0, 30, "the controller's write to end")
                 _say(
                     {
                         "decisions": controller.decisions,
@@ -85,6 +87,7 @@ def _trace(
     trace: list[dict[str, Any]],
     profiler: cProfile.Profile | None,
     profiling: list[bool],
+    writing: list[int],
 ) -> None:
     """Record the controller's decide() calls and writes (see the module's docstring); with a
     profiler, profile decide() alone (CPU time of the thread) while ``profiling[0]``."""
@@ -114,7 +117,11 @@ def _trace(
 
     async def timed_write(*args: Any, **kwargs: Any) -> None:
         at, t0 = time.time(), time.perf_counter()
-        await write(*args, **kwargs)
+        writing[0] += 1
+        try:
+            await write(*args, **kwargs)
+        finally:
+            writing[0] -= 1
         trace.append({"write": at, "s": time.perf_counter() - t0})
 
     async def timed_wait_reached(ends: Any) -> None:
@@ -122,6 +129,15 @@ def _trace(
         await wait_reached(ends)
         trace.append({"read_back": at, "s": time.perf_counter() - t0})
 
+    def on_batch(batch: Any) -> None:
+        acked: dict[str, int] = {}
+        for ack in batch.acks:
+            if ack.state.terminal:
+                acked[ack.rollout_id] = acked.get(ack.rollout_id, 0) + 1
+        if acked:
+            trace.append({"acks": time.time(), "terminal": acked})
+
+    controller.follower.listeners.append(on_batch)
     module.decide = timed_decide  # type: ignore[attr-defined]
     controller._write = timed_write
     controller.follower.wait_reached = timed_wait_reached

@@ -79,6 +79,7 @@ def derive(data: dict[str, Any], n: int) -> dict[str, Any]:
             **{
                 key: gap_med(i, key)
                 for key in (
+                    "coordinator_read_s",
                     "wake_s",
                     "decide_s",
                     "decide_cpu_s",
@@ -197,7 +198,15 @@ def report(result: dict[str, Any]) -> str:
             g["wave"],
             *(
                 None if g[key] is None else g[key] * ms
-                for key in ("total_s", "wake_s", "decide_s", "decide_cpu_s", "txn_s", "to_reader_s")
+                for key in (
+                    "total_s",
+                    "coordinator_read_s",
+                    "wake_s",
+                    "decide_s",
+                    "decide_cpu_s",
+                    "txn_s",
+                    "to_reader_s",
+                )
             ),
             g["decides_between"],
         ]
@@ -206,7 +215,8 @@ def report(result: dict[str, Any]) -> str:
     gap_head = [
         "wave",
         "to command ms",
-        "wake ms",
+        "coord. read acks ms",
+        "to decide() ms",
         "decide() ms",
         "decide() CPU ms",
         "transaction ms",
@@ -221,8 +231,9 @@ def report(result: dict[str, Any]) -> str:
         table(wave_rows, wave_head),
         "",
         "controller, from the spec's publish (wave 0) or the previous wave's last ack read here "
-        "to the wave's command read here (medians; wall clocks of the two processes): the "
-        "coordinator waking to the decide() that publishes it, decide() (wall, CPU), its "
+        "to the wave's command read here (medians; wall clocks of the two processes): when the "
+        "coordinator had read the previous wave's last ack, when it started the decide() that "
+        "publishes the wave (both from that same origin), decide() (wall, CPU), its "
         "transaction (writes, commit), the command reaching this reader (read_committed):",
         table(gap_rows, gap_head),
         "(end: from the last wave's last ack read here to the decision that ended the rollout, "

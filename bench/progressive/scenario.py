@@ -318,6 +318,7 @@ def _boundaries(
 
     out = []
     since = start_wall
+    previous, size = "", 0
     for wave in range(waves + 1):
         # the last row: the decision that wrote the end, and this reader reading it
         batch = batch_rollout_id(rid, wave, 0) if wave < waves else "end"
@@ -347,9 +348,12 @@ def _boundaries(
                 None,
             )
             txn = None if write is None else write["s"] - (back["s"] if back else 0.0)
+            # when the coordinator had folded the previous wave's last terminal ack
+            read = _all_acked(trace, previous, size) if previous else None
             row.update(
                 {
                     "wake_s": decided["decide"] - since,
+                    "coordinator_read_s": None if read is None else read - since,
                     "decide_s": decided["s"],
                     "decide_cpu_s": decided["cpu_s"],
                     "txn_s": txn,
@@ -371,7 +375,19 @@ def _boundaries(
             )
         out.append(row)
         since = reader.last_ack_wall.get(batch, since)
+        previous, size = batch, len(reader.terminal.get(batch, ()))
     return out
+
+
+def _all_acked(trace: list[dict[str, Any]], rollout_id: str, size: int) -> float | None:
+    """When the coordinator's follower had folded ``size`` terminal acks of ``rollout_id``."""
+    seen = 0
+    for event in trace:
+        if "acks" in event:
+            seen += event["terminal"].get(rollout_id, 0)
+            if seen >= size:
+                return float(event["acks"])
+    return None
 
 
 async def measure(bootstrap: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
