@@ -16,7 +16,6 @@ from aiokafka.errors import KafkaError, for_code
 from controlplane.kafka.client import (
     ClientLifecycle,
     client_options,
-    finish_bootstrap_when_cancelled,
     translate,
 )
 from controlplane.kafka.health import health
@@ -47,7 +46,7 @@ class ClusterInfo:
 class Admin(ClientLifecycle):
     def __init__(self, settings: KafkaSettings) -> None:
         self._admin = AIOKafkaAdminClient(**client_options(settings))
-        finish_bootstrap_when_cancelled(self._admin._client)
+        self._finish_bootstrap_when_cancelled(self._admin._client)
         #: How long a request is tried again while a broker is unavailable.
         self._retry_s = settings.request_timeout_ms / 1000
 

@@ -114,31 +114,6 @@ def client_options(settings: KafkaSettings) -> dict[str, Any]:
     return opts
 
 
-def finish_bootstrap_when_cancelled(client: Any) -> None:
-    """Make a cancelled ``client.bootstrap()`` (aiokafka's ``AIOKafkaClient``, the first step of
-    every client's start) leave no connection open.
-
-    aiokafka's bootstrap opens a connection, asks it for the cluster's metadata and closes it;
-    cancelled in between (a stop, or a timeout around start(), in the milliseconds that takes)
-    it drops that connection unclosed, where no close() reaches it: the socket stays open until
-    the garbage collector finds it ("Unclosed AIOKafkaConnection"). So the caller's cancellation
-    no longer reaches the bootstrap: it runs on to its end (each of its steps is bounded by the
-    request timeout) and whatever it opened is closed then. The cancelled start is followed by
-    a stop(), never by another start().
-    """
-    original = client.bootstrap
-
-    async def bootstrap() -> None:
-        task = asyncio.ensure_future(original())
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(functools.partial(_close_after_bootstrap, client))
-            raise
-
-    client.bootstrap = bootstrap
-
-
 def _close_after_bootstrap(client: Any, task: asyncio.Future[None]) -> None:
     if not task.cancelled():
         task.exception()  # retrieved: its caller went away
@@ -175,11 +150,43 @@ async def stop_producer(producer: Any, timeout_s: float, on_timeout: Callable[[]
     await producer.client.close()
 
 
+#: How long stop() waits for a bootstrap its start() abandoned (milliseconds while Kafka
+#: answers); past it, what that bootstrap opens is closed when it ends.
+ABANDONED_BOOTSTRAP_WAIT_S = 5.0
+
+
 class ClientLifecycle(AsyncService):
     """start()/stop() with a null state: stop() works after a failed start() and twice."""
 
     _started = False
     _closed = False
+    #: The bootstrap of a start() that was cancelled, running on to its end.
+    _abandoned_bootstrap: asyncio.Future[None] | None = None
+
+    def _finish_bootstrap_when_cancelled(self, client: Any) -> None:
+        """Make a cancelled ``client.bootstrap()`` (of aiokafka's ``AIOKafkaClient`` under this
+        client: the first step of its start) leave no connection open.
+
+        aiokafka's bootstrap opens a connection, asks it for the cluster's metadata and closes
+        it; cancelled in between (a stop, or a timeout around start(), in the milliseconds that
+        takes) it drops that connection unclosed, where no close() reaches it: the socket stays
+        open until the garbage collector finds it ("Unclosed AIOKafkaConnection"). So the
+        caller's cancellation no longer reaches the bootstrap: it runs on to its end (each of
+        its steps is bounded by the request timeout), stop() waits for that, and whatever it
+        opened is closed when it ends. A cancelled start is followed by stop(), never start().
+        """
+        original = client.bootstrap
+
+        async def bootstrap() -> None:
+            task = asyncio.ensure_future(original())
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                self._abandoned_bootstrap = task
+                task.add_done_callback(functools.partial(_close_after_bootstrap, client))
+                raise
+
+        client.bootstrap = bootstrap
 
     async def start(self) -> None:
         if self._closed:
@@ -196,6 +203,8 @@ class ClientLifecycle(AsyncService):
             return
         self._closed = True
         try:
+            if self._abandoned_bootstrap is not None:
+                await asyncio.wait({self._abandoned_bootstrap}, timeout=ABANDONED_BOOTSTRAP_WAIT_S)
             await self._stop()
         except asyncio.CancelledError:
             if being_cancelled():

@@ -17,7 +17,6 @@ from controlplane.kafka.client import (
     being_cancelled,
     client_options,
     collector_paused,
-    finish_bootstrap_when_cancelled,
     new_record,
     translate,
 )
@@ -63,7 +62,7 @@ class Consumer(ClientLifecycle):
             fetch_max_wait_ms=fetch_max_wait_ms,
             isolation_level="read_committed",
         )
-        finish_bootstrap_when_cancelled(self._consumer._client)
+        self._finish_bootstrap_when_cancelled(self._consumer._client)
         self.group_id = group_id
         #: (topic, partition) -> (when the last successful fetch of it was sent, its end then)
         self._fetched: dict[tuple[str, int], tuple[float, int | None]] = {}

@@ -36,7 +36,6 @@ from controlplane.kafka.client import (
     ClientLifecycle,
     being_cancelled,
     client_options,
-    finish_bootstrap_when_cancelled,
     translate,
 )
 from controlplane.kafka.health import log
@@ -85,7 +84,7 @@ class LeaderElection(ClientLifecycle):
             heartbeat_interval_ms=heartbeat_interval_ms or max(1000, session_timeout_ms // 3),
             partition_assignment_strategy=(StickyPartitionAssignor,),
         )
-        finish_bootstrap_when_cancelled(self._consumer._client)
+        self._finish_bootstrap_when_cancelled(self._consumer._client)
         self._poller: asyncio.Task[None] | None = None
 
     # ----------------------------------------------------------------- lifecycle

@@ -13,7 +13,6 @@ from controlplane.kafka.client import (
     ClientLifecycle,
     Record,
     client_options,
-    finish_bootstrap_when_cancelled,
     stop_producer,
     translate,
 )
@@ -90,7 +89,7 @@ class Producer(ClientLifecycle):
             linger_ms=linger_ms,
             max_request_size=2 * 1024 * 1024,
         )
-        finish_bootstrap_when_cancelled(self._producer.client)
+        self._finish_bootstrap_when_cancelled(self._producer.client)
         self.stop_timeout_s = stop_timeout_s
         self.disposable = disposable
         #: How long :meth:`send` waits for the cluster to confirm a record.

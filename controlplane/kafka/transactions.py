@@ -39,7 +39,6 @@ from controlplane.kafka.client import (
     ClientLifecycle,
     Record,
     client_options,
-    finish_bootstrap_when_cancelled,
     stop_producer,
     translate,
 )
@@ -122,7 +121,7 @@ class TransactionalProducer(ClientLifecycle):
             transaction_timeout_ms=transaction_timeout_ms,
             max_request_size=2 * 1024 * 1024,
         )
-        finish_bootstrap_when_cancelled(self._producer.client)
+        self._finish_bootstrap_when_cancelled(self._producer.client)
         self._state = TxnState.NEW
         #: Held by a transaction; stop() waits for it (closing under one breaks aiokafka).
         self._lock = asyncio.Lock()
