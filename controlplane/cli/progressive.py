@@ -34,7 +34,7 @@ from controlplane.coordinator.follower import Follower
 from controlplane.coordinator.publisher import publish_control
 from controlplane.kafka.settings import DEFAULT_BOOTSTRAP, KafkaSettings
 from controlplane.rollout.desired import TargetStatus, summary, target_status, targets_status
-from controlplane.rollout.targets import ControlState, Rollout, Target
+from controlplane.rollout.targets import ControlState, Rollout, Target, reverting
 from controlplane.wire.control import (
     ActionKind,
     Desired,
@@ -648,15 +648,21 @@ def undo(
             found = _target(_control(follower), target)
             previous = found.previous
             current = found.history[-1] if found.history else None
-        if previous is None:
+        change = None
+        if previous is not None and current is not None:
+            change = reverting(current.desired, previous.desired)
+        if change is None:
             raise ControlPlaneError(
-                f"target {target} has no previous stable state to go back to",
+                f"target {target} has no previous stable state to go back to"
+                if previous is None
+                else f"nothing takes target {target} back to its previous stable state (it "
+                "differs only by config keys the previous state did not set)",
                 code=LocalCode.ROLLBACK_UNAVAILABLE,
             )
         spec = RolloutSpec(
             rollout_id=f"undo-{datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}",
             target=target,
-            desired=previous.desired,
+            desired=change,
             undo_of=None if current is None else current.rollout_id,
             issued_at=datetime.now().astimezone(),
             issuer=_issuer(),

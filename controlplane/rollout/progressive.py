@@ -39,7 +39,7 @@ The rules, wave by wave (docs/rollouts.md, "Progressive rollouts"):
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Final, Literal
@@ -158,7 +158,11 @@ def decide(
         for r in control.rollouts()
         if r.state is not None and not r.ended
     }
+    #: Targets whose rollout moved in this decision: their drift waits for the next one, which
+    #: sees the moved state (a sync now could apply beside a batch just handed out).
+    moved_targets: set[str] = set()
     for rollout in list(control.open_rollouts()):
+        published_before = len(ctx.commands)
         state = rollout.state
         if state is None:
             state = _start(ctx, rollout, running)
@@ -172,7 +176,11 @@ def decide(
         if state != rollout.state:
             revision = 0 if rollout.state is None else rollout.state.revision + 1
             states.append(state.model_copy(update={"revision": revision, "updated_at": now}))
-    ctx.commands.extend(reconcile(control, fleet, now, issuer=issuer, published=ctx.published))
+        if state != rollout.state or len(ctx.commands) > published_before:
+            moved_targets.add(rollout.spec.target)
+    ctx.commands.extend(
+        reconcile(control, fleet, now, issuer=issuer, published=ctx.published, skip=moved_targets)
+    )
     return Decision(ctx.commands, states)
 
 
@@ -266,7 +274,10 @@ def _advance(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutSta
         why = f"{len(failed)} worker(s) failed, more than max_failures {tolerated}: {', '.join(failed)}"
         return _aborting(state, LocalCode.MAX_FAILURES_EXCEEDED, why, spec.rollback, ctx.now)
     if state.wave >= len(state.waves):
-        return _ended(state, ControlPhase.SUCCEEDED, None, "every wave passed", ctx.now)
+        target = ctx.control.target(spec.target)
+        result = applied(None if target is None else target.stable, spec.desired)
+        done = _ended(state, ControlPhase.SUCCEEDED, None, "every wave passed", ctx.now)
+        return done.model_copy(update={"result": result})
     strategy = spec.strategy
     started = state.wave_started_at or state.started_at
     # The deadline is for applying and baking: a pause (an operator's, or at a wave boundary
@@ -539,8 +550,16 @@ def _roll_back(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutS
                 ctx.now,
             )
         if _rollback_spec(state.previous, spec.desired) is None:
-            return _unavailable(state, ctx.now)
-        plan = batches(updated, spec.strategy.max_unavailable)
+            return _unavailable(state, spec.desired, ctx.now)
+        # A worker lost since it applied cannot take a command now; back from the dead, it
+        # reports the new state and the reconciler gives it the stable one (not held: rolled back).
+        alive = [w for w in updated if ctx.fleet.registry.is_alive(w, ctx.now)]
+        if not alive:
+            why = f"{state.message}; the workers that had applied it are lost: " + (
+                "each gets the stable state back when it returns"
+            )
+            return _ended(state, ControlPhase.ROLLED_BACK, state.code, why, ctx.now)
+        plan = batches(alive, spec.strategy.max_unavailable)
         return state.model_copy(update={"rollback": plan, "rollback_batch": 0})
     if state.rollback_batch >= len(state.rollback):
         failed = _rollback_failures(ctx, state)
@@ -554,7 +573,7 @@ def _roll_back(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutS
     if not ctx.known(batch_id):
         back = _rollback_spec(state.previous, spec.desired)
         if back is None:  # checked when the rollback was planned, unless the log says otherwise
-            return _unavailable(state, ctx.now)
+            return _unavailable(state, spec.desired, ctx.now)
         ctx.publish(
             batch_id,
             state.rollback[state.rollback_batch],
@@ -568,8 +587,14 @@ def _roll_back(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutS
     return state
 
 
-def _unavailable(state: RolloutState, now: datetime) -> RolloutState:
-    why = f"{state.message}; nothing to roll back to (the target had no stable state for it)"
+def _unavailable(state: RolloutState, change: Desired, now: datetime) -> RolloutState:
+    previous = state.previous
+    if change.weights is not None or previous is None:
+        what = "the target had no stable weights"
+    else:
+        missing = sorted(k for k in change.config if k not in previous.config)
+        what = f"the target's stable state has no value for {', '.join(missing)}"
+    why = f"{state.message}; nothing to roll back to ({what})"
     return _ended(state, ControlPhase.ABORTED, LocalCode.ROLLBACK_UNAVAILABLE, why, now)
 
 
@@ -586,7 +611,13 @@ def _rollback_failures(ctx: _Context, state: RolloutState) -> list[str]:
             if missing:
                 failed.append(f"{missing} of {', '.join(members_)}")
             continue
-        failed.extend(d.worker_id for d in status.workers if d.state is not WorkerState.SUCCEEDED)
+        # A worker lost meanwhile is not a failed rollback: back, it reports the aborted
+        # change and the reconciler gives it the stable state (the rollout is not held).
+        failed.extend(
+            d.worker_id
+            for d in status.workers
+            if d.state is not WorkerState.SUCCEEDED and d.state is not WorkerState.LOST
+        )
     return sorted(failed)
 
 
@@ -668,11 +699,15 @@ def held(control: ControlState, target: Target) -> frozenset[str]:
     when it ended ``aborted`` (``--no-rollback``, or a rollback that failed or had nothing to
     go back to): an operator said not to touch them, or has to look. Shown as drifting; a new
     rollout of the target (``rollout undo``, say) releases them."""
-    rollouts = control.rollouts(target.name)
-    if not rollouts:
+    started = [
+        r.state
+        for r in control.rollouts(target.name)
+        if r.state is not None and r.state.phase is not ControlPhase.REJECTED
+    ]
+    if not started:
         return frozenset()
-    last = rollouts[-1].state
-    if last is None or last.phase is not ControlPhase.ABORTED:
+    last = started[-1]
+    if last.phase is not ControlPhase.ABORTED:
         return frozenset()
     return frozenset(w for wave in last.waves[: last.wave + 1] for w in wave)
 
@@ -684,18 +719,29 @@ def reconcile(
     *,
     issuer: str = "controller",
     published: set[str] | None = None,
+    skip: Container[str] = (),
 ) -> list[Command]:
     """A command for every live, idle worker of a target whose weights differ from what it
     should run, once per (target state, worker incarnation); nothing for one that conflicts,
     nor for one its rollout in progress counts as failed (retried once the rollout ended: a
-    command now would apply beside the batches, beyond ``max_unavailable``)."""
+    command now would apply beside the batches, beyond ``max_unavailable``). During a rollout
+    with ``max_unavailable``, syncs only use what its batches leave of it. Targets in ``skip``
+    are left for the next decision."""
     ctx = _Context(control, fleet, {}, now, issuer, published if published is not None else set())
     for target in control.targets():
+        if target.name in skip:
+            continue
         hold = held(control, target)
         active = control.active(target.name)
+        #: During a rollout, syncs share its max_unavailable with its batches.
+        budget: int | None = None
+        workers = members(control, fleet, target, now)
         if active is not None and active.state is not None:
             hold = hold | frozenset(active.state.failed)
-        for worker_id in members(control, fleet, target, now):
+            limit = active.spec.strategy.max_unavailable
+            if limit is not None:
+                budget = max(0, limit - len(_applying(ctx, active, workers)))
+        for worker_id in workers:
             if worker_id in hold:
                 continue
             desired = should_run(control, target, worker_id)
@@ -707,6 +753,36 @@ def reconcile(
             if view.weights_version == desired.weights.version:
                 continue
             sync_id = sync_rollout_id(target.name, desired, worker_id, view.incarnation)
-            if not ctx.known(sync_id):
-                ctx.publish(sync_id, [worker_id], _reload(desired), SYNC_TTL_S, None)
+            if ctx.known(sync_id):
+                continue
+            if budget is not None:
+                if budget <= 0:
+                    continue  # the rollout's batches use its max_unavailable now
+                budget -= 1
+            ctx.publish(sync_id, [worker_id], _reload(desired), SYNC_TTL_S, None)
     return ctx.commands
+
+
+def _applying(ctx: _Context, active: Rollout, workers: list[str]) -> set[str]:
+    """Workers of a target applying something now: busy ones, and those of the rollout's
+    current batch (or rollback batch) once handed out and not over."""
+    state = active.state
+    assert state is not None
+    out = set()
+    for worker_id in workers:
+        view = ctx.fleet.registry.get(worker_id, ctx.now)
+        if view is not None and (view.in_flight is not None or view.status is WorkerStatus.BUSY):
+            out.add(worker_id)
+    batch_id, batch = None, []
+    if state.phase is ControlPhase.ROLLING_BACK:
+        if state.rollback_batch < len(state.rollback):
+            batch_id = rollback_rollout_id(state.rollout_id, state.rollback_batch)
+            batch = state.rollback[state.rollback_batch]
+    elif state.wave < len(state.waves):
+        plan = batches(state.waves[state.wave], active.spec.strategy.max_unavailable)
+        if state.batch < len(plan):
+            batch_id = batch_rollout_id(state.rollout_id, state.wave, state.batch)
+            batch = plan[state.batch]
+    if batch_id is not None and ctx.known(batch_id) and not _batch_over(ctx, batch_id):
+        out.update(batch)
+    return out

@@ -41,6 +41,20 @@ def applied(stable: Desired | None, change: Desired) -> Desired:
     )
 
 
+def reverting(current: Desired, previous: Desired) -> Desired | None:
+    """The one change (a rollout changes weights or config) that takes ``current`` back to
+    ``previous``: the previous weights when they differ, else the previous value of each config
+    key that differs. None when nothing would (a key ``previous`` lacks cannot be unset)."""
+    if previous.weights is not None and previous.weights != current.weights:
+        return Desired(weights=previous.weights)
+    back = {
+        k: v
+        for k, v in previous.config.items()
+        if k not in current.config or current.config[k] != v
+    }
+    return Desired(config=back) if back else None
+
+
 @dataclass(frozen=True, slots=True)
 class StableEntry:
     """One stable state a target had, and what made it stable (a spec, or a rollout)."""
@@ -127,6 +141,8 @@ class ControlState:
         #: Actions for a rollout not seen (yet): kept until it comes (a compacted log keeps order,
         #: so it should not happen; a hand-written record might).
         self._early_actions: dict[str, list[RolloutAction]] = {}
+        #: Stable states made by rollouts of a target whose spec comes later in the log.
+        self._early_stables: dict[str, list[StableEntry]] = {}
 
     def observe(self, record: ControlRecord) -> None:
         self.records += 1
@@ -150,6 +166,7 @@ class ControlState:
         target = self._targets.get(spec.name)
         if target is None:
             target = self._targets[spec.name] = Target(spec)
+            target.history.extend(self._early_stables.pop(spec.name, []))
         else:
             target.spec = spec
         if spec.stable is not None and spec.stable != target.stable:
@@ -175,10 +192,13 @@ class ControlState:
         rollout.state = state
         if state.phase is ControlPhase.SUCCEEDED and not was_ended:
             target = self._targets.get(rollout.spec.target)
+            base = None if target is None else target.stable
+            desired = state.result or applied(base, rollout.spec.desired)
+            entry = StableEntry(desired, rollout.rollout_id, state.ended_at or state.updated_at)
             if target is not None:
-                desired = applied(target.stable, rollout.spec.desired)
-                when = state.ended_at or state.updated_at
-                target.history.append(StableEntry(desired, rollout.rollout_id, when))
+                target.history.append(entry)
+            else:  # compaction kept this, not the target's older spec: its spec comes later
+                self._early_stables.setdefault(rollout.spec.target, []).append(entry)
 
     # ------------------------------------------------------------------ questions
 

@@ -189,6 +189,11 @@ class RolloutSpec(WireModel):
     def _changes_something(self) -> RolloutSpec:
         if self.desired.weights is None and not self.desired.config:
             raise ValueError("a rollout must change the weights or the config")
+        if self.desired.weights is not None and self.desired.config:
+            raise ValueError(
+                "a rollout changes the weights or the config, not both (roll them out one "
+                "after the other: each is gated, and undone, on its own)"
+            )
         if self.desired.weights is None and self.strategy.probe is not None:
             # Only a reload asks the workers for the probe (ReloadWeightsSpec.probe).
             raise ValueError(
@@ -282,6 +287,9 @@ class RolloutState(WireModel):
     rollback_batch: Annotated[int, Field(ge=0)] = 0
     code: str | None = None
     message: Annotated[str, StringConstraints(max_length=4096)] = ""
+    #: Once ``succeeded``: the target's stable state it made (read by the fold, so the
+    #: result does not depend on records compaction may have removed).
+    result: Desired | None = None
     started_at: Timestamp
     updated_at: Timestamp
     ended_at: Timestamp | None = None

@@ -44,7 +44,7 @@ T0 = datetime(2025, 1, 1, tzinfo=UTC)
 V1 = Desired(
     weights=WeightsRef(path="/ckpt/v1", version="v1", sha256={"model.safetensors": "ab" * 32})
 )
-V2 = Desired(weights=WeightsRef(path="/ckpt/v2", version="v2"), config={"temperature": 0.5})
+V2 = Desired(weights=WeightsRef(path="/ckpt/v2", version="v2"))
 
 TARGET = TargetSpec(
     name="llama", selector={"model": "llama"}, stable=V1, issued_at=T0, issuer="ops"

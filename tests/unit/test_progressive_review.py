@@ -1,0 +1,128 @@
+"""Defects the review of the controller's decisions found (issue 12), each shown here: a rollout
+changes weights or config, not both; the stable state a rollout made survives compaction; undo
+reverts exactly one change; a dead worker is left to the reconciler, not to a rollback command;
+a rejected rollout does not release held workers; drift syncs share max_unavailable."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from controlplane.rollout.progressive import held, reconcile
+from controlplane.rollout.targets import ControlState, reverting
+from controlplane.wire.control import (
+    ActionKind,
+    ControlPhase,
+    Desired,
+    RolloutSpec,
+    Strategy,
+    TargetSpec,
+    WeightsRef,
+)
+from tests.factories import at
+from tests.unit.progressive_sim import LABELS, V1, V2, Sim, weights
+
+
+def test_a_rollout_changes_the_weights_or_the_config_not_both() -> None:
+    with pytest.raises(ValidationError, match="not both"):
+        RolloutSpec(
+            rollout_id="r1",
+            target="llama",
+            desired=weights("v2", temperature=0.5),
+            issued_at=at(0),
+            issuer="ops",
+        )
+
+
+def test_the_stable_state_a_rollout_made_survives_the_compaction_of_the_targets_spec() -> None:
+    sim = Sim(3)
+    sim.start(Strategy())
+    sim.run(sim.ended())
+    assert sim.current().phase is ControlPhase.SUCCEEDED and sim.current().result == V2
+    # The target's spec is written again (a new selector, no stable); compaction then drops
+    # its first spec: a reader of the compacted log folds the rollout's spec and final state,
+    # then the new spec.
+    respec = TargetSpec(name="llama", selector=LABELS, issued_at=at(99), issuer="ops")
+    live = sim.control
+    live.observe(respec)
+    compacted = ControlState()
+    for record in sim.records:
+        if not isinstance(record, TargetSpec):
+            compacted.observe(record)
+    compacted.observe(respec)
+    for fold in (live, compacted):
+        target = fold.target("llama")
+        assert target is not None and target.stable == V2
+
+
+def test_undo_reverts_exactly_the_change_that_was_made() -> None:
+    v1, v2 = weights("v1"), weights("v2")
+    assert reverting(v2, v1) == Desired(weights=v1.weights)
+    cfg1 = Desired(weights=v1.weights, config={"temperature": 0.0, "top_k": 5})
+    cfg2 = Desired(weights=v1.weights, config={"temperature": 0.7, "top_k": 5, "new": 1})
+    assert reverting(cfg2, cfg1) == Desired(config={"temperature": 0.0})
+    # only a key the previous state lacked differs: nothing can undo it
+    assert reverting(Desired(weights=v1.weights, config={"new": 1}), v1) is None
+
+
+def test_a_worker_lost_after_applying_is_left_to_the_reconciler_not_to_a_rollback() -> None:
+    sim = Sim(3, policy=lambda c, w: "fail" if w == "w02" else "ok")
+    sim.start(Strategy(max_failures="0"))
+    sim.run(lambda: sim.current().phase is ControlPhase.ROLLING_BACK or sim.ended()())
+    sim.workers["w01"].alive = False  # applied v2, then died before its rollback command
+    sim.tick(30)  # its lease runs out
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.phase is ControlPhase.ROLLED_BACK, state
+    assert sim.versions() == {"w00": "v1", "w01": "v2", "w02": "v1"}
+    # back from the dead on v2: the reconciler gives it the stable state (it is not held)
+    sim.workers["w01"].alive = True
+    sim.restart("w01")
+    sim.beat()
+    assert held(sim.control, sim.control.target("llama")) == frozenset()  # type: ignore[arg-type]
+    commands = reconcile(sim.control, sim.fleet, sim.now)
+    assert [(c.selector.worker_ids, c.spec.version) for c in commands] == [(["w01"], "v1")]  # type: ignore[union-attr]
+
+
+def test_a_rejected_rollout_does_not_release_the_workers_an_abort_held() -> None:
+    sim = Sim(2)
+    sim.start(Strategy(canary=1, pause="manual"), rollback=False)
+    sim.run(sim.in_phase(ControlPhase.PAUSED))
+    sim.act(ActionKind.ABORT)
+    sim.run(sim.ended())
+    target = sim.control.target("llama")
+    assert target is not None and held(sim.control, target) == {"w00"}
+    sim.start(Strategy(), desired=weights("v3"), rollout_id="r2", target="nope")
+    sim.run(sim.ended("r2"))
+    assert sim.current("r2").phase is ControlPhase.REJECTED
+    assert held(sim.control, target) == {"w00"}
+
+
+def test_drift_syncs_during_a_rollout_share_its_max_unavailable() -> None:
+    sim = Sim(4, delay=5.0)
+    sim.start(Strategy(canary=1, steps=["100%"], max_unavailable=1))
+    sim.run(lambda: sim.current().wave == 1 and bool(sim.handed_out("r1.w1")))
+    # the canary restarts from an old journal (v1) while a batch of wave 2 is applying
+    sim.restart("w00", version="v1")
+    sim.beat()
+    assert sim.handed_out() == {"w01"}
+    assert reconcile(sim.control, sim.fleet, sim.now) == []  # max_unavailable=1 is used
+    sim.run(sim.ended())
+    assert sim.current().phase is ControlPhase.SUCCEEDED
+    assert sim.most_applying() == 1
+    assert sim.versions() == dict.fromkeys(sim.workers, "v2")
+
+
+def test_the_stable_state_of_a_target_whose_spec_comes_later_is_kept() -> None:
+    sim = Sim(2)
+    sim.start(Strategy())
+    sim.run(sim.ended())
+    fold = ControlState()
+    for record in sim.records:
+        if not isinstance(record, TargetSpec):
+            fold.observe(record)
+    assert fold.target("llama") is None
+    fold.observe(TargetSpec(name="llama", selector=LABELS, issued_at=at(99), issuer="ops"))
+    target = fold.target("llama")
+    assert target is not None and target.stable == V2 and target.history[-1].rollout_id == "r1"
+    assert V1 != V2 and WeightsRef(path="/ckpt/v2", version="v2") == V2.weights
