@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from tests.integration.test_bus_publish import (
     node_down,
     set_topic_config,
 )
+from tests.integration.test_coordinator_api import until
 from tests.integration.test_progressive import Fleet, fleet_of
 
 pytestmark = pytest.mark.kafka
@@ -56,19 +56,6 @@ async def api_of(kafka: KafkaSettings) -> AsyncIterator[httpx.AsyncClient]:
             httpx.AsyncClient(base_url=server.url, timeout=30, headers=AUTH) as client,
         ):
             yield client
-
-
-async def until(
-    client: httpx.AsyncClient, path: str, check: Callable[[Any], bool], timeout: float = 60
-) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        body = (await client.get(path)).json()
-        if check(body):
-            return body
-        if time.monotonic() > deadline:
-            raise AssertionError(f"GET {path} never satisfied the check; last: {body}")
-        await asyncio.sleep(0.1)
 
 
 async def follow(client: httpx.AsyncClient, rollout_id: str) -> Events:
@@ -138,7 +125,8 @@ async def test_a_rollout_over_the_api_waits_for_promote_wave_by_wave_then_undo(
         for wave in (0, 1):  # each passed wave waits at its boundary for a promote
 
             def paused_at(body: Any, wave: int = wave) -> bool:
-                return (body["phase"], body["state"]["wave"]) == ("paused", wave)
+                state = body["state"] or {}
+                return (body["phase"], state.get("wave")) == ("paused", wave)
 
             at_boundary = await until(api, status, paused_at)
             assert at_boundary["waves"][wave]["passed"] is True
