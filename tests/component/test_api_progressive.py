@@ -157,6 +157,34 @@ async def test_targets_show_desired_against_actual_with_history_and_rollouts(
     ]
 
 
+async def test_38_of_40_updated_and_2_killed_shows_38_in_sync_and_2_lost(
+    coordinator: Coordinator, client: httpx.AsyncClient
+) -> None:
+    """The issue's case: after a rollout to v2 where 2 of 40 workers were killed, the 38 that
+    applied it are in sync (not red), the 2 dead ones lost (not "in sync")."""
+    alive = [f"w{i:02d}" for i in range(38)]
+    feed(coordinator, *(heartbeat(w, 9.0, version="v2") for w in alive))
+    feed(coordinator, heartbeat("w38", -100.0), heartbeat("w39", -100.0))  # killed on v1
+    feed_control(
+        coordinator,
+        target_spec(),
+        rollout_spec("r-38", "v2"),
+        state("r-38", ControlPhase.SUCCEEDED, 3, wave=2, gates=[gate(0), gate(1)]),
+    )
+    tiny = (await client.get("/api/v1/targets/tiny")).json()
+    counts = {k: tiny[k] for k in ("workers", "at_stable", "drifting", "lost", "updating")}
+    assert (tiny["stable_version"], counts) == (
+        "v2",
+        {"workers": 38, "at_stable": 38, "drifting": 0, "lost": 2, "updating": 0},
+    )
+    members = {m["worker_id"]: m for m in tiny["members"]}
+    assert {members[w]["alignment"] for w in alive} == {"in_sync"}
+    assert [(members[w]["alignment"], members[w]["reported_version"]) for w in ("w38", "w39")] == [
+        ("lost", "v1"),
+        ("lost", "v1"),
+    ]
+
+
 async def test_a_rollout_in_progress_shows_on_its_target(
     coordinator: Coordinator, client: httpx.AsyncClient, targets: None
 ) -> None:
