@@ -1,8 +1,9 @@
 """The coordinator's HTTP surface: rollouts and workers as JSON, live status as server-sent events,
-the one write (POST /rollouts, which only publishes a command to Kafka), metrics and the dashboard.
+the write of a rollout (POST /rollouts, which only publishes a command to Kafka), metrics and the
+dashboard; targets and progressive rollouts are in :mod:`controlplane.api.progressive`.
 
 Reads come from the coordinator's replica of the log; nothing here holds state of its own.
-Models live in api_models.py, serving in api_server.py. No signals, no process settings.
+Models live in models.py, serving in server.py. No signals, no process settings.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ def create_app(
         title="Fleet control plane: coordinator",
         version="1",
         description=(
-            "Rollout status and workers, rebuilt from the Kafka log. The write path "
-            "(POST /api/v1/rollouts) only publishes a command; status follows from the log."
+            "Rollout status and workers, rebuilt from the Kafka log. The writes only append "
+            "to Kafka (POST /api/v1/rollouts a command; targets and progressive rollouts an "
+            "operator's request on the controller topic); status follows from the log."
         ),
     )
     app.state.coordinator = coordinator
