@@ -46,9 +46,8 @@ from controlplane.api.models import (
     stable_out,
     validation_details,
 )
-from controlplane.coordinator.publisher import new_id, publish_control
+from controlplane.coordinator.publisher import new_id
 from controlplane.coordinator.service import RESYNC, Coordinator
-from controlplane.kafka.bus import Producer
 from controlplane.rollout.desired import TargetStatus, summary, target_status, targets_status
 from controlplane.rollout.targets import ControlState, Rollout, Target
 from controlplane.wire.control import (
@@ -110,15 +109,6 @@ _WRITE_ERRORS: Final = {
 }
 
 
-def _producer(coordinator: Coordinator) -> Producer:
-    """The coordinator's own producer (already connected), for the operator's requests.
-
-    (The coordinator has no public way to append to the controller topic yet: a
-    ``Coordinator.publish_control(record)`` would replace this.)"""
-    producer: Producer = coordinator._producer
-    return producer
-
-
 # --------------------------------------------------------------------------- the checks
 
 
@@ -139,27 +129,6 @@ def _rollout(control: ControlState, rollout_id: str) -> Rollout:
             f"no progressive rollout {rollout_id!r} in the log", code=LocalCode.ROLLOUT_UNKNOWN
         )
     return rollout
-
-
-def check_start(control: ControlState, spec: RolloutSpec) -> None:
-    """The CLI's checks of `rollout start`, against the fold: TARGET_UNKNOWN, ROLLOUT_EXISTS,
-    TARGET_BUSY (another rollout started and not ended, or requested and not started yet).
-    The controller checks again when it starts the rollout (two operators may race)."""
-    _target(control, spec.target)
-    if control.rollout(spec.rollout_id) is not None:
-        raise ControlPlaneError(
-            f"rollout {spec.rollout_id!r} already exists in the log",
-            code=LocalCode.ROLLOUT_EXISTS,
-        )
-    busy = control.active(spec.target) or next(
-        (r for r in control.rollouts(spec.target) if r.state is None), None
-    )
-    if busy is not None:
-        raise ControlPlaneError(
-            f"rollout {busy.rollout_id} is in progress on target {spec.target}; wait for it, "
-            f"or POST {ROLLOUTS}/{busy.rollout_id}/abort",
-            code=LocalCode.TARGET_BUSY,
-        )
 
 
 def _record(model: type[Record], **fields: Any) -> Record:
@@ -200,7 +169,7 @@ def progressive_router(
         coordinator has folded it. PUBLISH_OUTCOME_UNKNOWN: 504 with what to look for."""
         settings = coordinator.settings.kafka
         try:
-            offset = await publish_control(settings, record, _producer(coordinator))
+            offset = await coordinator.publish_control(record)
         except BusError as exc:
             if exc.code is not LocalCode.PUBLISH_OUTCOME_UNKNOWN:
                 raise
@@ -218,7 +187,7 @@ def progressive_router(
         return offset
 
     async def start(spec: RolloutSpec) -> JSONResponse:
-        check_start(control, spec)
+        control.check_start(spec)
         offset = await append(spec, rollout_id=spec.rollout_id)
         log.info(
             "progressive rollout %s of target %s requested over HTTP (offset %d)",
@@ -355,19 +324,13 @@ def progressive_router(
     async def undo(name: str, request: Request) -> JSONResponse:
         raw = await request.body()
         body = parse_body(UNDO_REQUEST, raw or b"{}", "undo request")
-        target = _target(control, name)
-        previous = target.previous
-        if previous is None:
-            raise ControlPlaneError(
-                f"target {name} has no previous stable state to go back to",
-                code=LocalCode.ROLLBACK_UNAVAILABLE,
-            )
+        change, undo_of = _target(control, name).undo()
         spec = _record(
             RolloutSpec,
             rollout_id=body.rollout_id or new_id("undo"),
             target=name,
-            desired=previous.desired,
-            undo_of=target.history[-1].rollout_id,
+            desired=change,
+            undo_of=undo_of,
             issued_at=coordinator.clock(),
             issuer=issuer,
         )

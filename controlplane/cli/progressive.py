@@ -34,7 +34,7 @@ from controlplane.coordinator.follower import Follower
 from controlplane.coordinator.publisher import publish_control
 from controlplane.kafka.settings import DEFAULT_BOOTSTRAP, KafkaSettings
 from controlplane.rollout.desired import TargetStatus, summary, target_status, targets_status
-from controlplane.rollout.targets import ControlState, Rollout, Target, reverting
+from controlplane.rollout.targets import ControlState, Rollout, Target
 from controlplane.wire.control import (
     ActionKind,
     Desired,
@@ -370,22 +370,7 @@ async def _start(
     as_json: bool,
 ) -> int:
     async with read_control(settings) as (follower, _):
-        control = _control(follower)
-        _target(control, spec.target)
-        if control.rollout(spec.rollout_id) is not None:
-            raise ControlPlaneError(
-                f"rollout {spec.rollout_id!r} already exists in the log",
-                code=LocalCode.ROLLOUT_EXISTS,
-            )
-        busy = control.active(spec.target) or next(
-            (r for r in control.rollouts(spec.target) if r.state is None), None
-        )
-        if busy is not None:
-            raise ControlPlaneError(
-                f"rollout {busy.rollout_id} is in progress on target {spec.target}; "
-                f"wait for it, or `controlplane rollout abort {busy.rollout_id}`",
-                code=LocalCode.TARGET_BUSY,
-            )
+        _control(follower).check_start(spec)
         offset = await publish_control(settings, spec)
         if not as_json:
             console(stderr=True).print(
@@ -645,25 +630,12 @@ def undo(
     async def go() -> int:
         settings = kafka_settings(bootstrap, prefix)
         async with read_control(settings) as (follower, _):
-            found = _target(_control(follower), target)
-            previous = found.previous
-            current = found.history[-1] if found.history else None
-        change = None
-        if previous is not None and current is not None:
-            change = reverting(current.desired, previous.desired)
-        if change is None:
-            raise ControlPlaneError(
-                f"target {target} has no previous stable state to go back to"
-                if previous is None
-                else f"nothing takes target {target} back to its previous stable state (it "
-                "differs only by config keys the previous state did not set)",
-                code=LocalCode.ROLLBACK_UNAVAILABLE,
-            )
+            change, undo_of = _target(_control(follower), target).undo()
         spec = RolloutSpec(
             rollout_id=f"undo-{datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}",
             target=target,
             desired=change,
-            undo_of=None if current is None else current.rollout_id,
+            undo_of=undo_of,
             issued_at=datetime.now().astimezone(),
             issuer=_issuer(),
         )

@@ -20,7 +20,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from controlplane.coordinator.controller import Controller
 from controlplane.coordinator.follower import Batch, Follower
-from controlplane.coordinator.publisher import RolloutRequest, prepare_rollout, publish
+from controlplane.coordinator.publisher import (
+    RolloutRequest,
+    prepare_rollout,
+    publish,
+    publish_control,
+)
 from controlplane.kafka.bus import Producer
 from controlplane.kafka.lifecycle import AsyncService
 from controlplane.kafka.settings import KafkaSettings
@@ -30,6 +35,7 @@ from controlplane.rollout.fleet import (
     Fleet,
 )
 from controlplane.rollout.targets import ControlState
+from controlplane.wire.messages import WireModel
 from controlplane.wire.protocol import Command, CommandSpec, Selector, utcnow
 
 log = logging.getLogger(__name__)
@@ -243,6 +249,11 @@ class Coordinator(AsyncService):
         )
         await publish(self.settings.kafka, command, self._producer)
         return command
+
+    async def publish_control(self, record: WireModel) -> int:
+        """Append an operator's request (a target spec, a rollout, an action) to the controller
+        topic through this coordinator's producer; its offset (see :func:`publish_control`)."""
+        return await publish_control(self.settings.kafka, record, self._producer)
 
     # ------------------------------------------------------------------ change feed
 

@@ -28,6 +28,7 @@ from controlplane.wire.control import (
     RolloutState,
     TargetSpec,
 )
+from controlplane.wire.errors import ControlPlaneError, LocalCode
 from controlplane.wire.messages import Selector
 
 
@@ -76,6 +77,21 @@ class Target:
     @property
     def stable(self) -> Desired | None:
         return self.history[-1].desired if self.history else None
+
+    def undo(self) -> tuple[Desired, str | None]:
+        """What `rollout undo` rolls out: the one change back to the previous stable state, and
+        the rollout it reverts. ROLLBACK_UNAVAILABLE when there is none."""
+        previous = self.previous
+        change = None if previous is None else reverting(self.history[-1].desired, previous.desired)
+        if previous is None or change is None:
+            raise ControlPlaneError(
+                f"target {self.name} has no previous stable state to go back to"
+                if previous is None
+                else f"nothing takes target {self.name} back to its previous stable state (it "
+                "differs only by config keys the previous state did not set)",
+                code=LocalCode.ROLLBACK_UNAVAILABLE,
+            )
+        return change, self.history[-1].rollout_id
 
     @property
     def previous(self) -> StableEntry | None:
@@ -219,6 +235,36 @@ class ControlState:
     def open_rollouts(self) -> Iterator[Rollout]:
         """Rollouts not ended, in log order (those not started yet included)."""
         return (r for r in self.rollouts() if not r.ended)
+
+    def busy(self, target: str) -> Rollout | None:
+        """The rollout that keeps another one of ``target`` from starting: the one started and
+        not ended, else the first one requested and not started yet."""
+        return self.active(target) or next(
+            (r for r in self.rollouts(target) if r.state is None), None
+        )
+
+    def check_start(self, spec: RolloutSpec) -> None:
+        """What `rollout start` (CLI and API) checks before it appends ``spec``: its target
+        exists (TARGET_UNKNOWN), its id is new (ROLLOUT_EXISTS), no other rollout of the target
+        runs or waits (TARGET_BUSY). The controller checks again when it starts the rollout (two
+        operators may race)."""
+        if self.target(spec.target) is None:
+            raise ControlPlaneError(
+                f"no target {spec.target!r}; create it first (`controlplane targets set`)",
+                code=LocalCode.TARGET_UNKNOWN,
+            )
+        if self.rollout(spec.rollout_id) is not None:
+            raise ControlPlaneError(
+                f"rollout {spec.rollout_id!r} already exists in the log",
+                code=LocalCode.ROLLOUT_EXISTS,
+            )
+        busy = self.busy(spec.target)
+        if busy is not None:
+            raise ControlPlaneError(
+                f"rollout {busy.rollout_id} is in progress on target {spec.target}; wait for "
+                "it to end, or abort it",
+                code=LocalCode.TARGET_BUSY,
+            )
 
     def active(self, target: str) -> Rollout | None:
         """The target's started, not ended rollout, if any."""
