@@ -44,6 +44,7 @@ from controlplane.coordinator.metrics import CONTENT_TYPE, CoordinatorMetrics
 from controlplane.coordinator.publisher import PublishUnconfirmed
 from controlplane.coordinator.service import RESYNC, Coordinator
 from controlplane.kafka.bus import Delivery
+from controlplane.rollout.desired import Alignment, targets_status
 from controlplane.rollout.models import RolloutPhase, RolloutStatus
 from controlplane.wire.errors import BusError, ControlPlaneError, LocalCode
 
@@ -404,10 +405,28 @@ async def _failed(delivery: Delivery) -> bool:
 
 
 def _workers(coordinator: Coordinator) -> Iterator[WorkerOut]:
+    """Each worker's level: a worker of a target is judged against what the target says it
+    should run (docs/progressive.md); any other, against the latest reload rollout for it."""
     now = coordinator.now()
     registry = coordinator.fleet.registry
+    members = {
+        m.worker_id: (status.name, m)
+        for status in targets_status(coordinator.control, coordinator.fleet, now)
+        for m in status.members
+        if m.alignment is not Alignment.CONFLICT
+    }
     for level in coordinator.fleet.worker_levels(now):
-        yield WorkerOut(**level.model_dump(), heartbeat=registry.get(level.worker_id, now))
+        fields = level.model_dump()
+        claimed = members.get(level.worker_id)
+        if claimed is not None:
+            target, member = claimed
+            fields.update(
+                target=target,
+                desired_version=member.desired_version,
+                desired_rollout_id=None,
+                in_sync=member.alignment is Alignment.IN_SYNC,
+            )
+        yield WorkerOut(**fields, heartbeat=registry.get(level.worker_id, now))
 
 
 _ERROR_REF: Final = "#/components/schemas/ErrorBody"

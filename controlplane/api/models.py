@@ -190,6 +190,8 @@ class WorkerOut(WorkerLevel):
     """
 
     heartbeat: WorkerView | None
+    #: The target whose selector alone matches it: its desired version is the target's.
+    target: str | None = None
 
 
 class RolloutOptions(BaseModel):

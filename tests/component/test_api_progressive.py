@@ -183,6 +183,16 @@ async def test_38_of_40_updated_and_2_killed_shows_38_in_sync_and_2_lost(
         ("lost", "v1"),
         ("lost", "v1"),
     ]
+    # the dashboard's source agrees: desired is the target's, not the last classic rollout's
+    workers = {w["worker_id"]: w for w in (await client.get("/api/v1/workers")).json()}
+    assert {(w["target"], w["desired_version"], w["in_sync"]) for w in workers.values()} >= {
+        ("tiny", "v2", True)
+    }
+    assert all(workers[w]["in_sync"] and workers[w]["alive"] for w in alive)
+    assert [(workers[w]["in_sync"], workers[w]["alive"]) for w in ("w38", "w39")] == [
+        (False, False),
+        (False, False),
+    ]
 
 
 async def test_a_rollout_in_progress_shows_on_its_target(
