@@ -80,7 +80,10 @@ class Bench:
         self.fan.follower = Follower(self.fan.settings, control=ControlState())
         await self.fan.follower.start()
         self.fan.follower.listeners.append(self.reader)
-        (state_dir,) = self.args.state_dir.glob(f"n{self.args.n}-*")  # the agents' allowed root
+        # the agents' allowed root: the directory Fanout just made (a --state-dir may hold older)
+        state_dir = max(
+            self.args.state_dir.glob(f"n{self.args.n}-*"), key=lambda p: p.stat().st_mtime
+        )
         self.checkpoint = state_dir / "model.safetensors"
         self.checkpoint.write_bytes(b"\0" * 64)
         cfg = {
