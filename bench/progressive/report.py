@@ -9,6 +9,16 @@ from bench.common import fmt, ratio, table
 
 #: The issue's target: a progressive rollout takes at most this much longer than its waves by hand.
 TARGET_RATIO = 1.2
+#: A wave boundary's times (scenario._boundaries), in the order of the printed columns.
+GAP_TIMES = (
+    "total_s",
+    "coordinator_read_s",
+    "wake_s",
+    "decide_s",
+    "decide_cpu_s",
+    "txn_s",
+    "to_reader_s",
+)
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -76,19 +86,7 @@ def derive(data: dict[str, Any], n: int) -> dict[str, Any]:
     gaps = [
         {
             "wave": data["rounds"][0]["controller"]["boundaries"][i]["wave"],
-            **{
-                key: gap_med(i, key)
-                for key in (
-                    "coordinator_read_s",
-                    "wake_s",
-                    "decide_s",
-                    "decide_cpu_s",
-                    "txn_s",
-                    "to_reader_s",
-                    "total_s",
-                    "decides_between",
-                )
-            },
+            **{key: gap_med(i, key) for key in (*GAP_TIMES, "decides_between")},
         }
         for i in range(len(data["waves"]) + 1)
     ]
@@ -196,18 +194,7 @@ def report(result: dict[str, Any]) -> str:
     gap_rows = [
         [
             g["wave"],
-            *(
-                None if g[key] is None else g[key] * ms
-                for key in (
-                    "total_s",
-                    "coordinator_read_s",
-                    "wake_s",
-                    "decide_s",
-                    "decide_cpu_s",
-                    "txn_s",
-                    "to_reader_s",
-                )
-            ),
+            *(None if g[key] is None else g[key] * ms for key in GAP_TIMES),
             g["decides_between"],
         ]
         for g in s["gaps"]
