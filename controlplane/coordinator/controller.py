@@ -95,6 +95,8 @@ class Controller:
         self._changed = asyncio.Event()
         #: Workers two targets claim, as last reported.
         self._conflicts: dict[str, list[str]] = {}
+        #: Per worker, what its latest heartbeat said that a decision depends on.
+        self._seen: dict[str, tuple[object, ...]] = {}
         follower.listeners.append(self._on_batch)
 
     def _on_batch(self, batch: Batch) -> None:
@@ -103,7 +105,24 @@ class Controller:
                 probe = ack.result.get("probe")
                 if isinstance(probe, dict):
                     self.probes[(ack.rollout_id, ack.worker_id)] = probe
-        self._changed.set()
+        # Decide again on what can change a decision; a heartbeat saying what the last one of
+        # its worker said cannot (time-driven changes, a lease running out, come with the tick).
+        changed = bool(batch.control or batch.commands or batch.acks)
+        for hb in batch.heartbeats:
+            seen = (
+                hb.incarnation,
+                hb.status,
+                hb.weights_version,
+                hb.config_digest,
+                hb.in_flight is None,
+                hb.degraded is None,
+                tuple(sorted(hb.labels.items())),
+            )
+            if self._seen.get(hb.worker_id) != seen:
+                self._seen[hb.worker_id] = seen
+                changed = True
+        if changed:
+            self._changed.set()
 
     async def run(self) -> None:
         """Campaign, lead, step down, campaign again: until cancelled."""

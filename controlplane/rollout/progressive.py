@@ -113,9 +113,18 @@ class _Context:
     issuer: str
     published: set[str] = field(default_factory=set)
     commands: list[Command] = field(default_factory=list)
+    #: Batch statuses judged in this decision (the fleet does not change during one).
+    _statuses: dict[str, RolloutStatus] = field(default_factory=dict)
 
     def known(self, rollout_id: str) -> bool:
         return rollout_id in self.published or rollout_id in self.fleet
+
+    def status(self, rollout_id: str) -> RolloutStatus:
+        """The fleet's status of a command's rollout, judged once per decision."""
+        status = self._statuses.get(rollout_id)
+        if status is None:
+            status = self._statuses[rollout_id] = self.fleet.status(rollout_id, self.now)
+        return status
 
     def publish(
         self,
@@ -188,12 +197,17 @@ def decide(
 
 
 def members(control: ControlState, fleet: Fleet, target: Target, now: datetime) -> list[str]:
-    """Live workers of ``target``: matched by its selector and by no other target's."""
+    """Live workers of ``target``, sorted: matched by its selector and by no other target's."""
+    registry = fleet.registry
     out = []
-    for view in fleet.registry.matching(target.selector, now):
-        if len(control.targets_of(view.labels)) == 1:
-            out.append(view.worker_id)
-    return out
+    for hb in registry.heartbeats():  # heartbeats, not views: this runs at every decision
+        if (
+            target.matches(hb.labels)
+            and registry.is_alive(hb.worker_id, now)
+            and len(control.targets_of(hb.labels)) == 1
+        ):
+            out.append(hb.worker_id)
+    return sorted(out)
 
 
 def conflicts(control: ControlState, fleet: Fleet, now: datetime) -> dict[str, list[str]]:
@@ -474,7 +488,7 @@ def _over(status: RolloutStatus) -> bool:
 
 
 def _batch_over(ctx: _Context, batch_id: str) -> bool:
-    return batch_id in ctx.fleet and _over(ctx.fleet.status(batch_id, ctx.now))
+    return batch_id in ctx.fleet and _over(ctx.status(batch_id))
 
 
 def _failed(ctx: _Context, state: RolloutState) -> list[str]:
@@ -487,7 +501,7 @@ def _failed(ctx: _Context, state: RolloutState) -> list[str]:
             batch_id = batch_rollout_id(state.rollout_id, wave_index, batch_index)
             if batch_id not in ctx.fleet:
                 break
-            status = ctx.fleet.status(batch_id, ctx.now)
+            status = ctx.status(batch_id)
             for detail in status.workers:
                 if detail.state in (WorkerState.FAILED, WorkerState.REJECTED) or (
                     _over(status) and detail.state in _FAILED_STATES
@@ -513,7 +527,7 @@ def _updated(
                 elif passed:  # gone from the log (retention), but it was over: as summarized
                     done.update(w for w in members_ if w not in state.failed)
                 continue
-            status = ctx.fleet.status(batch_id, ctx.now)
+            status = ctx.status(batch_id)
             ended = ended and _over(status)
             if status.details_dropped:  # summarized: each worker of it not counted failed applied
                 done.update(w for w in members_ if w not in state.failed)
@@ -605,7 +619,7 @@ def _rollback_failures(ctx: _Context, state: RolloutState) -> list[str]:
         if batch_id not in ctx.fleet:  # never seen: nothing says these went back
             failed.extend(members_)
             continue
-        status = ctx.fleet.status(batch_id, ctx.now)
+        status = ctx.status(batch_id)
         if status.details_dropped:  # summarized: only its counts are left
             missing = status.expected - status.counts.succeeded
             if missing:
@@ -679,8 +693,11 @@ def _change_spec(change: Desired, probe: ProbeGate | None = None) -> CommandSpec
 
 def should_run(control: ControlState, target: Target, worker_id: str) -> Desired | None:
     """What a worker of ``target`` should run now (None: a rollout is handling it)."""
+    return _should_run(target, control.active(target.name), worker_id)
+
+
+def _should_run(target: Target, active: Rollout | None, worker_id: str) -> Desired | None:
     stable = target.stable
-    active = control.active(target.name)
     if active is None or active.state is None:
         return stable
     state = active.state
@@ -744,10 +761,10 @@ def reconcile(
         for worker_id in workers:
             if worker_id in hold:
                 continue
-            desired = should_run(control, target, worker_id)
+            desired = _should_run(target, active, worker_id)
             if desired is None or desired.weights is None:
                 continue
-            view = fleet.registry.get(worker_id, now)
+            view = fleet.registry.latest(worker_id)
             if view is None or view.in_flight is not None or view.status is not WorkerStatus.READY:
                 continue
             if view.weights_version == desired.weights.version:
@@ -770,7 +787,7 @@ def _applying(ctx: _Context, active: Rollout, workers: list[str]) -> set[str]:
     assert state is not None
     out = set()
     for worker_id in workers:
-        view = ctx.fleet.registry.get(worker_id, ctx.now)
+        view = ctx.fleet.registry.latest(worker_id)
         if view is not None and (view.in_flight is not None or view.status is WorkerStatus.BUSY):
             out.add(worker_id)
     batch_id, batch = None, []
