@@ -9,8 +9,8 @@ and says what to write. The loop, once elected in generation *g*:
 2. read every followed partition up to its end as of now (after the init, so it includes all
    that earlier holders committed);
 3. write a ``leader`` record; then, each time the log changes or a tick passes, decide and write
-   the decision's commands and rollout states in one transaction, and wait until the follower
-   has read them back before deciding again (the next decision starts from them).
+   the decision's commands and rollout states in one transaction, and fold them once it
+   committed (the next decision starts from them; the follower reading them back changes nothing).
 
 Fenced (another coordinator inits the id), revoked, or a transaction with an unknown outcome:
 it stops writing at once, drops the producer and waits to be elected again; it never writes
@@ -222,8 +222,13 @@ class Controller:
                 command.rollout_id,
                 ",".join(command.selector.worker_ids or []),
             )
-        # The next decision starts from these records: fold them first.
-        await self.follower.wait_reached(_ends(txn.records))
+        # The next decision starts from these records, committed: fold them now rather than
+        # wait for the follower to bring them back (both folds ignore a record seen twice:
+        # an equal command, a rollout state of a revision already held).
+        for command in decision.commands:
+            self.fleet.observe_command(command)
+        for state in decision.states:
+            self.control.observe(state)
 
     def _report_conflicts(self, now: datetime) -> None:
         """Say once per worker that two targets claim it (it is left alone meanwhile)."""
