@@ -74,6 +74,16 @@ class LeaderElection(ClientLifecycle):
         self._leading = asyncio.Event()
         self._partition = TopicPartition(self.topic, 0)
         self._listener = _Listener(self)
+        #: The sticky assignor keeps what it assigned, and the generation, on its class: one
+        #: class of its own per election, so two elections in a process never share them.
+        self._assignor: Any = type(
+            "ElectionStickyAssignor",
+            (StickyPartitionAssignor,),
+            {
+                "member_assignment": None,
+                "generation": StickyPartitionAssignor.DEFAULT_GENERATION_ID,
+            },
+        )
         self._consumer = AIOKafkaConsumer(
             **client_options(settings),
             group_id=self.group_id,
@@ -82,7 +92,7 @@ class LeaderElection(ClientLifecycle):
             isolation_level="read_committed",
             session_timeout_ms=session_timeout_ms,
             heartbeat_interval_ms=heartbeat_interval_ms or max(1000, session_timeout_ms // 3),
-            partition_assignment_strategy=(StickyPartitionAssignor,),
+            partition_assignment_strategy=(self._assignor,),
         )
         self._finish_bootstrap_when_cancelled(self._consumer._client)
         self._poller: asyncio.Task[None] | None = None
@@ -187,6 +197,10 @@ class LeaderElection(ClientLifecycle):
         generation = int(coordinator.generation)
         if generation < 0:  # not a generation the group gave: never lead on it
             return
+        # aiokafka 0.14 never tells the sticky assignor the generation: every member then says
+        # -1, the group's leader sees two claims to the partition (a paused former leader's and
+        # the current one's) and may hand it back to the one that just stalled. Say it.
+        self._assignor.on_generation_assignment(generation)
         self.member_generation = generation
         if self._partition not in assigned:
             return

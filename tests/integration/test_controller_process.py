@@ -627,23 +627,24 @@ async def test_a_paused_leader_publishes_nothing_after_the_other_coordinator_too
         commands = await read_log(kafka, topics.commands.name, decode_command)
         ids = [c.item.rollout_id for c in commands]
         assert len(ids) == len(set(ids)), ids
+        # The group keeps the lead with the new leader (the sticky assignor knows the
+        # generation: a resumed former leader's claim to the partition is older).
         elected_again = [g for o, g in leaders if o > took_over and g.member == first.member]
-        if not elected_again:
-            # It publishes nothing more: every coord-a command lies before coord-b's, below
-            # where the log ended when it was stopped.
-            issuers = [c.item.issuer for c in commands]
-            assert set(issuers) == {"coord-a", "coord-b"}
-            last_a = max(i for i, issuer in enumerate(issuers) if issuer == "coord-a")
-            assert last_a < issuers.index("coord-b"), issuers
-            late = [c for c in commands if c.item.issuer == "coord-a" and c.offset >= commands_end]
-            assert late == [], late
+        assert elected_again == [], elected_again
+        # It publishes nothing more: every coord-a command lies before coord-b's, below where
+        # the log ended when it was stopped.
+        issuers = [c.item.issuer for c in commands]
+        assert set(issuers) == {"coord-a", "coord-b"}
+        last_a = max(i for i, issuer in enumerate(issuers) if issuer == "coord-a")
+        assert last_a < issuers.index("coord-b"), issuers
+        late = [c for c in commands if c.item.issuer == "coord-a" and c.offset >= commands_end]
+        assert late == [], late
         # read_uncommitted shows what was written, committed or not: what coord-a wrote after
         # its stop (a zombie's writes, aborted by the new leader's init) is never committed.
         raw = await read_log(kafka, topics.commands.name, decode_command, "read_uncommitted")
         visible = {c.offset for c in commands}
         zombie = [c for c in raw if c.item.issuer == "coord-a" and c.offset >= commands_end]
-        if not elected_again:
-            assert not [c for c in zombie if c.offset in visible], zombie
+        assert not [c for c in zombie if c.offset in visible], zombie
         raw_control = await controller_log(kafka, "read_uncommitted")
         # The former leader learnt it lost (revoked, or fenced at its first write), and lives.
         await until(
@@ -662,11 +663,3 @@ async def test_a_paused_leader_publishes_nothing_after_the_other_coordinator_too
             f"aborted controller records {len(raw_control) - len(committed)}, "
             f"fenced: {'CONTROLLER_FENCED' in first.text()[resumed_at:]}"
         )
-        if elected_again:
-            # controlplane/kafka/election.py: aiokafka never tells its StickyPartitionAssignor
-            # the generation, so when the resumed member rejoins claiming partition 0 as the
-            # new leader does, the assignor may hand it back (a tie at generation -1).
-            pytest.xfail(
-                f"the resumed former leader was elected again (generation "
-                f"{elected_again[0].generation}): the sticky assignor lacks the generation"
-            )
