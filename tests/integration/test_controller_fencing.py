@@ -58,22 +58,51 @@ async def ensure_controller_topic(settings: KafkaSettings) -> None:
         await admin.ensure_topics(_ControllerTopic(prefix=settings.topic_prefix))
 
 
-async def read_values(
-    settings: KafkaSettings, topic: str, isolation: str = "read_committed"
-) -> list[str]:
-    """Every value of ``topic`` (one partition) up to its end as ``isolation`` reads it (for
-    read_committed: the last stable offset), in log order."""
-    consumer = AIOKafkaConsumer(
+def raw_consumer(settings: KafkaSettings, isolation: str) -> AIOKafkaConsumer:
+    return AIOKafkaConsumer(
         bootstrap_servers=settings.bootstrap_servers,
         isolation_level=isolation,
         enable_auto_commit=False,
     )
+
+
+async def stable_end(settings: KafkaSettings, tp: TopicPartition) -> int:
+    """The end of ``tp`` once no transaction is open on it (last stable offset = high
+    watermark). A commit returns before the broker wrote its markers, and until then the last
+    stable offset stays before the committed records: a reader right after would miss them."""
+    committed, everything = (
+        raw_consumer(settings, "read_committed"),
+        raw_consumer(settings, "read_uncommitted"),
+    )
+    await committed.start()
+    try:
+        await everything.start()
+        try:
+            async with asyncio.timeout(30):
+                while True:
+                    lso = (await committed.end_offsets([tp]))[tp]
+                    if lso == (await everything.end_offsets([tp]))[tp]:
+                        return int(lso)
+                    await asyncio.sleep(0.05)  # a poll interval, not a wait for something
+        finally:
+            await everything.stop()
+    finally:
+        await committed.stop()
+
+
+async def read_values(
+    settings: KafkaSettings, topic: str, isolation: str = "read_committed"
+) -> list[str]:
+    """Every value of ``topic`` (one partition) up to its end as ``isolation`` reads it (for
+    read_committed: the last stable offset, once no transaction is open), in log order."""
+    tp = TopicPartition(topic, 0)
+    settled = await stable_end(settings, tp) if isolation == "read_committed" else None
+    consumer = raw_consumer(settings, isolation)
     await consumer.start()
     try:
-        tp = TopicPartition(topic, 0)
         consumer.assign([tp])
         await consumer.seek_to_beginning(tp)
-        end = (await consumer.end_offsets([tp]))[tp]
+        end = (await consumer.end_offsets([tp]))[tp] if settled is None else settled
         values: list[str] = []
         async with asyncio.timeout(30):
             while await consumer.position(tp) < end:
