@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -35,6 +36,7 @@ from controlplane.wire.control import (
     TargetSpec,
     WeightsRef,
 )
+from controlplane.wire.errors import BusError
 from controlplane.wire.protocol import (
     Ack,
     AckState,
@@ -177,6 +179,20 @@ async def fleet_of(
             yield fleet
     finally:
         await fleet.stop_all()
+
+
+async def wait_until_ok(call: Callable[[], Awaitable[Any]], timeout: float = 30.0) -> None:
+    """Until ``call()`` stops raising BusError (a topic just created is not in every broker's
+    metadata at once)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            await call()
+            return
+        except BusError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.1)
 
 
 async def read_all(kafka: KafkaSettings, topic: str, decode: Callable[[bytes], T]) -> list[T]:
@@ -403,6 +419,9 @@ async def test_a_fleet_without_the_controller_topic_keeps_its_coordinator_servin
     )
     for spec in settings.topics.all():
         await create_topic(kafka_bootstrap, spec.name, spec.config, partitions=spec.partitions)
+    async with Consumer(settings) as consumer:  # until every broker's metadata has them
+        for spec in settings.topics.all():
+            await wait_until_ok(functools.partial(consumer.partitions, spec.name))
     async with Coordinator(CoordinatorSettings(kafka=settings)) as coordinator:
         await coordinator.wait_ready(60)
         assert coordinator.follower.control_missing
