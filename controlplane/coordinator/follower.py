@@ -202,20 +202,24 @@ class Follower(AsyncService):
         if self.probe:
             self._probe_task = asyncio.create_task(self._probe_loop(), name="follower-probe")
 
-    async def _drop_missing_control_topic(self) -> None:
+    async def _drop_missing_control_topic(self, attempts: int = 5) -> None:
         topic = CONTROL.topic(self.topics)
-        try:
-            await self._consumer.partitions(topic)
-        except BusError as exc:
-            if "does not exist" not in exc.message:
-                raise
-            del self._decoders[topic]
-            self.control_missing = True
-            log.warning(
-                "the controller topic %s does not exist: targets and progressive rollouts are "
-                "off until `controlplane topics ensure` creates it",
-                topic,
-            )
+        for attempt in range(attempts):
+            try:
+                await self._consumer.partitions(topic)
+                return
+            except BusError as exc:
+                if "does not exist" not in exc.message:
+                    raise
+            if attempt < attempts - 1:  # a topic just created reaches every broker's metadata late
+                await asyncio.sleep(0.5)
+        del self._decoders[topic]
+        self.control_missing = True
+        log.warning(
+            "the controller topic %s does not exist: targets and progressive rollouts are off "
+            "until `controlplane topics ensure` creates it",
+            topic,
+        )
 
     async def stop(self) -> None:
         self._resume_collector()
