@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import socket
 from collections.abc import Callable, Iterable
 from datetime import datetime
@@ -51,6 +52,10 @@ log = logging.getLogger(__name__)
 
 #: How often the controller decides when nothing in the log changed (bakes, pauses, deadlines).
 DEFAULT_TICK_S: Final = 0.5
+#: The end of a batch's rollout id (progressive.batch_rollout_id): only their acks feed the gates.
+_BATCH_ID: Final = re.compile(r"\.w[0-9]+\.b[0-9]+$")
+#: Probe answers and digests kept before those of ended rollouts are dropped.
+_FACTS_KEPT: Final = 10_000
 #: After an error that is not a lost leadership: wait this long before trying again.
 _RETRY_S: Final = 1.0
 
@@ -85,6 +90,8 @@ class Controller:
         self.tick_s = tick_s
         #: (rollout id, worker id) -> the probe answer of its succeeded ack.
         self.probes: dict[tuple[str, str], dict[str, Any]] = {}
+        #: (rollout id, worker id) -> the weights digest of its succeeded ack.
+        self.digests: dict[tuple[str, str], str] = {}
         #: The generation this coordinator leads and writes in (None: it does not).
         self.leading: int | None = None
         self.decisions = 0
@@ -101,10 +108,13 @@ class Controller:
 
     def _on_batch(self, batch: Batch) -> None:
         for ack in batch.acks:
-            if ack.state is AckState.SUCCEEDED:
+            if ack.state is AckState.SUCCEEDED and _BATCH_ID.search(ack.rollout_id):
                 probe = ack.result.get("probe")
                 if isinstance(probe, dict):
                     self.probes[(ack.rollout_id, ack.worker_id)] = probe
+                digest = ack.result.get("weights_digest")
+                if isinstance(digest, str):
+                    self.digests[(ack.rollout_id, ack.worker_id)] = digest
         # Decide again on what can change a decision; a heartbeat saying what the last one of
         # its worker said cannot (time-driven changes, a lease running out, come with the tick).
         changed = bool(batch.control or batch.commands or batch.acks)
@@ -180,9 +190,15 @@ class Controller:
             while election.is_leader(generation):
                 now = await self._judge_time(election, generation)
                 decision = decide(
-                    self.control, self.fleet, now, issuer=self.issuer, probes=self.probes
+                    self.control,
+                    self.fleet,
+                    now,
+                    issuer=self.issuer,
+                    probes=self.probes,
+                    digests=self.digests,
                 )
                 self._report_conflicts(now)
+                self._forget_ended()
                 if not decision:
                     await self._wait_change()
                     continue
@@ -229,6 +245,17 @@ class Controller:
             self.fleet.observe_command(command)
         for state in decision.states:
             self.control.observe(state)
+
+    def _forget_ended(self) -> None:
+        """Drop the probe answers and digests of rollouts that ended (gates never look again)."""
+        for facts in (self.probes, self.digests):
+            if len(facts) <= _FACTS_KEPT:
+                continue
+            for key in list(facts):
+                match = _BATCH_ID.search(key[0])
+                rollout = None if match is None else self.control.rollout(key[0][: match.start()])
+                if rollout is None or rollout.ended:
+                    del facts[key]
 
     def _report_conflicts(self, now: datetime) -> None:
         """Say once per worker that two targets claim it (it is left alone meanwhile)."""

@@ -42,7 +42,7 @@ import hashlib
 from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 from controlplane.rollout.fleet import Fleet
 from controlplane.rollout.models import RolloutStatus, WorkerState
@@ -67,6 +67,8 @@ from controlplane.wire.messages import (
     WorkerStatus,
 )
 
+T = TypeVar("T")
+
 #: How long a reconcile (drift) command may wait to be applied before it expires.
 SYNC_TTL_S: Final = 3600.0
 #: Steps one rollout may take in one decision (each step waits on something else after a few).
@@ -76,6 +78,8 @@ _FAILED_STATES: Final = frozenset({WorkerState.FAILED, WorkerState.REJECTED, Wor
 Gate = Literal["health", "agreement", "probe"]
 #: (rollout id, worker id) -> the ``probe`` of the worker's succeeded ack for that rollout.
 Probes = Mapping[tuple[str, str], Mapping[str, Any]]
+#: (rollout id, worker id) -> the ``weights_digest`` of the worker's succeeded ack for it.
+Digests = Mapping[tuple[str, str], str]
 
 
 def batch_rollout_id(rollout_id: str, wave: int, batch: int) -> str:
@@ -113,6 +117,7 @@ class _Context:
     issuer: str
     published: set[str] = field(default_factory=set)
     commands: list[Command] = field(default_factory=list)
+    digests: Digests = field(default_factory=dict)
     #: Batch statuses judged in this decision (the fleet does not change during one).
     _statuses: dict[str, RolloutStatus] = field(default_factory=dict)
 
@@ -156,10 +161,12 @@ def decide(
     *,
     issuer: str = "controller",
     probes: Probes | None = None,
+    digests: Digests | None = None,
 ) -> Decision:
     """Everything to write now: each open rollout moved as far as the log allows, then every
-    drifting worker's command."""
-    ctx = _Context(control, fleet, probes or {}, now, issuer)
+    drifting worker's command. ``probes`` and ``digests``: what the succeeded acks of the
+    rollouts' batches said (``result.probe``, ``result.weights_digest``)."""
+    ctx = _Context(control, fleet, probes or {}, now, issuer, digests=digests or {})
     states: list[RolloutState] = []
     #: target -> its rollout in progress (one started in this very decision included)
     running = {
@@ -412,6 +419,14 @@ def _gate_failure(
     if len(digests) > 1:
         shown = "; ".join(f"{d[:12]}: {', '.join(ws)}" for d, ws in sorted(digests.items()))
         return "agreement", f"updated workers report different config digests ({shown})"
+    weights: dict[str, list[str]] = {}
+    for worker in updated:
+        digest = _batch_fact(ctx.digests, rollout_id, state, worker)
+        if digest is not None:  # runners that cannot say (vLLM) are not judged on it
+            weights.setdefault(digest, []).append(worker)
+    if len(weights) > 1:
+        shown = "; ".join(f"{d[:12]}: {', '.join(ws)}" for d, ws in sorted(weights.items()))
+        return "agreement", f"updated workers hold different weights ({shown})"
     probe = rollout.spec.strategy.probe
     if probe is None:
         return None
@@ -456,12 +471,19 @@ def _reading(answer: Mapping[str, Any]) -> tuple[tuple[int, ...], float] | None:
 def _probe_of(
     ctx: _Context, rollout_id: str, state: RolloutState, worker: str
 ) -> Mapping[str, Any] | None:
+    return _batch_fact(ctx.probes, rollout_id, state, worker)
+
+
+def _batch_fact(
+    facts: Mapping[tuple[str, str], T], rollout_id: str, state: RolloutState, worker: str
+) -> T | None:
+    """What ``worker``'s succeeded ack for its batch of this rollout said (a probe, a digest)."""
     for wave, members_ in enumerate(state.waves[: state.wave + 1]):
         if worker in members_:
             for batch in range(len(members_)):
-                answer = ctx.probes.get((batch_rollout_id(rollout_id, wave, batch), worker))
-                if answer is not None:
-                    return answer
+                fact = facts.get((batch_rollout_id(rollout_id, wave, batch), worker))
+                if fact is not None:
+                    return fact
     return None
 
 

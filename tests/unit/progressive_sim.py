@@ -97,6 +97,7 @@ class Sim:
         policy: Policy = always_ok,
         delay: float = 1.0,
         probe: Callable[[Command, str], dict[str, Any] | None] | None = None,
+        digest: Callable[[Command, str], str | None] | None = None,
         max_ended_rollouts: int | None = None,
     ) -> None:
         """``max_ended_rollouts``: the fleet keeps that many ended rollouts in full and
@@ -109,6 +110,8 @@ class Sim:
         self.delay = delay
         self.probe = probe
         self.probes: dict[tuple[str, str], dict[str, Any]] = {}
+        self.digest = digest
+        self.digests: dict[tuple[str, str], str] = {}
         #: Every command decided, in order, with the time it was published.
         self.commands: list[tuple[float, Command]] = []
         self.states: list[RolloutState] = []
@@ -203,7 +206,9 @@ class Sim:
 
     def decide(self, *, commit: bool = True) -> Decision:
         """The controller's decision now; committed (fed back) unless told not to."""
-        decision = decide(self.control, self.fleet, self.now, probes=self.probes)
+        decision = decide(
+            self.control, self.fleet, self.now, probes=self.probes, digests=self.digests
+        )
         if commit:
             for command in decision.commands:
                 self.commands.append((self.t, command))
@@ -249,6 +254,9 @@ class Sim:
             answer = None if self.probe is None else self.probe(command, worker.worker_id)
             if answer is not None and isinstance(spec, ReloadWeightsSpec):
                 self.probes[(command.rollout_id, worker.worker_id)] = answer
+            held = None if self.digest is None else self.digest(command, worker.worker_id)
+            if held is not None and isinstance(spec, ReloadWeightsSpec):
+                self.digests[(command.rollout_id, worker.worker_id)] = held
         start = reply.due - 0.9
         steps = [(A, start), (R, start + 0.1), (terminal, start + 0.5)]
         for state, sent in steps if terminal is not X else [(X, start)]:

@@ -126,3 +126,24 @@ def test_the_stable_state_of_a_target_whose_spec_comes_later_is_kept() -> None:
     target = fold.target("llama")
     assert target is not None and target.stable == V2 and target.history[-1].rollout_id == "r1"
     assert V1 != V2 and WeightsRef(path="/ckpt/v2", version="v2") == V2.weights
+
+
+def test_updated_workers_holding_different_weights_fail_the_agreement_gate() -> None:
+    """The same version label, other bytes on one host (a corrupted copy, a stale cache): the
+    weights digests of the acks disagree, and the gate catches it before the next wave."""
+    sim = Sim(4, digest=lambda c, w: "bad" * 8 if w == "w02" else "good" * 8)
+    sim.start(Strategy(steps=["75%", "100%"]))
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.phase is ControlPhase.ROLLED_BACK and state.code == "GATE_FAILED"
+    (gate,) = [g for g in state.gates if not g.passed]
+    assert (gate.wave, gate.gate) == (0, "agreement")
+    assert "different weights" in gate.message and "w02" in gate.message
+    assert not sim.published("r1.w1.")  # the last wave never started
+
+
+def test_workers_whose_runner_reports_no_digest_are_not_judged_on_it() -> None:
+    sim = Sim(3, digest=lambda c, w: None if w == "w01" else "same" * 8)
+    sim.start(Strategy())
+    sim.run(sim.ended())
+    assert sim.current().phase is ControlPhase.SUCCEEDED
