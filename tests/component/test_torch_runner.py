@@ -31,6 +31,7 @@ from workers.demo.checkpoints import (
 from workers.runners.base import Runner
 from workers.runners.tiny_lm import tiny_lm
 from workers.runners.torch_runner import TorchRunner
+from workers.weights.digest import SAMPLE_ELEMENTS, sample, weights_digest
 from workers.weights.loaders import open_checkpoint
 
 IDS = [72, 101, 108, 108, 111, 44, 32, 119]  # "Hello, w"
@@ -271,6 +272,7 @@ def test_truncated_during_a_slow_reload_degrades_then_recovers(
     assert described.degraded is not None and described.degraded.code == "WEIGHTS_CORRUPTED"
     assert (described.degraded.from_version, described.degraded.to_version) == ("init", "v11")
     assert described.weights_version == "init"  # never advanced by a failure
+    assert described.extra["weights_digest"] is None  # a mix of two versions has no digest
     with pytest.raises(RunnerError) as info:
         runner.generate(IDS)  # a half-written model does not serve
     assert info.value.code is WireCode.WEIGHTS_CORRUPTED
@@ -279,9 +281,10 @@ def test_truncated_during_a_slow_reload_degrades_then_recovers(
     assert info.value.code is WireCode.WEIGHTS_CORRUPTED
 
     good = make_checkpoint(12)
-    runner.reload_weights(spec(good, "v12"), good)
+    recovered = runner.reload_weights(spec(good, "v12"), good)
     described = runner.describe()
     assert (described.weights_version, described.degraded) == ("v12", None)
+    assert described.extra["weights_digest"] == recovered.weights_digest is not None
     assert_same_model(runner, 12)
     assert len(runner.generate(IDS)) == described.config["max_new_tokens"]
 
@@ -393,16 +396,18 @@ torch.set_num_threads(1)
 from workers.runners.torch_runner import TorchRunner
 runner = TorchRunner(json.loads(sys.argv[1]))
 runner.load()
-print(json.dumps(runner.probe(sys.argv[2], 10).as_dict()))
+print(json.dumps({**runner.probe(sys.argv[2], 10).as_dict(),
+                  "digest": runner.describe().extra["weights_digest"]}))
 """
 
 
-def test_probe_is_the_same_in_another_process(
+def test_probe_and_weights_digest_are_the_same_in_another_process(
     make_runner: MakeRunner, runner_kind: str, tmp_path: Path
 ) -> None:
     if runner_kind != "torch":
         pytest.skip("one backend is enough to show it")
-    result = make_runner(seed=5).probe(PROMPT, 10)
+    runner = make_runner(seed=5)
+    result = runner.probe(PROMPT, 10)
     assert result is not None
     options = json.dumps({"model_kwargs": TINY, "seed": 5})
     out = subprocess.run(
@@ -416,3 +421,80 @@ def test_probe_is_the_same_in_another_process(
     theirs = json.loads(out.stdout)
     assert theirs["tokens"] == list(result.tokens)
     assert theirs["mean_logprob"] == pytest.approx(result.as_dict()["mean_logprob"], abs=1e-5)
+    assert theirs["digest"] == runner.describe().extra["weights_digest"]
+
+
+def test_weights_digest_agrees_on_equal_weights_and_differs_on_others(
+    make_runner: MakeRunner, make_checkpoint: MakeCheckpoint
+) -> None:
+    one, two, fresh = make_runner(), make_runner(), make_runner(seed=1)
+    path = make_checkpoint(1)
+    result = one.reload_weights(spec(path, "v1"), path)
+    first = result.as_dict()["weights_digest"]
+    assert isinstance(first, str) and len(first) == 64 and first == first.lower()
+    int(first, 16)
+    assert two.reload_weights(spec(path, "v1"), path).weights_digest == first
+    assert one.describe().extra["weights_digest"] == first
+    assert one.describe().extra["last_reload"] == result.as_dict()
+    # Read from the model, not the file: a model built from seed 1 holds the same weights.
+    assert fresh.describe().extra["weights_digest"] == first
+    other = make_checkpoint(2)
+    assert two.reload_weights(spec(other, "v2"), other).weights_digest != first
+    back = make_checkpoint(1)
+    assert two.reload_weights(spec(back, "again"), back).weights_digest == first
+
+
+def test_a_failed_reload_keeps_the_previous_digest(
+    make_runner: MakeRunner, make_checkpoint: MakeCheckpoint, tmp_path: Path
+) -> None:
+    runner = make_runner()
+    path = make_checkpoint(3)
+    good = runner.reload_weights(spec(path, "v3"), path)
+    broken = write_broken(BrokenKind.TRUNCATED, tmp_path / "broken", model_kwargs=TINY, seed=9)
+    with pytest.raises(RunnerError):
+        runner.reload_weights(spec(broken.path, "bad", sha256=broken.sha256), broken.path)
+    described = runner.describe()
+    assert described.extra["weights_digest"] == good.weights_digest is not None
+    assert described.extra["last_reload"] == good.as_dict()
+
+
+def test_weights_digest_reads_a_bounded_sample_of_each_tensor(
+    make_runner: MakeRunner, make_checkpoint: MakeCheckpoint
+) -> None:
+    """Its cost does not grow with a tensor's size: at most 3 x 16 elements leave the device."""
+    runner = make_runner()
+    seen: list[int] = []
+    to_host = runner._to_host
+
+    def counting(samples: Any) -> list[torch.Tensor]:
+        seen.extend(s.numel() for s in samples)
+        return to_host(samples)
+
+    runner._to_host = counting  # type: ignore[method-assign]
+    path = make_checkpoint(4)
+    runner.reload_weights(spec(path, "v4"), path)
+    assert len(seen) == len(runner._targets)
+    assert max(seen) <= 3 * SAMPLE_ELEMENTS
+    assert max(t.numel() for t in runner._targets.values()) > 3 * SAMPLE_ELEMENTS
+
+
+def test_weights_digest_covers_names_dtypes_shapes_and_sampled_elements() -> None:
+    n = 1000
+    flat = torch.arange(n, dtype=torch.float32)
+    stride = n // SAMPLE_ELEMENTS
+    want = [*range(16), *range(n - 16, n), *range(stride // 2, n, stride)][: 3 * 16]
+    assert sample(flat).tolist() == want
+    assert sample(torch.arange(5)).tolist() == [0, 1, 2, 3, 4] * 3  # short: every element, thrice
+    base = {"a": flat.reshape(10, 100), "b": torch.ones(3, dtype=torch.bfloat16)}
+    digest = weights_digest(base)
+    assert weights_digest(dict(reversed(base.items()))) == digest  # name order, not dict order
+    changed = [
+        {"a2": base["a"], "b": base["b"]},
+        {**base, "a": flat.reshape(100, 10)},
+        {**base, "b": base["b"].half()},
+        {**base, "a": flat.clone().index_fill_(0, torch.tensor([want[40]]), -1.0).reshape(10, 100)},
+    ]
+    assert all(weights_digest(c) != digest for c in changed)
+    unsampled = next(i for i in range(n) if i not in want)
+    blind = flat.clone().index_fill_(0, torch.tensor([unsampled]), -1.0).reshape(10, 100)
+    assert weights_digest({**base, "a": blind}) == digest  # what it does not cover

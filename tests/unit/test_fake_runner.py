@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from pathlib import Path
@@ -10,7 +11,9 @@ import pytest
 
 from controlplane.wire.errors import RunnerError, WeightsCorrupted, WireCode
 from controlplane.wire.protocol import ReloadWeightsSpec
-from workers.runners.fake_runner import FakeRunner, fake_probe
+from workers.runners.base import ReloadResult
+from workers.runners.fake_runner import FakeRunner, fake_probe, fake_weights_digest
+from workers.weights.stats import LoadStats
 
 
 def spec(version: str, path: Path) -> ReloadWeightsSpec:
@@ -184,3 +187,34 @@ def test_a_probe_delay_ends_at_close() -> None:
     runner.close()
     thread.join(timeout=60)
     assert done.is_set()
+
+
+def test_weights_digest_is_of_the_version_and_the_salt_makes_workers_disagree(ckpt: Path) -> None:
+    one, two, salted = FakeRunner({}), FakeRunner({}), FakeRunner({"digest_salt": "x"})
+    for runner in (one, two, salted):
+        runner.load()
+    first = one.reload_weights(spec("v1", ckpt), ckpt).as_dict()["weights_digest"]
+    assert first == hashlib.sha256(b"v1").hexdigest() == fake_weights_digest("v1")
+    assert two.reload_weights(spec("v1", ckpt), ckpt).as_dict()["weights_digest"] == first
+    other = salted.reload_weights(spec("v1", ckpt), ckpt).weights_digest
+    assert other == fake_weights_digest("v1", "x") != first
+    assert one.reload_weights(spec("v2", ckpt), ckpt).weights_digest != first
+
+
+def test_a_reload_result_without_a_digest_has_no_digest_key() -> None:
+    stats = LoadStats("v1", 2, 10, 1000, 0.1, 0.2, 0.3, 0.005)
+    plain = ReloadResult.of(stats).as_dict()
+    assert plain == {
+        "version": "v1",
+        "files": 2,
+        "tensors": 10,
+        "bytes": 1000,
+        "validate_s": 0.1,
+        "copy_s": 0.2,
+        "duration_s": 0.3,
+        "gbps": 0.005,
+    }
+    assert ReloadResult.of(stats, weights_digest="ab").as_dict() == {
+        **plain,
+        "weights_digest": "ab",
+    }

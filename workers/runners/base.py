@@ -73,14 +73,21 @@ class RunnerDescription:
 
 @dataclass(frozen=True)
 class ReloadResult(LoadStats):
-    """Facts about one successful reload (they go into the ack's ``result``)."""
+    """Facts about one successful reload (they go into the ack's ``result``).
+
+    ``weights_digest``: a fingerprint of the weights the model holds after it (see
+    ``workers.weights.digest``; the fake runner's is of the version), in the result only when set.
+    """
+
+    weights_digest: str | None = None
 
     @classmethod
-    def of(cls, stats: LoadStats) -> ReloadResult:
-        return cls(**dataclasses.asdict(stats))
+    def of(cls, stats: LoadStats, *, weights_digest: str | None = None) -> ReloadResult:
+        fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(LoadStats)}
+        return cls(**fields, weights_digest=weights_digest)
 
     def as_dict(self) -> dict[str, JsonValue]:
-        return {
+        out: dict[str, JsonValue] = {
             "version": self.version,
             "files": self.files,
             "tensors": self.tensors,
@@ -90,6 +97,9 @@ class ReloadResult(LoadStats):
             "duration_s": round(self.duration_s, 6),
             "gbps": round(self.gbps, 3),
         }
+        if self.weights_digest is not None:
+            out["weights_digest"] = self.weights_digest
+        return out
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,9 @@ Its probe (:func:`fake_probe`) is a function of the version in force and the pro
 the same version agree. A version "badprobe-*" applies fine but probes with other tokens and a
 mean log-probability of -50 (a checkpoint that validates, with wrong numbers); after a version
 "probefail-*" the probe raises RUNNER_FAILED.
+
+Its weights digest (:func:`fake_weights_digest`) is of the version in force, mixed with the
+``digest_salt`` option: two workers on one version disagree when their salts differ.
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ class FakeRunnerOptions(BaseModel):
     probe_unsupported: bool = Field(default=False, description="probe() returns None.")
     probe_delay_s: float = Field(default=0.0, ge=0, description="Sleep per probe (until close).")
     config: dict[str, JsonValue] = Field(default_factory=dict, description="Initial overrides.")
+    digest_salt: str = Field(
+        default="", description="Mixed into the weights digest: a worker that disagrees."
+    )
 
 
 class FakeConfig(RunnerConfig):
@@ -131,7 +137,7 @@ class FakeRunner:
             self._degraded = None
             self.history.append(spec.version)
         size = sum(f.stat().st_size for f in files)
-        return ReloadResult.measured(
+        stats = ReloadResult.measured(
             spec.version,
             files=len(files),
             tensors=0,
@@ -140,6 +146,8 @@ class FakeRunner:
             copy_started=started,  # nothing is checked: all of it counts as the copy
             finished=time.perf_counter(),
         )
+        digest = fake_weights_digest(spec.version, self.options.digest_salt)
+        return ReloadResult.of(stats, weights_digest=digest)
 
     def update_config(self, overrides: dict[str, JsonValue]) -> RunnerDescription:
         with self._lock:
@@ -200,6 +208,13 @@ def fake_probe(version: str, prompt: str, max_tokens: int, *, bad: bool = False)
     tokens = list(stream[1 : max_tokens + 1])
     mean = -50.0 if bad else -0.5 - 1.5 * stream[0] / 255
     return ProbeResult.of(tokens, [mean] * len(tokens))
+
+
+def fake_weights_digest(version: str, salt: str = "") -> str:
+    """The fake runner's weights digest: the sha256 (64 lowercase hex digits) of ``version``,
+    or of ``version``, a NUL and ``salt`` when a salt is set."""
+    data = version if not salt else f"{version}\0{salt}"
+    return hashlib.sha256(data.encode()).hexdigest()
 
 
 def _files(path: Path) -> list[Path]:

@@ -29,6 +29,7 @@ from workers.runners.base import (
     parse_options,
 )
 from workers.runners.tiny_lm import build_model, encode_text
+from workers.weights.digest import weights_digest
 from workers.weights.loaders import DEFAULT_STAGING_BYTES, load_checkpoint, module_targets
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -109,6 +110,7 @@ class TorchRunner:
         self._phase = "idle"
         self._progress = (0, 0)
         self._last_reload: ReloadResult | None = None
+        self._digest: str | None = None  # of the weights in force; None while degraded
 
     # ------------------------------------------------------------------ hardware hooks
 
@@ -127,6 +129,15 @@ class TorchRunner:
 
     def _pad_to(self, model: torch.nn.Module) -> int | None:
         return None
+
+    def _to_host(self, samples: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``samples`` (small device tensors) on the host, in order: one copy each by default."""
+        return [s.cpu() for s in samples]
+
+    def _weights_digest(self, targets: Mapping[str, torch.Tensor]) -> str:
+        """The fingerprint of ``targets`` as the device holds them (``weights_digest``)."""
+        with torch.no_grad():
+            return weights_digest(targets, to_host=self._to_host)
 
     def _host_alias(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """A CPU tensor sharing ``tensor``'s memory, for a device whose buffers are host memory.
@@ -177,10 +188,12 @@ class TorchRunner:
                 )
             else:
                 self._sync()
+            digest = self._weights_digest(targets)
             with self._state:
                 self._model, self._targets, self._aliases = model, targets, aliases
                 self._version = self.options.initial_version
                 self._degraded = None
+                self._digest = digest
 
     def _build_model(self) -> torch.nn.Module:
         try:
@@ -224,14 +237,17 @@ class TorchRunner:
             except WeightsCorrupted as exc:
                 with self._state:
                     self._degraded = DegradedInfo.of(exc)
+                    self._digest = None
                 raise
             finally:
                 self._set_phase("idle", (0, 0))
-            result = ReloadResult.of(stats)
+            # The copy succeeded: the fingerprint is read back from the model itself.
+            result = ReloadResult.of(stats, weights_digest=self._weights_digest(self._targets))
             with self._state:
                 self._version = spec.version
                 self._degraded = None
                 self._last_reload = result
+                self._digest = result.weights_digest
             return result
 
     def _on_copy_progress(self, done: int, total: int, cancel: threading.Event | None) -> None:
@@ -262,6 +278,7 @@ class TorchRunner:
                 "phase": self._phase,
                 "progress": list(self._progress),
                 "last_reload": self._last_reload.as_dict() if self._last_reload else None,
+                "weights_digest": self._digest,
             }
             if model is not None:
                 extra["tensors"] = len(self._targets)

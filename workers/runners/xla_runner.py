@@ -7,6 +7,8 @@ other devices copies go host -> device per tensor, then one sync.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.utils.dlpack
 import torch_xla
@@ -41,6 +43,11 @@ class XlaRunner(TorchRunner):
     def _device_label(self) -> str:
         device = self._device if self._device is not None else "xla"
         return f"{device} ({xr.device_type()})"
+
+    def _to_host(self, samples: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        # One graph gathers every sample and one transfer brings them all: not a sync per tensor.
+        host: list[torch.Tensor] = xm._maybe_convert_to_cpu(list(samples))  # type: ignore[assignment]
+        return host
 
     def _pad_to(self, model: torch.nn.Module) -> int | None:
         # One input shape means one compiled graph, however long the prompt.
