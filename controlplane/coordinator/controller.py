@@ -281,8 +281,11 @@ class Controller:
             await self._wait_change()
 
     async def _wait_change(self) -> None:
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that
+        # comes as the event is set, and the coordinator's stop then waited on this task forever.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), self.tick_s)
+            async with asyncio.timeout(self.tick_s):
+                await self._changed.wait()
         self._changed.clear()
 
 

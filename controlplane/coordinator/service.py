@@ -291,7 +291,8 @@ class Coordinator(AsyncService):
         try:
             while True:
                 try:
-                    item = await asyncio.wait_for(queue.get(), tick_s)
+                    async with asyncio.timeout(tick_s):  # not wait_for: see Controller._wait_change
+                        item = await queue.get()
                 except TimeoutError:
                     item = set()
                 if item is None:

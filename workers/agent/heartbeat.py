@@ -77,7 +77,8 @@ class Heartbeater:
                 due := self._last_beat + self._settings.heartbeat_interval_s - time.monotonic()
             ) > 0:
                 try:
-                    await asyncio.wait_for(self._wakeup.wait(), due)
+                    async with asyncio.timeout(due):  # not wait_for: see StopSignal.sleep
+                        await self._wakeup.wait()
                     break
                 except TimeoutError:
                     pass

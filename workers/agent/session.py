@@ -92,8 +92,11 @@ class StopSignal:
 
     async def sleep(self, seconds: float) -> None:
         """Sleep ``seconds``, or until the stop comes."""
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that
+        # comes as the event is set.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._event.wait(), seconds)
+            async with asyncio.timeout(seconds):
+                await self._event.wait()
 
     async def unless_stopped(self, call: Coroutine[Any, Any, R]) -> R | None:
         """``call``'s result, or None when a stop comes first (``call`` is cancelled).
