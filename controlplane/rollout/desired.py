@@ -115,8 +115,10 @@ def target_status(
             alignment = Alignment.LOST
         elif desired is None or view.in_flight is not None or view.status is WorkerStatus.BUSY:
             alignment = Alignment.UPDATING
-        elif view.degraded is not None or (
-            desired.weights is not None and view.weights_version != version
+        elif (
+            view.degraded is not None
+            or (desired.weights is not None and view.weights_version != version)
+            or (desired.config_digest is not None and view.config_digest != desired.config_digest)
         ):
             alignment = Alignment.DRIFTING
         else:

@@ -90,11 +90,27 @@ def rollback_rollout_id(rollout_id: str, batch: int) -> str:
     return f"{rollout_id}.rb.b{batch}"
 
 
-def sync_rollout_id(target: str, desired: Desired, worker_id: str, incarnation: int) -> str:
+def sync_rollout_id(
+    target: str, desired: Desired, worker_id: str, incarnation: int, kind: str = "weights"
+) -> str:
+    """``kind``: what the sync changes (a worker off in weights and config gets two)."""
+    what = "" if kind == "weights" else f"\0{kind}"
     digest = hashlib.sha256(
-        f"{target}\0{desired.model_dump_json()}\0{worker_id}\0{incarnation}".encode()
+        f"{target}\0{desired.model_dump_json()}\0{worker_id}\0{incarnation}{what}".encode()
     ).hexdigest()
     return f"sync-{digest[:24]}"
+
+
+def _agreed_config(ctx: _Context, state: RolloutState) -> str | None:
+    """The config digest the updated workers of an ended config rollout report (one, by the
+    agreement gate; None when none reports one)."""
+    failed = set(state.failed)
+    for wave in state.waves:
+        for worker in wave:
+            view = ctx.fleet.registry.latest(worker)
+            if worker not in failed and view is not None and view.config_digest is not None:
+                return view.config_digest
+    return None
 
 
 @dataclass
@@ -297,6 +313,8 @@ def _advance(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutSta
     if state.wave >= len(state.waves):
         target = ctx.control.target(spec.target)
         result = applied(None if target is None else target.stable, spec.desired)
+        if spec.desired.config:  # what the updated workers report now (the agreement gate)
+            result = result.model_copy(update={"config_digest": _agreed_config(ctx, state)})
         done = _ended(state, ControlPhase.SUCCEEDED, None, "every wave passed", ctx.now)
         return done.model_copy(update={"result": result})
     strategy = spec.strategy
@@ -760,8 +778,9 @@ def reconcile(
     published: set[str] | None = None,
     skip: Container[str] = (),
 ) -> list[Command]:
-    """A command for every live, idle worker of a target whose weights differ from what it
-    should run, once per (target state, worker incarnation); nothing for one that conflicts,
+    """A command for every live, idle worker of a target whose weights (or, once the target's
+    config digest is known, config) differ from what it should run, once per (target state,
+    worker incarnation, weights or config); nothing for one that conflicts,
     nor for one its rollout in progress counts as failed (retried once the rollout ended: a
     command now would apply beside the batches, beyond ``max_unavailable``). During a rollout
     with ``max_unavailable``, syncs only use what its batches leave of it. Targets in ``skip``
@@ -784,21 +803,26 @@ def reconcile(
             if worker_id in hold:
                 continue
             desired = _should_run(target, active, worker_id)
-            if desired is None or desired.weights is None:
+            if desired is None:
                 continue
             view = fleet.registry.latest(worker_id)
             if view is None or view.in_flight is not None or view.status is not WorkerStatus.READY:
                 continue
-            if view.weights_version == desired.weights.version:
+            spec: CommandSpec
+            if desired.weights is not None and view.weights_version != desired.weights.version:
+                spec, kind = _reload(desired), "weights"
+            elif desired.config_digest is not None and view.config_digest != desired.config_digest:
+                spec, kind = UpdateConfigSpec(overrides=dict(desired.config)), "config"
+            else:
                 continue
-            sync_id = sync_rollout_id(target.name, desired, worker_id, view.incarnation)
+            sync_id = sync_rollout_id(target.name, desired, worker_id, view.incarnation, kind)
             if ctx.known(sync_id):
                 continue
             if budget is not None:
                 if budget <= 0:
                     continue  # the rollout's batches use its max_unavailable now
                 budget -= 1
-            ctx.publish(sync_id, [worker_id], _reload(desired), SYNC_TTL_S, None)
+            ctx.publish(sync_id, [worker_id], spec, SYNC_TTL_S, None)
     return ctx.commands
 
 

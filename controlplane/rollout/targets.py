@@ -33,12 +33,14 @@ from controlplane.wire.messages import Selector
 
 
 def applied(stable: Desired | None, change: Desired) -> Desired:
-    """``stable`` with ``change`` applied: its weights when it has some, its config keys overlaid."""
+    """``stable`` with ``change`` applied: its weights when it has some, its config keys overlaid
+    (the config's digest is then the change's: unknown until workers report it)."""
     if stable is None:
         return change
     return Desired(
         weights=change.weights if change.weights is not None else stable.weights,
         config={**stable.config, **change.config},
+        config_digest=change.config_digest if change.config else stable.config_digest,
     )
 
 

@@ -71,6 +71,12 @@ class Desired(WireModel):
     config: dict[Annotated[str, StringConstraints(min_length=1, max_length=256)], JsonValue] = (
         Field(default_factory=dict)
     )
+    config_digest: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = Field(
+        default=None,
+        description="The config digest workers report once they run this config: learnt by the "
+        "controller from the config rollout that made it stable (None: not known, so config "
+        "drift is not judged).",
+    )
 
     @property
     def version(self) -> str | None:

@@ -19,7 +19,7 @@ from controlplane.wire.control import (
 )
 from controlplane.wire.protocol import Ack, Command, ReloadWeightsSpec, UpdateConfigSpec
 from tests.factories import feed
-from tests.unit.progressive_sim import Outcome, Sim, weights
+from tests.unit.progressive_sim import Outcome, Sim, digest, weights
 
 PHASE = ControlPhase
 
@@ -191,7 +191,9 @@ def test_a_config_rollout_checks_the_workers_agree_on_their_config() -> None:
     assert state.phase is PHASE.SUCCEEDED, state.message
     assert all(isinstance(c.spec, UpdateConfigSpec) for c in sim.published())
     target = sim.control.target("llama")
-    assert target is not None and target.stable == weights("v1", top_k=4)
+    assert target is not None and target.stable == weights("v1", top_k=4).model_copy(
+        update={"config_digest": digest({"top_k": 4})}  # learnt from the updated workers
+    )
 
 
 def test_the_progress_deadline_aborts_a_wave_that_does_not_finish() -> None:

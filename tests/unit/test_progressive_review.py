@@ -19,8 +19,9 @@ from controlplane.wire.control import (
     TargetSpec,
     WeightsRef,
 )
+from controlplane.wire.protocol import UpdateConfigSpec
 from tests.factories import at
-from tests.unit.progressive_sim import LABELS, V1, V2, Sim, weights
+from tests.unit.progressive_sim import LABELS, V1, V2, Sim, digest, weights
 
 
 def test_a_rollout_changes_the_weights_or_the_config_not_both() -> None:
@@ -147,3 +148,35 @@ def test_workers_whose_runner_reports_no_digest_are_not_judged_on_it() -> None:
     sim.start(Strategy())
     sim.run(sim.ended())
     assert sim.current().phase is ControlPhase.SUCCEEDED
+
+
+def test_a_config_rollout_learns_its_digest_and_config_drift_converges() -> None:
+    """The stable config's digest is what the updated workers reported (agreement); a worker
+    restarted with its old config then reports another digest and gets the stable config."""
+    sim = Sim(3)
+    sim.start(Strategy(), desired=Desired(config={"temperature": 0.5}))
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.phase is ControlPhase.SUCCEEDED and state.result is not None
+    assert state.result.config_digest == digest({"temperature": 0.5})
+    target = sim.control.target("llama")
+    assert target is not None and target.stable is not None
+    assert target.stable.config_digest == digest({"temperature": 0.5})
+    assert target.stable.version == "v1"  # the weights stay
+    sim.restart("w01")
+    sim.workers["w01"].config = {}  # back from an old journal: no override applied
+    sim.beat()
+    (command,) = reconcile(sim.control, sim.fleet, sim.now)
+    assert command.selector.worker_ids == ["w01"]
+    assert command.spec == UpdateConfigSpec(overrides={"temperature": 0.5})
+    sim.run(lambda: sim.workers["w01"].config == {"temperature": 0.5})
+    assert reconcile(sim.control, sim.fleet, sim.now) == []
+    # a weights rollout afterwards keeps the known config digest
+    sim.start(Strategy(), rollout_id="r2")
+    sim.run(sim.ended("r2"))
+    target = sim.control.target("llama")
+    assert target is not None and target.stable is not None
+    assert (target.stable.version, target.stable.config_digest) == (
+        "v2",
+        digest({"temperature": 0.5}),
+    )
