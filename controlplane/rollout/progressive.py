@@ -56,7 +56,7 @@ from controlplane.wire.control import (
     ProbeGate,
     RolloutState,
 )
-from controlplane.wire.errors import LocalCode
+from controlplane.wire.errors import LocalCode, WireCode
 from controlplane.wire.messages import (
     Command,
     CommandSpec,
@@ -68,6 +68,24 @@ from controlplane.wire.messages import (
 )
 
 T = TypeVar("T")
+
+#: A state's message and a gate's are bounded on the wire (4096 characters): long lists of
+#: workers, a worker's own error text, are cut to this.
+MESSAGE_CHARS: Final = 1000
+#: Workers named in one message; the rest are counted.
+NAMED_WORKERS: Final = 10
+
+
+def clip(text: str, limit: int = MESSAGE_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def named(workers: list[str]) -> str:
+    """``a, b, c`` for a few workers; the first ``NAMED_WORKERS`` and "and N more" for many."""
+    if len(workers) <= NAMED_WORKERS:
+        return ", ".join(workers)
+    return f"{', '.join(workers[:NAMED_WORKERS])} and {len(workers) - NAMED_WORKERS} more"
+
 
 #: How long a reconcile (drift) command may wait to be applied before it expires.
 SYNC_TTL_S: Final = 3600.0
@@ -91,12 +109,20 @@ def rollback_rollout_id(rollout_id: str, batch: int) -> str:
 
 
 def sync_rollout_id(
-    target: str, desired: Desired, worker_id: str, incarnation: int, kind: str = "weights"
+    target: str,
+    desired: Desired,
+    worker_id: str,
+    incarnation: int,
+    kind: str = "weights",
+    reported: str | None = None,
 ) -> str:
-    """``kind``: what the sync changes (a worker off in weights and config gets two)."""
+    """One sync per (target state, worker, incarnation, what it changes, what the worker
+    reported): a worker that drifts again (a plain reload aimed at it, a stable state that
+    came back through undo) gets another."""
     what = "" if kind == "weights" else f"\0{kind}"
+    seen = "" if reported is None else f"\0{reported}"
     digest = hashlib.sha256(
-        f"{target}\0{desired.model_dump_json()}\0{worker_id}\0{incarnation}{what}".encode()
+        f"{target}\0{desired.model_dump_json()}\0{worker_id}\0{incarnation}{what}{seen}".encode()
     ).hexdigest()
     return f"sync-{digest[:24]}"
 
@@ -200,11 +226,15 @@ def decide(
             state = _start(ctx, rollout, running)
             if not state.phase.terminal:
                 running[rollout.spec.target] = rollout.rollout_id
-        for _ in range(_MAX_STEPS):
-            moved = _advance(ctx, rollout, state)
-            if moved == state:
-                break
-            state = moved
+        try:
+            for _ in range(_MAX_STEPS):
+                moved = _advance(ctx, rollout, state)
+                if moved == state:
+                    break
+                state = moved
+            state = RolloutState.model_validate(state.model_dump())  # what readers accept
+        except Exception as exc:  # one rollout the log makes odd never stops the others
+            state = _broken(rollout, state, exc, now)
         if state != rollout.state:
             revision = 0 if rollout.state is None else rollout.state.revision + 1
             states.append(state.model_copy(update={"revision": revision, "updated_at": now}))
@@ -308,7 +338,7 @@ def _advance(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutSta
     total = sum(len(wave) for wave in state.waves)
     tolerated = max_failures(spec.strategy, total)
     if len(failed) > tolerated:
-        why = f"{len(failed)} worker(s) failed, more than max_failures {tolerated}: {', '.join(failed)}"
+        why = f"{len(failed)} worker(s) failed, more than max_failures {tolerated}: {named(failed)}"
         return _aborting(state, LocalCode.MAX_FAILURES_EXCEEDED, why, spec.rollback, ctx.now)
     if state.wave >= len(state.waves):
         target = ctx.control.target(spec.target)
@@ -405,6 +435,7 @@ def _after_wave(ctx: _Context, rollout: Rollout, state: RolloutState) -> Rollout
 def _gate_failed(
     state: RolloutState, gate: Gate, why: str, rollback: bool, now: datetime
 ) -> RolloutState:
+    why = clip(why)
     result = GateResult(wave=state.wave, gate=gate, passed=False, message=why)
     state = state.model_copy(update={"gates": [*state.gates, result]})
     return _aborting(state, LocalCode.GATE_FAILED, f"{gate} gate: {why}", rollback, now)
@@ -431,20 +462,23 @@ def _gate_failure(
         if view is None:
             continue
         if view.degraded is not None:
-            return "health", f"{worker} is degraded: {view.degraded.code}: {view.degraded.message}"
+            degraded = view.degraded
+            return "health", clip(f"{worker} is degraded: {degraded.code}: {degraded.message}", 300)
         if desired.config and view.config_digest is not None and view.in_flight is None:
             digests.setdefault(view.config_digest, []).append(worker)
     if len(digests) > 1:
-        shown = "; ".join(f"{d[:12]}: {', '.join(ws)}" for d, ws in sorted(digests.items()))
-        return "agreement", f"updated workers report different config digests ({shown})"
+        shown = "; ".join(f"{d[:12]}: {named(ws)}" for d, ws in sorted(digests.items())[:5])
+        return "agreement", (
+            f"updated workers report {len(digests)} different config digests ({shown})"
+        )
     weights: dict[str, list[str]] = {}
     for worker in updated:
         digest = _batch_fact(ctx.digests, rollout_id, state, worker)
         if digest is not None:  # runners that cannot say (vLLM) are not judged on it
             weights.setdefault(digest, []).append(worker)
     if len(weights) > 1:
-        shown = "; ".join(f"{d[:12]}: {', '.join(ws)}" for d, ws in sorted(weights.items()))
-        return "agreement", f"updated workers hold different weights ({shown})"
+        shown = "; ".join(f"{d[:12]}: {named(ws)}" for d, ws in sorted(weights.items())[:5])
+        return "agreement", f"updated workers hold {len(weights)} different weights ({shown})"
     probe = rollout.spec.strategy.probe
     if probe is None:
         return None
@@ -456,20 +490,22 @@ def _gate_failure(
         if "unsupported" in answer:
             return "probe", f"{worker}'s runner cannot run a probe"
         if "error" in answer:
-            return "probe", f"{worker}'s probe failed: {answer['error']}"
+            return "probe", clip(f"{worker}'s probe failed: {answer['error']}", 300)
         reading = _reading(answer)
         if reading is None:
             return "probe", f"{worker}'s probe answer is malformed: {str(dict(answer))[:200]}"
         tokens, logprob = reading
         if probe.expect_tokens is not None and list(tokens) != probe.expect_tokens:
-            return "probe", f"{worker} answered {list(tokens)}, expected {probe.expect_tokens}"
+            return "probe", clip(
+                f"{worker} answered {list(tokens)}, expected {probe.expect_tokens}", 500
+            )
         if probe.min_mean_logprob is not None and not logprob >= probe.min_mean_logprob:
             return "probe", (
                 f"{worker}'s mean log-prob {logprob:.4g} is below {probe.min_mean_logprob:g}"
             )
         answers.setdefault(tokens, []).append(worker)
     if len(answers) > 1:
-        shown = "; ".join(f"{list(t)}: {', '.join(ws)}" for t, ws in answers.items())
+        shown = "; ".join(f"{list(t)[:16]}: {named(ws)}" for t, ws in list(answers.items())[:5])
         return "probe", f"updated workers answered the probe differently ({shown})"
     return None
 
@@ -477,9 +513,9 @@ def _gate_failure(
 def _reading(answer: Mapping[str, Any]) -> tuple[tuple[int, ...], float] | None:
     """(tokens, mean log-prob) of a probe answer, as a worker's ack carries it; None when it is
     not one (it is the worker's JSON: a bad one fails the gate, never the decision)."""
-    tokens = answer.get("tokens", [])
-    logprob = answer.get("mean_logprob", float("-inf"))
-    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+    tokens = answer.get("tokens")
+    logprob = answer.get("mean_logprob")
+    if not isinstance(tokens, list) or not tokens or not all(type(t) is int for t in tokens):
         return None
     if isinstance(logprob, bool) or not isinstance(logprob, int | float):
         return None
@@ -585,7 +621,7 @@ def _aborting(
     if not rollback:
         return _ended(state, ControlPhase.ABORTED, code, why, now)
     return state.model_copy(
-        update={"phase": ControlPhase.ROLLING_BACK, "code": code.value, "message": why}
+        update={"phase": ControlPhase.ROLLING_BACK, "code": code.value, "message": clip(why)}
     )
 
 
@@ -618,7 +654,7 @@ def _roll_back(ctx: _Context, rollout: Rollout, state: RolloutState) -> RolloutS
     if state.rollback_batch >= len(state.rollback):
         failed = _rollback_failures(ctx, state)
         if failed:
-            why = f"{state.message}; rollback failed on {', '.join(failed)}"
+            why = f"{state.message}; rollback failed on {named(failed)}"
             return _ended(state, ControlPhase.ABORTED, LocalCode.ROLLBACK_FAILED, why, ctx.now)
         return _ended(
             state, ControlPhase.ROLLED_BACK, state.code, f"{state.message}; rolled back", ctx.now
@@ -696,18 +732,39 @@ def _ended(
         update={
             "phase": phase,
             "code": None if code is None else str(code),
-            "message": why,
+            "message": clip(why),
             "ended_at": now,
         }
     )
 
 
+def _broken(rollout: Rollout, state: RolloutState, exc: Exception, now: datetime) -> RolloutState:
+    """A rollout whose decision raised (a bug, or records no controller wrote): ended
+    ``aborted`` with code INTERNAL and why, so that the controller carries on with the others;
+    its workers are held for an operator to look at."""
+    why = clip(f"the controller could not decide on it: {type(exc).__name__}: {exc}")
+    base = rollout.state or state
+    return RolloutState(
+        rollout_id=base.rollout_id,
+        target=base.target,
+        revision=base.revision,
+        phase=ControlPhase.ABORTED,
+        waves=base.waves,
+        wave=base.wave,
+        code=WireCode.INTERNAL.value,
+        message=why,
+        started_at=base.started_at,
+        updated_at=now,
+        ended_at=now,
+    )
+
+
 def _paused(state: RolloutState, why: str) -> RolloutState:
-    return state.model_copy(update={"phase": ControlPhase.PAUSED, "message": why})
+    return state.model_copy(update={"phase": ControlPhase.PAUSED, "message": clip(why)})
 
 
 def _progressing(state: RolloutState, why: str) -> RolloutState:
-    return state.model_copy(update={"phase": ControlPhase.PROGRESSING, "message": why})
+    return state.model_copy(update={"phase": ControlPhase.PROGRESSING, "message": clip(why)})
 
 
 def _reload(desired: Desired) -> ReloadWeightsSpec:
@@ -809,13 +866,17 @@ def reconcile(
             if view is None or view.in_flight is not None or view.status is not WorkerStatus.READY:
                 continue
             spec: CommandSpec
+            reported: str | None
             if desired.weights is not None and view.weights_version != desired.weights.version:
-                spec, kind = _reload(desired), "weights"
+                spec, kind, reported = _reload(desired), "weights", view.weights_version
             elif desired.config_digest is not None and view.config_digest != desired.config_digest:
                 spec, kind = UpdateConfigSpec(overrides=dict(desired.config)), "config"
+                reported = view.config_digest
             else:
                 continue
-            sync_id = sync_rollout_id(target.name, desired, worker_id, view.incarnation, kind)
+            sync_id = sync_rollout_id(
+                target.name, desired, worker_id, view.incarnation, kind, reported or "-"
+            )
             if ctx.known(sync_id):
                 continue
             if budget is not None:

@@ -22,7 +22,14 @@ import re
 from enum import StrEnum
 from typing import Annotated, Final, Literal
 
-from pydantic import Field, JsonValue, StringConstraints, TypeAdapter, model_validator
+from pydantic import (
+    AfterValidator,
+    Field,
+    JsonValue,
+    StringConstraints,
+    TypeAdapter,
+    model_validator,
+)
 from pydantic_core import from_json
 
 from controlplane.wire.codec import decode_model
@@ -36,6 +43,7 @@ from controlplane.wire.messages import (
     Sha256Hex,
     Timestamp,
     WireModel,
+    _finite_json,
 )
 
 #: Rollout ids of progressive rollouts are shorter than identifiers: the controller derives the
@@ -68,9 +76,10 @@ class Desired(WireModel):
     """What a target's workers should run: weights and config overrides (either may be empty)."""
 
     weights: WeightsRef | None = None
-    config: dict[Annotated[str, StringConstraints(min_length=1, max_length=256)], JsonValue] = (
-        Field(default_factory=dict)
-    )
+    config: Annotated[
+        dict[Annotated[str, StringConstraints(min_length=1, max_length=256)], JsonValue],
+        AfterValidator(_finite_json),
+    ] = Field(default_factory=dict)
     config_digest: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = Field(
         default=None,
         description="The config digest workers report once they run this config: learnt by the "
@@ -147,6 +156,11 @@ class Strategy(WireModel):
     def _last_step_reaches_everyone(self) -> Strategy:
         if self.steps[-1] != "100%":
             raise ValueError("the last step must be 100% (every worker of the target)")
+        if self.bake_s >= self.progress_deadline_s:
+            raise ValueError(
+                f"bake_s {self.bake_s:g} must be shorter than progress_deadline_s "
+                f"{self.progress_deadline_s:g} (a wave's deadline covers its bake)"
+            )
         return self
 
     @property

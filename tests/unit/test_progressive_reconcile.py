@@ -38,7 +38,7 @@ def test_a_drifting_worker_gets_one_sync_command_per_incarnation() -> None:
     (command,) = first
     assert command.selector.worker_ids == ["w01"]
     assert command.spec == ReloadWeightsSpec(path="/ckpt/v1", version="v1")
-    assert command.rollout_id == sync_rollout_id("llama", V1, "w01", 1)
+    assert command.rollout_id == sync_rollout_id("llama", V1, "w01", 1, reported="v0")
     # Not applied yet (the worker still reports v0): no second command for the same incarnation.
     for _ in range(5):
         sim.tick(1)
@@ -47,7 +47,7 @@ def test_a_drifting_worker_gets_one_sync_command_per_incarnation() -> None:
     sim.tick(1)
     (again,) = sim.decide().commands
     assert again.selector.worker_ids == ["w01"] and again.rollout_id != command.rollout_id
-    assert again.rollout_id == sync_rollout_id("llama", V1, "w01", 2)
+    assert again.rollout_id == sync_rollout_id("llama", V1, "w01", 2, reported="v0")
 
 
 def test_a_worker_restarted_from_an_old_journal_converges() -> None:

@@ -180,3 +180,71 @@ def test_a_config_rollout_learns_its_digest_and_config_drift_converges() -> None
         "v2",
         digest({"temperature": 0.5}),
     )
+
+
+def test_a_worker_that_drifts_again_in_the_same_incarnation_is_synced_again() -> None:
+    """A plain reload aimed at a worker of a target is drift, reverted each time (review #4)."""
+    sim = Sim(2)
+    sim.workers["w01"].version = "v9"  # `controlplane reload-weights --version v9` on it
+    sim.beat()
+    sim.run(lambda: sim.workers["w01"].version == "v1")
+    sim.workers["w01"].version = "v8"  # and another, same incarnation
+    sim.beat()
+    (command,) = reconcile(sim.control, sim.fleet, sim.now)
+    assert command.selector.worker_ids == ["w01"] and command.spec.version == "v1"  # type: ignore[union-attr]
+
+
+def test_a_gate_failing_over_many_workers_says_so_within_what_a_record_may_hold() -> None:
+    sim = Sim(30, digest=lambda c, w: "bad" if w == "w07" else "good-" * 2000)
+    sim.start(Strategy())
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.phase is ControlPhase.ROLLED_BACK and state.code == "GATE_FAILED"
+    assert len(state.message) <= 1000 and "2 different weights" in state.message
+    assert "w07" in state.message and "and 19 more" in state.message
+    for record in (state, *state.gates):
+        type(record).model_validate(record.model_dump())  # every reader can decode it
+
+
+def test_a_rollout_whose_decision_raises_ends_aborted_and_decide_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """decide() never raises: one rollout the log makes odd ends aborted (code INTERNAL), the
+    controller carries on (before, the exception stopped every coordinator's controller)."""
+    from controlplane.rollout import progressive
+
+    sim = Sim(2)
+    sim.start(Strategy())
+
+    def broken(*args: object) -> None:
+        raise KeyError("a record no controller wrote")
+
+    monkeypatch.setattr(progressive, "_advance", broken)
+    decision = sim.decide()
+    (state,) = decision.states
+    assert (state.phase, state.code) == (ControlPhase.ABORTED, "INTERNAL")
+    assert "KeyError" in state.message
+    monkeypatch.undo()
+    sim.run(sim.ended())  # ended is ended
+    assert sim.current().phase is ControlPhase.ABORTED
+
+
+def test_a_bake_as_long_as_the_deadline_is_refused() -> None:
+    with pytest.raises(ValidationError, match="bake_s"):
+        Strategy(bake_s=600, progress_deadline_s=600)
+
+
+def test_a_config_that_is_not_json_is_refused() -> None:
+    """1e400 is a JSON number that Python reads as infinity: no command could carry it."""
+    with pytest.raises(ValidationError, match="NaN and Infinity"):
+        Desired.model_validate_json('{"config": {"x": 1e400}}')
+
+
+def test_an_empty_probe_answer_fails_the_probe_gate() -> None:
+    from controlplane.wire.control import ProbeGate
+
+    sim = Sim(2, probe=lambda c, w: {})
+    sim.start(Strategy(probe=ProbeGate(prompt="p")))
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.code == "GATE_FAILED" and "malformed" in state.message
