@@ -381,6 +381,7 @@ def progressive_router(
                 action_id=action_id,
                 action=kind,
                 rollback=body.rollback if isinstance(body, AbortRequest) else None,
+                wave=rollout.action_wave(kind),
                 reason=body.reason,
                 issued_at=coordinator.clock(),
                 issuer=issuer,

@@ -550,6 +550,7 @@ def _act(
                 action_id=f"{action.value}-{uuid.uuid4().hex[:12]}",
                 action=action,
                 rollback=rollback,
+                wave=rollout.action_wave(action),
                 reason=reason,
                 issued_at=datetime.now().astimezone(),
                 issuer=_issuer(),

@@ -133,6 +133,7 @@ class Controller:
                 changed = True
         if changed:
             self._changed.set()
+        self._forget_ended()  # on standby coordinators too (they never decide)
 
     async def run(self) -> None:
         """Campaign, lead, step down, campaign again: until cancelled."""

@@ -217,7 +217,7 @@ class Follower(AsyncService):
         self.control_missing = True
         log.warning(
             "the controller topic %s does not exist: targets and progressive rollouts are off "
-            "until `controlplane topics ensure` creates it",
+            "until `controlplane topics ensure` creates it and the coordinator restarts",
             topic,
         )
 

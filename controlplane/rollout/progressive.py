@@ -414,9 +414,13 @@ def _after_wave(ctx: _Context, rollout: Rollout, state: RolloutState) -> Rollout
         return _paused(state, "paused by an operator (rollout resume continues)")
     promoted = state.promoted
     if strategy.manual:
-        if rollout.count(ActionKind.PROMOTE) <= promoted:
-            return _paused(state, f"wave {state.wave} passed; waiting for `rollout promote`")
-        promoted += 1
+        promotes = [a for a in rollout.actions if a.action is ActionKind.PROMOTE]
+        # A promote says which wave's pause it releases (a retried one releases nothing more);
+        # one that does not (hand-written) releases the next pause not released yet.
+        if not any(a.wave == state.wave for a in promotes):
+            if sum(1 for a in promotes if a.wave is None) <= promoted:
+                return _paused(state, f"wave {state.wave} passed; waiting for `rollout promote`")
+            promoted += 1
     elif ctx.now < done_at + timedelta(seconds=strategy.pause_s):
         return _progressing(state, f"wave {state.wave} passed; pausing {strategy.pause_s:g} s")
     return state.model_copy(

@@ -137,6 +137,13 @@ class Rollout:
         """The first abort asked for, if any."""
         return next((a for a in self.actions if a.action is ActionKind.ABORT), None)
 
+    def action_wave(self, kind: ActionKind) -> int | None:
+        """The wave an action of ``kind`` sent now is about: for a promote, the wave in
+        progress (its pause is the one released); None for the others."""
+        if kind is not ActionKind.PROMOTE:
+            return None
+        return 0 if self.state is None else self.state.wave
+
     @property
     def operator_paused(self) -> bool:
         """Whether the last pause or resume asked for was a pause."""
@@ -187,8 +194,10 @@ class ControlState:
             target.history.extend(self._early_stables.pop(spec.name, []))
         else:
             target.spec = spec
-        if spec.stable is not None and spec.stable != target.stable:
-            target.history.append(StableEntry(spec.stable, None, spec.issued_at))
+        if spec.stable is not None:
+            stable = applied(target.stable, spec.stable)  # weights replaced, config overlaid
+            if stable != target.stable:
+                target.history.append(StableEntry(stable, None, spec.issued_at))
 
     def _observe_action(self, action: RolloutAction) -> None:
         rollout = self._rollouts.get(action.rollout_id)
@@ -206,6 +215,8 @@ class ControlState:
             return  # a state without its rollout: nothing to attach it to
         if rollout.state is not None and state.revision <= rollout.state.revision:
             return  # already folded (the controller's own write, read back)
+        if rollout.ended:
+            return  # ended is ended, whatever a later record says
         was_ended = rollout.ended
         rollout.state = state
         if state.phase is ControlPhase.SUCCEEDED and not was_ended:

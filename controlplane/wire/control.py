@@ -239,6 +239,9 @@ class RolloutAction(WireModel):
     action: ActionKind
     #: For abort: None keeps the rollout's own ``rollback``.
     rollback: bool | None = None
+    #: For promote: the wave whose pause it releases (the CLI and API say which; None: the
+    #: next pause not released yet, so a repeated one may release a later pause).
+    wave: Annotated[int, Field(ge=0)] | None = None
     reason: Annotated[str, StringConstraints(max_length=1024)] = ""
     issued_at: Timestamp
     issuer: Annotated[str, StringConstraints(min_length=1, max_length=256)]
@@ -336,6 +339,10 @@ CONTROL_RECORD: Final[TypeAdapter[ControlRecord]] = TypeAdapter(ControlRecord)
 def control_key(record: WireModel) -> bytes:
     """The compaction key: one per target spec, rollout, action, rollout state; one leader."""
     match record:
+        case TargetSpec() if record.stable is not None:
+            # A key of its own per declared stable state: a later spec that only changes the
+            # selector must not let compaction remove it (the stable state would go back).
+            key = f"target/{record.name}/stable@{record.issued_at.isoformat()}"
         case TargetSpec():
             key = f"target/{record.name}"
         case RolloutSpec():

@@ -104,7 +104,7 @@ STATE = RolloutState(
 LEADER = LeaderRecord(member="coordinator-1", generation=3, producer_epoch=5, since=T0)
 RECORDS: list[WireModel] = [TARGET, ROLLOUT, ACTION, STATE, LEADER]
 KEYS = [
-    b"target/llama",
+    f"target/llama/stable@{T0.isoformat()}".encode(),  # a declared stable state: a key of its own
     b"rollout/r-2025.01/a",
     b"action/r-2025.01/a/act-1",
     b"state/r-2025.01/a",

@@ -248,3 +248,44 @@ def test_an_empty_probe_answer_fails_the_probe_gate() -> None:
     sim.run(sim.ended())
     state = sim.current()
     assert state.code == "GATE_FAILED" and "malformed" in state.message
+
+
+def test_a_repeated_promote_releases_one_pause_not_the_next() -> None:
+    """A promote says which wave's pause it releases: a retried one (a new action id after an
+    unconfirmed publish) must not skip the next manual pause (review #6)."""
+    sim = Sim(3)
+    sim.start(Strategy(canary=1, steps=["50%", "100%"], pause="manual"))
+    sim.run(sim.in_phase(ControlPhase.PAUSED))
+    rollout = sim.control.rollout("r1")
+    assert rollout is not None
+    wave = rollout.action_wave(ActionKind.PROMOTE)
+    sim.act(ActionKind.PROMOTE, wave=wave)
+    sim.act(ActionKind.PROMOTE, wave=wave)  # the retry
+    sim.run(lambda: sim.current().wave == 1 and sim.current().phase is ControlPhase.PAUSED)
+    assert sim.current().message.endswith("waiting for `rollout promote`")
+
+
+def test_a_stable_state_declared_by_a_spec_survives_a_later_spec_and_compaction() -> None:
+    """`targets set --weights v3` then `targets set -s new=selector`: a compacted log keeps the
+    declared v3 (its record has a key of its own), as a live reader does (review #5)."""
+    from controlplane.wire.channels import CONTROL
+    from controlplane.wire.topics import Topics
+
+    sim = Sim(2)
+    sim.start(Strategy())
+    sim.run(sim.ended())
+    v3 = TargetSpec(
+        name="llama", selector=LABELS, stable=weights("v3"), issued_at=at(50), issuer="ops"
+    )
+    respec = TargetSpec(name="llama", selector={"model": "x"}, issued_at=at(60), issuer="ops")
+    log = [*sim.records, v3, respec]
+    latest: dict[bytes, int] = {}
+    for offset, record in enumerate(log):
+        latest[CONTROL.record(Topics(), record)[1]] = offset
+    compacted = ControlState()
+    for offset, record in enumerate(log):
+        if latest[CONTROL.record(Topics(), record)[1]] == offset:
+            compacted.observe(record)
+    target = compacted.target("llama")
+    assert target is not None and target.stable == weights("v3")
+    assert target.spec.selector == {"model": "x"}

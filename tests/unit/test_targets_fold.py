@@ -199,11 +199,12 @@ def test_a_spec_written_again_replaces_the_selector_and_keeps_the_stable_state()
     assert found.matches({"model": "llama", "zone": "a"})
     assert not found.matches({"model": "llama"})
     assert stable_of(control) == applied(V1, V2)
-    # The same stable again adds no entry; another one replaces the stable state.
+    # The same stable again adds no entry; another one is applied to it (weights replaced,
+    # config keys overlaid, as a rollout's change is).
     control.observe(target(stable=applied(V1, V2), when=100))
     assert len(history_of(control)) == 2
     control.observe(target(stable=V3, when=101))
-    assert history_of(control)[-1] == (V3, None)
+    assert history_of(control)[-1] == (applied(applied(V1, V2), V3), None)
 
 
 def test_a_rollout_of_an_unknown_target_changes_no_target() -> None:
