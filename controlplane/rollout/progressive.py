@@ -392,13 +392,23 @@ def _after_wave(ctx: _Context, rollout: Rollout, state: RolloutState) -> Rollout
         failure = _gate_failure(ctx, spec.desired, spec.rollout_id, updated, state, rollout)
         if failure is not None:
             return _gate_failed(state, *failure, spec.rollback, ctx.now)
-        if ctx.now < done_at + timedelta(seconds=strategy.bake_s):
-            return state
         lost = [w for w in updated if not ctx.fleet.registry.is_alive(w, ctx.now)]
         if lost:  # failed, as one lost before its ack: counted against max_failures, not waited for
             return state.model_copy(update={"failed": sorted({*state.failed, *lost})})
         waiting = _not_healthy(ctx, spec.desired, updated)
-        if waiting:
+        if state.healthy_at is None:  # the bake starts once the wave is first seen healthy
+            if waiting:
+                return _progressing(state, f"wave {state.wave}: waiting for {waiting}")
+            return state.model_copy(update={"healthy_at": ctx.now})
+        # Baking: the wave's workers must stay healthy (ready, idle, on the new version).
+        wave = [w for w in state.waves[state.wave] if w not in state.failed]
+        unhealthy = _not_healthy(ctx, spec.desired, wave)
+        if unhealthy:
+            why = f"{unhealthy} during the bake"
+            return _gate_failed(state, "health", why, spec.rollback, ctx.now)
+        if ctx.now < state.healthy_at + timedelta(seconds=strategy.bake_s):
+            return state
+        if waiting:  # a worker of an earlier wave, busy with a sync say: wait for it
             return _progressing(state, f"wave {state.wave}: waiting for {waiting}")
         results = [GateResult(wave=state.wave, gate="health", passed=True)]
         results.append(GateResult(wave=state.wave, gate="agreement", passed=True))
@@ -430,6 +440,7 @@ def _after_wave(ctx: _Context, rollout: Rollout, state: RolloutState) -> Rollout
             "batch": 0,
             "wave_started_at": ctx.now,
             "wave_done_at": None,
+            "healthy_at": None,
             "promoted": promoted,
             "message": f"wave {state.wave + 1} started",
         }

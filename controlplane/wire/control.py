@@ -299,6 +299,9 @@ class RolloutState(WireModel):
     wave_done_at: Timestamp | None = None
     #: When the current wave started (its progress deadline counts from here).
     wave_started_at: Timestamp | None = None
+    #: When the current wave, applied, was first seen healthy: its bake counts from here, and
+    #: from here on any of its workers unhealthy fails the health gate.
+    healthy_at: Timestamp | None = None
     #: Promote actions consumed (each one releases one manual pause).
     promoted: Annotated[int, Field(ge=0)] = 0
     failed: list[Identifier] = Field(default_factory=list)

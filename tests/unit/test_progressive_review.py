@@ -289,3 +289,32 @@ def test_a_stable_state_declared_by_a_spec_survives_a_later_spec_and_compaction(
     target = compacted.target("llama")
     assert target is not None and target.stable == weights("v3")
     assert target.spec.selector == {"model": "x"}
+
+
+def test_a_worker_unhealthy_during_the_bake_fails_the_health_gate() -> None:
+    """The bake counts from the moment the applied wave is first seen healthy; from then until
+    it ends, each worker of the wave must stay healthy (not only not degraded)."""
+    sim = Sim(3)
+    sim.start(Strategy(canary=1, bake_s=20))
+    sim.run(lambda: sim.current().healthy_at is not None)
+    healthy_at = sim.current().healthy_at
+    assert healthy_at is not None and sim.current().wave == 0
+    sim.tick(5)  # baking
+    sim.decide()
+    assert sim.current().phase is ControlPhase.PROGRESSING and not sim.published("r1.w1.")
+    sim.workers["w00"].version = "v0"  # the canary reports another version mid-bake
+    sim.beat()
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.code == "GATE_FAILED" and "during the bake" in state.message
+    assert "w00" in state.message and not sim.published("r1.w1.")
+
+
+def test_the_bake_counts_from_the_first_healthy_moment() -> None:
+    sim = Sim(2)
+    sim.start(Strategy(canary=1, bake_s=10))
+    sim.run(lambda: sim.current().healthy_at is not None)
+    healthy_at = sim.current().healthy_at
+    assert healthy_at is not None
+    sim.run(lambda: sim.current().wave == 1)
+    assert (sim.now - healthy_at).total_seconds() >= 10
