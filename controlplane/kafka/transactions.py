@@ -65,9 +65,8 @@ class TxnState(StrEnum):
 
 
 class TransactionFenced(BusError):
-    """This producer's transactional id was taken over: it may never write again.
-
-    Code KAFKA_ERROR until the error codes have a ``CONTROLLER_FENCED`` of their own."""
+    """This producer's transactional id was taken over: it may never write again
+    (CONTROLLER_FENCED: the producer is the controller's)."""
 
 
 class TransactionOutcomeUnknown(BusError):
@@ -234,7 +233,7 @@ class TransactionalProducer(ClientLifecycle):
             return TransactionFenced(
                 f"transactional producer {tid!r} fenced: another producer took the id over "
                 f"({_describe(exc)}); nothing more it writes can commit",
-                code=LocalCode.KAFKA_ERROR,
+                code=LocalCode.CONTROLLER_FENCED,
             )
         if isinstance(exc, TimeoutError):
             what = f"the transaction did not end within {self.timeout_s:g} s"

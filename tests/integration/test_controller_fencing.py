@@ -187,7 +187,7 @@ async def test_a_fenced_producer_is_closed_and_its_records_never_committed(
             with pytest.raises(TransactionFenced) as info:
                 async with first.transaction() as txn:
                     txn.send(topics.commands.name, b"first-1")
-            assert info.value.code is LocalCode.KAFKA_ERROR
+            assert info.value.code is LocalCode.CONTROLLER_FENCED
             assert "fenced" in info.value.message
             assert first.state is TxnState.FENCED
             with pytest.raises(BusError, match="fenced: a new one must be started"):

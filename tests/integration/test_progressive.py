@@ -426,3 +426,30 @@ async def test_a_fleet_without_the_controller_topic_keeps_its_coordinator_servin
         await coordinator.wait_ready(60)
         assert coordinator.follower.control_missing
         assert coordinator.ready and coordinator.control.targets() == []
+
+
+async def test_a_fenced_controller_steps_down_and_leads_again_from_the_log(
+    kafka: KafkaSettings, tmp_path: Path
+) -> None:
+    """Another producer inits the controller's transactional id (a coordinator that believes it
+    leads): the controller's next transaction is refused, it says CONTROLLER_FENCED, steps down
+    and, elected again, carries the rollout on from the log."""
+    from controlplane.kafka.transactions import TransactionalProducer
+
+    async with fleet_of(kafka, tmp_path, 2) as fleet:
+        controller = fleet.coordinator.controller
+        assert controller is not None
+        await fleet.target()
+        usurper = TransactionalProducer(kafka, kafka.topics.controller_transactional_id)
+        await usurper.start()  # fences the controller's producer
+        try:
+            await fleet.rollout("r-fenced", "v2", Strategy())
+            await wait_for(lambda: controller.fenced >= 1, 60)
+            assert controller.last_error is not None
+            assert controller.last_error.startswith("CONTROLLER_FENCED")
+        finally:
+            await usurper.stop()
+        assert await fleet.phase("r-fenced", ControlPhase.SUCCEEDED, timeout=90) is (
+            ControlPhase.SUCCEEDED
+        )
+        assert [r.history for r in fleet.runners.values()] == [["v1", "v2"]] * 2
