@@ -202,17 +202,14 @@ class Follower(AsyncService):
         if self.probe:
             self._probe_task = asyncio.create_task(self._probe_loop(), name="follower-probe")
 
-    async def _drop_missing_control_topic(self, attempts: int = 5) -> None:
+    async def _drop_missing_control_topic(self) -> None:
         topic = CONTROL.topic(self.topics)
-        for attempt in range(attempts):
-            try:
-                await self._consumer.partitions(topic)
-                return
-            except BusError as exc:
-                if "does not exist" not in exc.message:
-                    raise
-            if attempt < attempts - 1:  # a topic just created reaches every broker's metadata late
-                await asyncio.sleep(0.5)
+        try:
+            await self._consumer.partitions(topic)  # asked again a while, if just created
+            return
+        except BusError as exc:
+            if "does not exist" not in exc.message:
+                raise
         del self._decoders[topic]
         self.control_missing = True
         log.warning(

@@ -24,6 +24,9 @@ from controlplane.kafka.health import health
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.errors import BusError
 
+#: How long a topic missing from the metadata is asked for again before it is said not to exist.
+MISSING_TOPIC_WAIT_S = 5.0
+
 
 @dataclass(frozen=True)
 class PartitionProgress:
@@ -139,15 +142,23 @@ class Consumer(ClientLifecycle):
             out[key] = PartitionProgress(position=position, end=end, fetched_at=fetched_at)
         return out
 
-    async def partitions(self, topic: str) -> list[int]:
-        with translate(f"reading metadata of {topic}"):
-            parts = self._consumer.partitions_for_topic(topic)
-            if parts is None:
-                await self._consumer._client.force_metadata_update()
+    async def partitions(self, topic: str, *, wait_s: float = MISSING_TOPIC_WAIT_S) -> list[int]:
+        """The topic's partitions. A topic just created reaches every broker's metadata a
+        moment later (on a cluster, the broker asked may not know it yet): asked again for up
+        to ``wait_s`` before it is said not to exist."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            with translate(f"reading metadata of {topic}"):
                 parts = self._consumer.partitions_for_topic(topic)
-        if not parts:
-            raise BusError(f"topic {topic} does not exist; run `controlplane topics ensure`")
-        return sorted(parts)
+                if parts is None:
+                    await self._consumer._client.force_metadata_update()
+                    parts = self._consumer.partitions_for_topic(topic)
+            if parts:
+                return sorted(parts)
+            if loop.time() >= deadline:
+                raise BusError(f"topic {topic} does not exist; run `controlplane topics ensure`")
+            await asyncio.sleep(0.25)  # a retry delay (the metadata of a new topic spreading)
 
     async def assign(self, topic: str, partitions: Sequence[int] | None = None) -> list[int]:
         parts = list(partitions) if partitions is not None else await self.partitions(topic)
