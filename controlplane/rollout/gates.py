@@ -1,0 +1,135 @@
+"""A wave's gates (docs/progressive.md, "Gates"): health (ready, not degraded, on the new
+version), agreement (one weights digest, one config digest) and the probe (every updated worker
+answered the strategy's prompt alike, and as it expects). Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from controlplane.rollout.decisions import (
+    Context,
+    Gate,
+    T,
+    batch_rollout_id,
+    clip,
+    named,
+)
+from controlplane.rollout.targets import Rollout
+from controlplane.wire.control import (
+    Desired,
+    RolloutState,
+)
+from controlplane.wire.messages import (
+    WorkerStatus,
+)
+
+
+def gate_failure(
+    ctx: Context,
+    desired: Desired,
+    rollout_id: str,
+    updated: list[str],
+    state: RolloutState,
+    rollout: Rollout,
+) -> tuple[Gate, str] | None:
+    """A gate that failed for good: a degraded worker, disagreeing digests, a bad probe."""
+    registry = ctx.fleet.registry
+    digests: dict[str, list[str]] = {}
+    for worker in updated:
+        view = registry.get(worker, ctx.now)
+        if view is None:
+            continue
+        if view.degraded is not None:
+            degraded = view.degraded
+            return "health", clip(f"{worker} is degraded: {degraded.code}: {degraded.message}", 300)
+        if desired.config and view.config_digest is not None and view.in_flight is None:
+            digests.setdefault(view.config_digest, []).append(worker)
+    if len(digests) > 1:
+        shown = "; ".join(f"{d[:12]}: {named(ws)}" for d, ws in sorted(digests.items())[:5])
+        return "agreement", (
+            f"updated workers report {len(digests)} different config digests ({shown})"
+        )
+    weights: dict[str, list[str]] = {}
+    for worker in updated:
+        digest = batch_fact(ctx.digests, rollout_id, state, worker)
+        if digest is not None:  # runners that cannot say (vLLM) are not judged on it
+            weights.setdefault(digest, []).append(worker)
+    if len(weights) > 1:
+        shown = "; ".join(f"{d[:12]}: {named(ws)}" for d, ws in sorted(weights.items())[:5])
+        return "agreement", f"updated workers hold {len(weights)} different weights ({shown})"
+    probe = rollout.spec.strategy.probe
+    if probe is None:
+        return None
+    answers: dict[tuple[int, ...], list[str]] = {}
+    for worker in updated:
+        answer = probe_of(ctx, rollout_id, state, worker)
+        if answer is None:  # its reload succeeded, so its ack would carry the answer
+            return "probe", f"{worker} applied the weights but sent no probe answer"
+        if "unsupported" in answer:
+            return "probe", f"{worker}'s runner cannot run a probe"
+        if "error" in answer:
+            return "probe", clip(f"{worker}'s probe failed: {answer['error']}", 300)
+        reading = _reading(answer)
+        if reading is None:
+            return "probe", f"{worker}'s probe answer is malformed: {str(dict(answer))[:200]}"
+        tokens, logprob = reading
+        if probe.expect_tokens is not None and list(tokens) != probe.expect_tokens:
+            return "probe", clip(
+                f"{worker} answered {list(tokens)}, expected {probe.expect_tokens}", 500
+            )
+        if probe.min_mean_logprob is not None and not logprob >= probe.min_mean_logprob:
+            return "probe", (
+                f"{worker}'s mean log-prob {logprob:.4g} is below {probe.min_mean_logprob:g}"
+            )
+        answers.setdefault(tokens, []).append(worker)
+    if len(answers) > 1:
+        shown = "; ".join(f"{list(t)[:16]}: {named(ws)}" for t, ws in list(answers.items())[:5])
+        return "probe", f"updated workers answered the probe differently ({shown})"
+    return None
+
+
+def _reading(answer: Mapping[str, Any]) -> tuple[tuple[int, ...], float] | None:
+    """(tokens, mean log-prob) of a probe answer, as a worker's ack carries it; None when it is
+    not one (it is the worker's JSON: a bad one fails the gate, never the decision)."""
+    tokens = answer.get("tokens")
+    logprob = answer.get("mean_logprob")
+    if not isinstance(tokens, list) or not tokens or not all(type(t) is int for t in tokens):
+        return None
+    if isinstance(logprob, bool) or not isinstance(logprob, int | float):
+        return None
+    return tuple(tokens), float(logprob)
+
+
+def probe_of(
+    ctx: Context, rollout_id: str, state: RolloutState, worker: str
+) -> Mapping[str, Any] | None:
+    return batch_fact(ctx.probes, rollout_id, state, worker)
+
+
+def batch_fact(
+    facts: Mapping[tuple[str, str], T], rollout_id: str, state: RolloutState, worker: str
+) -> T | None:
+    """What ``worker``'s succeeded ack for its batch of this rollout said (a probe, a digest)."""
+    for wave, members_ in enumerate(state.waves[: state.wave + 1]):
+        if worker in members_:
+            for batch in range(len(members_)):
+                fact = facts.get((batch_rollout_id(rollout_id, wave, batch), worker))
+                if fact is not None:
+                    return fact
+    return None
+
+
+def not_healthy(ctx: Context, desired: Desired, updated: list[str]) -> str | None:
+    """Who keeps the health gate from passing yet (None: nobody)."""
+    version = desired.version
+    for worker in updated:
+        view = ctx.fleet.registry.get(worker, ctx.now)
+        if view is None or not view.alive:
+            return f"{worker} (not alive)"
+        if view.status is not WorkerStatus.READY or view.in_flight is not None:
+            return f"{worker} ({view.status.value})"
+        if version is not None and view.weights_version != version:
+            return f"{worker} (reports {view.weights_version}, not {version})"
+    return None
