@@ -75,34 +75,38 @@ def roll_back(ctx: Context, rollout: Rollout, state: RolloutState) -> RolloutSta
         updated, ended = updated_workers(ctx, state, spec.strategy.max_unavailable)
         if not ended:
             return state  # commands already handed out finish first
-        if not updated:
-            return end_state(
-                state,
-                ControlPhase.ROLLED_BACK,
-                state.code,
-                f"{state.message}; no worker had applied it",
-                ctx.now,
-            )
-        if rollback_spec(state.previous, spec.desired) is None:
+        # Lost before it acked, with its batch's command still live: back before the command
+        # expires, it would apply the change. Its rollback command comes after that command on
+        # the (one-partition) commands topic, so it applies the rollback right after.
+        late = _may_still_apply(ctx, state)
+        back = rollback_spec(state.previous, spec.desired)
+        if not updated and (not late or back is None):
+            why = f"{state.message}; no worker had applied it"
+            if late:
+                why += f" ({named(late)} lost with its command live: see `targets`)"
+            return end_state(state, ControlPhase.ROLLED_BACK, state.code, why, ctx.now)
+        if back is None:
             return _unavailable(state, spec.desired, ctx.now)
         # A worker lost since it applied cannot take a command now; back from the dead, it
         # reports the new state and the reconciler gives it the stable one (not held: rolled back).
         alive = [w for w in updated if ctx.fleet.registry.is_alive(w, ctx.now)]
-        if not alive:
+        if not alive and not late:
             why = f"{state.message}; the workers that had applied it are lost: " + (
                 "each gets the stable state back when it returns"
             )
             return end_state(state, ControlPhase.ROLLED_BACK, state.code, why, ctx.now)
-        plan = batches(alive, spec.strategy.max_unavailable)
+        plan = batches(sorted({*alive, *late}), spec.strategy.max_unavailable)
         return state.model_copy(update={"rollback": plan, "rollback_batch": 0})
     if state.rollback_batch >= len(state.rollback):
         failed = _rollback_failures(ctx, state)
         if failed:
             why = f"{state.message}; rollback failed on {named(failed)}"
             return end_state(state, ControlPhase.ABORTED, LocalCode.ROLLBACK_FAILED, why, ctx.now)
-        return end_state(
-            state, ControlPhase.ROLLED_BACK, state.code, f"{state.message}; rolled back", ctx.now
-        )
+        why = f"{state.message}; rolled back"
+        lost = _lost_in_rollback(ctx, state)
+        if lost:
+            why += f" ({named(lost)} lost: each applies its rollback command when it returns)"
+        return end_state(state, ControlPhase.ROLLED_BACK, state.code, why, ctx.now)
     batch_id = rollback_rollout_id(spec.rollout_id, state.rollback_batch)
     if not ctx.known(batch_id):
         back = rollback_spec(state.previous, spec.desired)
@@ -119,6 +123,31 @@ def roll_back(ctx: Context, rollout: Rollout, state: RolloutState) -> RolloutSta
     if batch_over(ctx, batch_id):
         return state.model_copy(update={"rollback_batch": state.rollback_batch + 1})
     return state
+
+
+def _may_still_apply(ctx: Context, state: RolloutState) -> list[str]:
+    """Workers lost before acking a batch of this rollout whose command has not expired (its
+    rollout is not over for the fleet): each may still come back and apply the change."""
+    out: set[str] = set()
+    for wave_index, wave in enumerate(state.waves):
+        for batch_index in range(len(wave)):
+            batch_id = batch_rollout_id(state.rollout_id, wave_index, batch_index)
+            if batch_id not in ctx.fleet:
+                continue
+            status = ctx.status(batch_id)
+            if not status.terminal:
+                out.update(d.worker_id for d in status.workers if d.state is WorkerState.LOST)
+    return sorted(out)
+
+
+def _lost_in_rollback(ctx: Context, state: RolloutState) -> list[str]:
+    lost: list[str] = []
+    for index in range(len(state.rollback)):
+        batch_id = rollback_rollout_id(state.rollout_id, index)
+        if batch_id in ctx.fleet:
+            status = ctx.status(batch_id)
+            lost.extend(d.worker_id for d in status.workers if d.state is WorkerState.LOST)
+    return sorted(lost)
 
 
 def _unavailable(state: RolloutState, change: Desired, now: datetime) -> RolloutState:

@@ -238,9 +238,38 @@ def test_a_lost_worker_beyond_max_failures_aborts_at_once() -> None:
     assert state.phase is PHASE.ROLLED_BACK
     assert state.code == "MAX_FAILURES_EXCEEDED" and state.failed == ["w01"]
     assert sim.t < 60
-    # w02 (its batch mate) applied: rolled back with the canary; w01 never acked: left alone.
-    assert sorted(sim.receivers(sim.published("r1.rb."))) == ["w00", "w02"]
+    # w02 (its batch mate) applied: rolled back with the canary. w01 never acked, but its
+    # command is live: back before it expires, it would apply v2, so its rollback is queued
+    # behind that command (one partition: it applies both, in order).
+    assert sorted(sim.receivers(sim.published("r1.rb."))) == ["w00", "w01", "w02"]
+    assert "w01 lost: each applies its rollback command when it returns" in state.message
     assert not sim.published("r1.w1.b1")
+
+
+def test_a_worker_lost_once_its_command_expired_gets_no_rollback() -> None:
+    """Once its batch's command expired (the fleet judged that batch over), a lost worker can
+    no longer apply the change: the rollback leaves it alone."""
+    sim = Sim(6)
+    strategy = Strategy(
+        canary=1,
+        steps=["50%", "100%"],
+        max_unavailable=2,
+        max_failures="1",
+        progress_deadline_s=120,
+        pause="manual",
+    )
+    sim.start(strategy)
+    sim.act(ActionKind.PROMOTE, wave=0)
+    _lose_in_second_wave(sim, "w01")
+    sim.run(lambda: sim.t > 130)  # w01 counted failed, tolerated; its batch's command expires
+    assert sim.current().phase is PHASE.PAUSED and sim.current().wave == 1
+    sim.act(ActionKind.ABORT)
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.phase is PHASE.ROLLED_BACK, state.message
+    rolled = sim.receivers(sim.published("r1.rb."))
+    assert "w01" not in rolled and "w00" in rolled and "w02" in rolled
+    assert "lost" not in state.message
 
 
 def test_failures_and_rollback_survive_the_fleet_summarizing_ended_batches() -> None:
