@@ -1,4 +1,6 @@
-"""Shared helpers of the benchmarks: machine facts, result files, tables, a private broker, CPU/RSS.
+"""Shared helpers of the benchmarks: machine facts, result files, tables, a private broker, CPU/RSS,
+the run's skeleton (arguments, logging, a journal directory, the broker around the run) and
+child processes speaking JSON lines.
 
 Every benchmark writes ``bench/results/<name>-<timestamp>.json`` (git-ignored) holding the
 commit, the date, the machine and the load average next to its numbers, so a noisy run shows.
@@ -7,20 +9,25 @@ Nothing here asserts on times: the benchmarks measure, they do not test.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import contextlib
 import json
+import logging
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -276,3 +283,112 @@ def peak_rss(interval_s: float = 0.001) -> Iterator[dict[str, int]]:
     finally:
         stop.set()
         thread.join()
+
+
+# --------------------------------------------------------------------------- the run's skeleton
+
+
+def argument_parser(package: ModuleType) -> argparse.ArgumentParser:
+    """A parser named ``python -m <package>``, described by the first line of its docstring."""
+    return argparse.ArgumentParser(
+        prog=f"python -m {package.__name__}", description=(package.__doc__ or "").splitlines()[0]
+    )
+
+
+def quiet_logging() -> None:
+    """Warnings only; aiokafka's NotLeaderForPartition while a new topic's leader is elected
+    (it retries) is silenced."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+
+
+@contextlib.contextmanager
+def state_dir(given: Path | None, prefix: str) -> Iterator[Path]:
+    """``given``, or a temporary directory in /dev/shm (removed on exit) for agent journals."""
+    if given is not None:
+        yield given
+        return
+    shm = Path("/dev/shm")
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=shm if shm.is_dir() else None))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def run_on_broker(
+    result: dict[str, Any],
+    run: Callable[[Broker], Coroutine[Any, Any, None]],
+    report: Callable[[dict[str, Any]], str],
+    out_dir: Path | None,
+) -> int:
+    """Start a private broker (outside the event loop: its probe runs its own), run ``run`` on
+    it, stop it, then print ``report(result)`` and write the result file."""
+    started = time.perf_counter()
+    with Broker() as broker:
+        result["broker"] = {"bootstrap": broker.bootstrap, "start_s": broker.start_s}
+        print(f"broker up at {broker.bootstrap} in {broker.start_s:.1f} s", flush=True)
+        asyncio.run(run(broker))
+    return conclude(result, report(result), out_dir, started)
+
+
+class Child:
+    """A child process ``python -m <module> --<role> <cfg JSON>`` speaking JSON lines on stdout,
+    taking commands on stdin (``stop`` ends it); its stderr goes to a log file."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, name: str) -> None:
+        self.proc = proc
+        self.name = name
+
+    @classmethod
+    async def start(cls, module: str, role: str, cfg: dict[str, Any], log_file: Path) -> Child:
+        with open(log_file, "ab") as err:  # noqa: ASYNC230 - a local log file
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                module,
+                f"--{role}",
+                json.dumps(cfg),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=err,
+                cwd=REPO_ROOT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        return cls(proc, f"{role}:{log_file.name}")
+
+    async def read(self, timeout: float = 300.0) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        if not line:
+            code = await self.proc.wait()
+            raise RuntimeError(f"{self.name} exited with status {code} (see its log)")
+        message: dict[str, Any] = json.loads(line)
+        return message
+
+    async def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line.encode() + b"\n")
+        await self.proc.stdin.drain()
+
+    async def stop(self, timeout: float = 90.0) -> None:
+        if self.proc.returncode is not None:
+            return
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            await self.send("stop")
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        try:
+            await asyncio.wait_for(self.proc.wait(), timeout)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.proc.pid)
+
+
+def say(message: dict[str, Any]) -> None:
+    """A child's answer to its parent: one JSON line on stdout."""
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()

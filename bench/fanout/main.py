@@ -7,17 +7,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
-import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import bench.fanout as package
-from bench.common import Broker, conclude, envelope, mode_of
+from bench.common import (
+    Broker,
+    argument_parser,
+    envelope,
+    mode_of,
+    quiet_logging,
+    run_on_broker,
+    state_dir,
+)
 from bench.fanout import JUDGE_INTERVAL_S
 from bench.fanout.hosts import agent_host, http_host
 from bench.fanout.report import report, targets
@@ -25,9 +30,7 @@ from bench.fanout.scenario import measure_level
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog=f"python -m {package.__name__}", description=(package.__doc__ or "").splitlines()[0]
-    )
+    p = argument_parser(package)
     p.add_argument("--quick", action="store_true", help="N in 1, 10, 50; fewer repeats.")
     p.add_argument("--tiny", action="store_true", help="N in 1, 3; for the CI smoke test.")
     p.add_argument("--n", type=int, nargs="+", help="Fleet sizes (overrides the mode's).")
@@ -93,42 +96,26 @@ async def run(args: argparse.Namespace, broker: Broker, result: dict[str, Any]) 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # aiokafka logs NotLeaderForPartition while a new topic's leader is elected, then retries.
-    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    quiet_logging()
     if args.agents_child:
         asyncio.run(agent_host(json.loads(args.agents_child)))
         return 0
     if args.http_child:
         asyncio.run(http_host(json.loads(args.http_child)))
         return 0
-    own_state = args.state_dir is None
-    if own_state:
-        shm = Path("/dev/shm")
-        args.state_dir = Path(
-            tempfile.mkdtemp(prefix="bench-fanout-state-", dir=shm if shm.is_dir() else None)
-        )
-    result = envelope("fanout", args.mode, argv)
-    result["parameters"] = {
-        "n": args.n,
-        "repeats": args.repeats,
-        "floor_repeats": args.floor_repeats,
-        "http_repeats": args.http_repeats,
-        "per_process": args.per_process,
-        "heartbeat_s": args.heartbeat_s,
-        "idle_s": args.idle_s,
-        "state_dir": str(args.state_dir),
-        "agent_fetch_wait_ms": args.agent_fetch_wait_ms,
-        "judge": args.judge,
-        "judge_interval_s": JUDGE_INTERVAL_S,
-    }
-    started = time.perf_counter()
-    try:
-        with Broker() as broker:  # started outside the event loop: its probe runs its own
-            result["broker"] = {"bootstrap": broker.bootstrap, "start_s": broker.start_s}
-            print(f"broker up at {broker.bootstrap} in {broker.start_s:.1f} s", flush=True)
-            asyncio.run(run(args, broker, result))
-    finally:
-        if own_state:
-            shutil.rmtree(args.state_dir, ignore_errors=True)
-    return conclude(result, report(result), args.out_dir, started)
+    with state_dir(args.state_dir, "bench-fanout-state-") as args.state_dir:
+        result = envelope("fanout", args.mode, argv)
+        result["parameters"] = {
+            "n": args.n,
+            "repeats": args.repeats,
+            "floor_repeats": args.floor_repeats,
+            "http_repeats": args.http_repeats,
+            "per_process": args.per_process,
+            "heartbeat_s": args.heartbeat_s,
+            "idle_s": args.idle_s,
+            "state_dir": str(args.state_dir),
+            "agent_fetch_wait_ms": args.agent_fetch_wait_ms,
+            "judge": args.judge,
+            "judge_interval_s": JUDGE_INTERVAL_S,
+        }
+        return run_on_broker(result, lambda broker: run(args, broker, result), report, args.out_dir)

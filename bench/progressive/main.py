@@ -6,26 +6,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
-import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import bench.progressive as package
-from bench.common import Broker, conclude, envelope, mode_of
+from bench.common import (
+    Broker,
+    argument_parser,
+    envelope,
+    mode_of,
+    quiet_logging,
+    run_on_broker,
+    state_dir,
+)
 from bench.progressive.hosts import coordinator_host
 from bench.progressive.report import derive, report, targets
 from bench.progressive.scenario import measure
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog=f"python -m {package.__name__}", description=(package.__doc__ or "").splitlines()[0]
-    )
+    p = argument_parser(package)
     p.add_argument("--quick", action="store_true", help="20 agents, 1 round.")
     p.add_argument("--tiny", action="store_true", help="4 agents, 1 round; to try a change.")
     p.add_argument("--n", type=int, help="Agents (overrides the mode's).")
@@ -67,40 +70,24 @@ async def run(args: argparse.Namespace, broker: Broker, result: dict[str, Any]) 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # aiokafka logs NotLeaderForPartition while a new topic's leader is elected, then retries.
-    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    quiet_logging()
     if args.coordinator_child:
         asyncio.run(coordinator_host(json.loads(args.coordinator_child)))
         return 0
-    own_state = args.state_dir is None
-    if own_state:
-        shm = Path("/dev/shm")
-        args.state_dir = Path(
-            tempfile.mkdtemp(prefix="bench-progressive-state-", dir=shm if shm.is_dir() else None)
-        )
-    result = envelope("progressive", args.mode, argv)
-    result["parameters"] = {
-        "n": args.n,
-        "rounds": args.rounds,
-        "canary": args.canary,
-        "steps": args.steps,
-        "max_unavailable": None,
-        "pause_s": 0,
-        "bake_s": 0,
-        "per_process": args.per_process,
-        "heartbeat_s": args.heartbeat_s,
-        "profile": args.profile,
-        "state_dir": str(args.state_dir),
-        "coordinator": "a child process (Coordinator with its controller, elected)",
-    }
-    started = time.perf_counter()
-    try:
-        with Broker() as broker:
-            result["broker"] = {"bootstrap": broker.bootstrap, "start_s": broker.start_s}
-            print(f"broker up at {broker.bootstrap} in {broker.start_s:.1f} s", flush=True)
-            asyncio.run(run(args, broker, result))
-    finally:
-        if own_state:
-            shutil.rmtree(args.state_dir, ignore_errors=True)
-    return conclude(result, report(result), args.out_dir, started)
+    with state_dir(args.state_dir, "bench-progressive-state-") as args.state_dir:
+        result = envelope("progressive", args.mode, argv)
+        result["parameters"] = {
+            "n": args.n,
+            "rounds": args.rounds,
+            "canary": args.canary,
+            "steps": args.steps,
+            "max_unavailable": None,
+            "pause_s": 0,
+            "bake_s": 0,
+            "per_process": args.per_process,
+            "heartbeat_s": args.heartbeat_s,
+            "profile": args.profile,
+            "state_dir": str(args.state_dir),
+            "coordinator": "a child process (Coordinator with its controller, elected)",
+        }
+        return run_on_broker(result, lambda broker: run(args, broker, result), report, args.out_dir)

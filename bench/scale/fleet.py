@@ -1,0 +1,210 @@
+"""The synthetic fleet: N workers' heartbeats from a generator child process, and the log of R
+past rollouts pinned to all N (a command and accepted, running, succeeded acks per worker),
+written with the project's own models, codec and producer.
+
+The generator (``--generator-child``) sends each worker's heartbeat (``Heartbeat``, labels
+``model=big``) once per period, spread evenly over it, at that sustained rate until told to
+stop; a heartbeat it could not send on time is sent as soon as it can (``behind`` says how many
+were late, at most). Acks are rendered from templates of real encoded ``Ack`` messages
+(``bench.aggregate.dataset``): producing 3N x R of them through pydantic one by one would cost
+more than the readers under test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from bench.aggregate.dataset import Template, _ack_templates, _ts
+from bench.common import cpu_seconds, say
+
+#: The label every synthetic worker carries: the selector of the publish under test.
+LABELS = {"model": "big"}
+VERSION = "v-20250101-0001"
+#: Pre-rendered records sent per produce call (bounded memory; the producer batches them).
+CHUNK = 20_000
+
+
+def worker_ids(n: int) -> list[str]:
+    return [f"gpu-{w:05d}.pool-a" for w in range(n)]
+
+
+def kafka_settings(bootstrap: str, prefix: str, client_id: str) -> Any:
+    from controlplane.kafka.settings import KafkaSettings
+
+    return KafkaSettings(bootstrap_servers=bootstrap, topic_prefix=prefix, client_id=client_id)
+
+
+# --------------------------------------------------------------------------- heartbeats (child)
+
+
+async def generator_host(cfg: dict[str, Any]) -> None:
+    """Heartbeats of ``cfg['n']`` workers every ``cfg['period_s']`` until ``stop`` on stdin;
+    ``ready`` once every worker has sent one, ``stats`` on request."""
+    from controlplane.kafka.bus import Producer
+    from controlplane.wire.channels import HEARTBEATS
+    from controlplane.wire.protocol import Heartbeat, WorkerStatus, utcnow
+
+    settings = kafka_settings(cfg["bootstrap"], cfg["prefix"], "bench-heartbeats")
+    n, period = int(cfg["n"]), float(cfg["period_s"])
+    started_at = utcnow() - timedelta(hours=1)
+    models = [
+        Heartbeat(
+            worker_id=w,
+            labels=LABELS,
+            runner="torch",
+            device="cuda:0",
+            status=WorkerStatus.READY,
+            weights_version=VERSION,
+            config_digest="5f1c0e2a9b7d4c31",
+            seq=0,
+            sent_at=started_at,
+            started_at=started_at,
+            incarnation=1,
+            interval_s=period,
+            agent_version="0.1.0",
+        )
+        for w in worker_ids(n)
+    ]
+    topics = settings.topics
+    stats: dict[str, Any] = {"sent": 0, "behind_max": 0, "sends": 0, "send_s_max": 0.0}
+    stopping = asyncio.Event()
+
+    async def beat() -> None:
+        t0 = time.monotonic()
+        said_ready = False
+        async with Producer(settings, linger_ms=5) as producer:
+            while not stopping.is_set():
+                due = int((time.monotonic() - t0) / period * n) + 1
+                sent: int = stats["sent"]
+                behind = due - sent
+                stats["behind_max"] = max(stats["behind_max"], behind)
+                if behind > 0:
+                    now = utcnow()
+                    items = []
+                    for i in range(sent, due):
+                        hb = models[i % n].model_copy(update={"seq": i // n + 1, "sent_at": now})
+                        _, key, value = HEARTBEATS.record(topics, hb)
+                        items.append((key, value))
+                    s0 = time.monotonic()
+                    await producer.send_many(topics.workers.name, items)
+                    stats["send_s_max"] = max(stats["send_s_max"], time.monotonic() - s0)
+                    stats["sent"] = due
+                    stats["sends"] += 1
+                if not said_ready and stats["sent"] >= n:
+                    said_ready = True
+                    say({"ready": True, "sent": stats["sent"]})
+                await asyncio.sleep(0.05)
+
+    task = asyncio.create_task(beat())
+    loop = asyncio.get_running_loop()
+    while True:
+        reader = loop.run_in_executor(None, sys.stdin.readline)
+        done, _ = await asyncio.wait([task, reader], return_when=asyncio.FIRST_COMPLETED)
+        if task in done:  # the generator died: say why, once
+            say({"error": repr(task.exception())})
+            return
+        line = (await reader).strip()
+        if line == "stats":
+            say({**stats, "cpu_s": cpu_seconds(os.getpid())})
+        else:  # "stop" or EOF
+            break
+    stopping.set()
+    await task
+
+
+# --------------------------------------------------------------------------- rollouts (parent)
+
+
+class Rollouts:
+    """R past rollouts over N workers, an in-progress one and a burst one, as records."""
+
+    def __init__(self, n: int, rollouts: int) -> None:
+        self.ids = worker_ids(n)
+        self.r = rollouts
+        self.base = datetime.now(UTC).replace(microsecond=0) - timedelta(days=1)
+        self.templates: dict[tuple[str, str], Template] = _ack_templates()
+        self.past = [f"r-20250101-{r:06d}-past" for r in range(rollouts)]
+        self.live = "r-20250101-live-in-progress"
+        self.burst = "r-20250101-burst"
+
+    def command(self, rollout_id: str, issued: datetime) -> tuple[bytes, bytes]:
+        """A reload pinned to every worker (the CLI's selector after resolving)."""
+        from controlplane.coordinator.publisher import build_command
+        from controlplane.wire.channels import COMMANDS
+        from controlplane.wire.protocol import ReloadWeightsSpec, Selector, encode
+
+        command = build_command(
+            ReloadWeightsSpec(path=f"/models/big/{VERSION}", version=VERSION),
+            Selector(worker_ids=self.ids),
+            issuer="ops@bench",
+            rollout_id=rollout_id,
+            command_id=f"{rollout_id}.c1",
+            now=issued,
+        )
+        return COMMANDS.key(command), encode(command)
+
+    def acks(
+        self, rollout_id: str, issued: datetime, states: tuple[str, ...]
+    ) -> list[tuple[bytes, bytes]]:
+        """Each worker's acks of ``rollout_id`` in ``states`` order, keyed by worker id."""
+        templates = [self.templates[("reload_weights", s)] for s in states]
+        out: list[tuple[bytes, bytes]] = []
+        ms, two_s = timedelta(milliseconds=1), timedelta(seconds=2)
+        for w, wid in enumerate(self.ids):
+            received = issued + timedelta(microseconds=40 * w + 3000)
+            started = received + ms
+            finished = started + two_s
+            values = {
+                "rollout": rollout_id,
+                "worker": wid,
+                "t0": _ts(received),
+                "t1": _ts(started),
+                "t2": _ts(finished),
+            }
+            key = wid.encode()
+            for template, sent in zip(templates, (received, started, finished + ms), strict=False):
+                out.append((key, template.render({**values, "t3": _ts(sent)})))
+        return out
+
+
+async def produce_history(settings: Any, rollouts: Rollouts) -> dict[str, Any]:
+    """The R past rollouts (all succeeded), then the in-progress one (accepted and running acks,
+    issued now): what the readers under test replay."""
+    from controlplane.kafka.bus import Producer
+
+    topics = settings.topics
+    started = time.perf_counter()
+    render_s, records, nbytes = 0.0, 0, 0
+    async with Producer(settings, linger_ms=20) as producer:
+        batch: list[tuple[bytes, bytes]] = []
+        for r, rid in enumerate(rollouts.past):
+            issued = rollouts.base + timedelta(seconds=10 * r)
+            await producer.send_many(topics.commands.name, [rollouts.command(rid, issued)])
+            t0 = time.perf_counter()
+            batch.extend(rollouts.acks(rid, issued, ("accepted", "running", "succeeded")))
+            render_s += time.perf_counter() - t0
+            if len(batch) >= CHUNK or r == len(rollouts.past) - 1:
+                records += len(batch)
+                nbytes += sum(len(v) for _, v in batch)
+                await producer.send_many(topics.acks.name, batch)
+                batch = []
+        now = datetime.now(UTC)
+        await producer.send_many(topics.commands.name, [rollouts.command(rollouts.live, now)])
+        live = rollouts.acks(rollouts.live, now, ("accepted", "running"))
+        await producer.send_many(topics.acks.name, live)
+        records += len(live)
+    elapsed = time.perf_counter() - started
+    return {
+        "commands": len(rollouts.past) + 1,
+        "acks": records,
+        "ack_bytes": nbytes,
+        "command_bytes": len(rollouts.command(rollouts.live, now)[1]),
+        "elapsed_s": elapsed,
+        "render_s": render_s,
+        "acks_per_s": records / elapsed if elapsed else None,
+    }
