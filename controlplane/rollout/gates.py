@@ -5,8 +5,9 @@ answered the strategy's prompt alike, and as it expects). Pure.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from controlplane.rollout.decisions import (
     Context,
@@ -25,6 +26,9 @@ from controlplane.wire.messages import (
     WorkerStatus,
 )
 
+#: How earlier waves show in a gate's message: what they agreed on, from their gate results.
+EARLIER: Final = "earlier waves"
+
 
 def gate_failure(
     ctx: Context,
@@ -34,7 +38,12 @@ def gate_failure(
     state: RolloutState,
     rollout: Rollout,
 ) -> tuple[Gate, str] | None:
-    """A gate that failed for good: a degraded worker, disagreeing digests, a bad probe."""
+    """A gate that failed for good: a degraded worker, disagreeing digests, a bad probe.
+
+    Health and the config digest are judged on every updated worker (what they report now);
+    the weights digest and the probe on the wave's own workers (what their batch's acks said),
+    against what the earlier waves agreed on, as their passed gates recorded it: the acks of an
+    early wave may be gone from the log (retention) by the time a late wave is judged."""
     registry = ctx.fleet.registry
     digests: dict[str, list[str]] = {}
     for worker in updated:
@@ -51,8 +60,13 @@ def gate_failure(
         return "agreement", (
             f"updated workers report {len(digests)} different config digests ({shown})"
         )
+    wave = set(state.waves[state.wave]) if state.wave < len(state.waves) else set()
+    fresh = [w for w in updated if w in wave]
     weights: dict[str, list[str]] = {}
-    for worker in updated:
+    earlier = agreed(state, "agreement")
+    if earlier is not None:
+        weights[earlier] = [EARLIER]
+    for worker in fresh:
         digest = batch_fact(ctx.digests, rollout_id, state, worker)
         if digest is not None:  # runners that cannot say (vLLM) are not judged on it
             weights.setdefault(digest, []).append(worker)
@@ -63,7 +77,10 @@ def gate_failure(
     if probe is None:
         return None
     answers: dict[tuple[int, ...], list[str]] = {}
-    for worker in updated:
+    told = agreed(state, "probe")
+    if told is not None:
+        answers[_tokens(told)] = [EARLIER]
+    for worker in fresh:
         answer = probe_of(ctx, rollout_id, state, worker)
         if answer is None:  # its reload succeeded, so its ack would carry the answer
             return "probe", f"{worker} applied the weights but sent no probe answer"
@@ -88,6 +105,49 @@ def gate_failure(
         shown = "; ".join(f"{list(t)[:16]}: {named(ws)}" for t, ws in list(answers.items())[:5])
         return "probe", f"updated workers answered the probe differently ({shown})"
     return None
+
+
+def agreed(state: RolloutState, gate: Gate) -> str | None:
+    """What the earlier waves agreed on, as the last passed ``gate`` with a value recorded it:
+    the weights digest (agreement) or the probe's tokens as JSON (probe)."""
+    for result in reversed(state.gates):
+        if result.gate == gate and result.passed and result.value is not None:
+            return result.value
+    return None
+
+
+def agreement_now(
+    ctx: Context, rollout_id: str, state: RolloutState, workers: list[str]
+) -> dict[Gate, str]:
+    """What a wave whose gates passed agreed on (with the earlier waves'), to record in its
+    gate results: the weights digest and the probe's tokens, when any worker said them."""
+    out: dict[Gate, str] = {}
+    for gate in ("agreement", "probe"):
+        value = agreed(state, gate)
+        if value is not None:
+            out[gate] = value
+    for worker in workers:
+        if "agreement" not in out:
+            digest = batch_fact(ctx.digests, rollout_id, state, worker)
+            if digest is not None:
+                out["agreement"] = digest
+        if "probe" not in out:
+            answer = probe_of(ctx, rollout_id, state, worker)
+            reading = None if answer is None else _reading(answer)
+            if reading is not None:
+                out["probe"] = json.dumps(list(reading[0]))
+    return out
+
+
+def _tokens(value: str) -> tuple[int, ...]:
+    """The tokens a probe gate recorded (written by :func:`agreement_now`); () if unreadable."""
+    try:
+        tokens = json.loads(value)
+    except ValueError:
+        return ()
+    if isinstance(tokens, list) and all(type(t) is int for t in tokens):
+        return tuple(tokens)
+    return ()
 
 
 def _reading(answer: Mapping[str, Any]) -> tuple[tuple[int, ...], float] | None:

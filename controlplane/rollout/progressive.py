@@ -66,6 +66,7 @@ from controlplane.rollout.decisions import (
 )
 from controlplane.rollout.fleet import Fleet
 from controlplane.rollout.gates import (
+    agreement_now,
     gate_failure,
     not_healthy,
 )
@@ -303,10 +304,17 @@ def _after_wave(ctx: Context, rollout: Rollout, state: RolloutState) -> RolloutS
             return state
         if waiting:  # a worker of an earlier wave, busy with a sync say: wait for it
             return progressing_state(state, f"wave {state.wave}: waiting for {waiting}")
+        values = agreement_now(ctx, spec.rollout_id, state, wave)
         results = [GateResult(wave=state.wave, gate="health", passed=True)]
-        results.append(GateResult(wave=state.wave, gate="agreement", passed=True))
+        results.append(
+            GateResult(
+                wave=state.wave, gate="agreement", passed=True, value=values.get("agreement")
+            )
+        )
         if strategy.probe is not None:
-            results.append(GateResult(wave=state.wave, gate="probe", passed=True))
+            results.append(
+                GateResult(wave=state.wave, gate="probe", passed=True, value=values.get("probe"))
+            )
         done_at = ctx.now
         state = state.model_copy(
             update={"gates": [*state.gates, *results], "wave_done_at": done_at}

@@ -277,6 +277,10 @@ class GateResult(WireModel):
     gate: Literal["health", "agreement", "probe"]
     passed: bool
     message: Annotated[str, StringConstraints(max_length=4096)] = ""
+    #: Once passed: what the wave agreed on (with the earlier ones), so later waves are judged
+    #: against it without the earlier acks: the weights digest (agreement), the probe's tokens
+    #: as a JSON list (probe). None when no worker said (a runner that cannot).
+    value: Annotated[str, StringConstraints(max_length=4096)] | None = None
 
 
 class RolloutState(WireModel):

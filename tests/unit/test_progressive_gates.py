@@ -127,6 +127,42 @@ def test_expected_probe_tokens_and_agreement() -> None:
     assert "expected [9, 9]" in expect.current().message
 
 
+def test_later_waves_are_judged_against_what_earlier_waves_agreed_on_without_their_acks() -> None:
+    """A wave's passed gates record what it agreed on (weights digest, probe tokens); a later
+    wave is judged against that, so the earlier waves' acks may be gone (30 days of retention
+    during a long manual pause) without failing the gate, and a late worker that disagrees with
+    the canary still fails it."""
+    tokens = {"w00": [1, 2], "w01": [1, 2], "w02": [1, 3]}
+
+    def probe(command: Command, worker_id: str) -> dict[str, Any]:
+        return {"tokens": tokens[worker_id], "mean_logprob": -1.0}
+
+    def held(command: Command, worker_id: str) -> str:
+        return "d-" + str(tokens[worker_id])
+
+    for late, passes in (([1, 2], True), ([1, 3], False)):
+        tokens["w02"] = late
+        sim = Sim(3, probe=probe, digest=held)
+        sim.start(Strategy(canary=2, pause="manual", probe=ProbeGate(prompt="p", max_tokens=2)))
+        sim.run(sim.in_phase(PHASE.PAUSED))
+        assert [(g.gate, g.value) for g in sim.current().gates] == [
+            ("health", None),
+            ("agreement", "d-[1, 2]"),
+            ("probe", "[1, 2]"),
+        ]
+        sim.probes.clear()  # the canary's acks are gone from the log
+        sim.digests.clear()
+        sim.act(ActionKind.PROMOTE, wave=0)
+        sim.run(sim.ended())
+        state = sim.current()
+        if passes:
+            assert state.phase is PHASE.SUCCEEDED, state.message
+        else:
+            assert state.phase is PHASE.ROLLED_BACK and state.code == "GATE_FAILED"
+            # the digest differs first: w02 holds other weights than the earlier waves
+            assert "earlier waves" in state.message and "w02" in state.message, state.message
+
+
 def test_a_runner_that_cannot_probe_fails_the_probe_gate() -> None:
     sim = Sim(2, probe=lambda c, w: {"unsupported": True})
     sim.start(Strategy(probe=ProbeGate(prompt="p")))
