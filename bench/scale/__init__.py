@@ -32,3 +32,6 @@ so. The table shows each figure next to the issue's target and a verdict per tar
 """
 
 from __future__ import annotations
+
+#: Every synthetic worker heartbeats once per period (as the agents do by default).
+HEARTBEAT_PERIOD_S = 3.0

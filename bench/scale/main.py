@@ -14,9 +14,10 @@ from typing import Any
 
 import bench.scale as package
 from bench.common import Broker, argument_parser, envelope, mode_of, quiet_logging, run_on_broker
+from bench.scale import HEARTBEAT_PERIOD_S
 from bench.scale.fleet import generator_host
 from bench.scale.report import derive, report, targets
-from bench.scale.scenario import HEARTBEAT_PERIOD_S, Scenario
+from bench.scale.scenario import Scenario
 
 #: mode -> (N, R, samples per endpoint, seconds per endpoint, cap per command)
 MODES = {

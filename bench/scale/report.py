@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import fmt, ratio, table
+from bench.scale import HEARTBEAT_PERIOD_S
 
 MB = 2**20
 #: The issue's targets, at 10,000 workers and 100 past rollouts.
@@ -142,7 +143,10 @@ def rows(levels: list[dict[str, Any]]) -> list[list[Any]]:
         b = lv["api"]["burst"]
         if "visible_s" not in b:
             return f"{b.get('error')}"
-        return f"{b['visible_s']:.2f} s ({b['acks']} acks produced in {b['produce_s']:.2f} s)"
+        return (
+            f"{b['visible_s']:.2f} s after the last ack ({b['acks']} acks produced in "
+            f"{b['produce_s']:.2f} s; {b['from_first_ack_s']:.2f} s from the first)"
+        )
 
     def false_verdicts(lv: dict[str, Any]) -> str:
         w = lv["api"]["watcher"]
@@ -158,7 +162,11 @@ def rows(levels: list[dict[str, Any]]) -> list[list[Any]]:
 
     def generator(lv: dict[str, Any]) -> str:
         g = lv["generator"]
-        return f"{g['sent']} sent, at most {g['behind_max']} late, {g['cpu_s']:.0f} CPU s"
+        late_s = g["behind_max"] / lv["n"] * HEARTBEAT_PERIOD_S
+        return (
+            f"{g['sent']} heartbeats, at most {g['behind_max']} late ({late_s:.1f} s behind), "
+            f"{g['cpu_s']:.0f} CPU s"
+        )
 
     def floor(lv: dict[str, Any]) -> str:
         f = lv["floor"]

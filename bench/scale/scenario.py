@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from bench.common import Child
+from bench.scale import HEARTBEAT_PERIOD_S
 from bench.scale.fleet import Rollouts, kafka_settings, produce_history
 from bench.scale.probe import (
     Coordinator,
@@ -38,8 +39,6 @@ from bench.scale.probe import (
     summary_endpoints,
     timed_get,
 )
-
-HEARTBEAT_PERIOD_S = 3.0
 
 
 class Scenario:
@@ -231,10 +230,12 @@ class Scenario:
             except (httpx.HTTPError, ValueError):
                 phase = None
             if phase == "succeeded":
+                seen = time.perf_counter()
                 return {
                     "acks": len(acks),
                     "produce_s": produced - t0,
-                    "visible_s": time.perf_counter() - produced,
+                    "visible_s": seen - produced,
+                    "from_first_ack_s": seen - t0,
                     "polls": polls,
                 }
             await asyncio.sleep(0.02)
