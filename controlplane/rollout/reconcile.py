@@ -50,7 +50,14 @@ def _should_run(target: Target, active: Rollout | None, worker_id: str) -> Desir
         if worker_id in wave:
             if index < state.wave:
                 return applied(stable, active.spec.desired)
-            return None if index == state.wave else stable
+            if index > state.wave:
+                return stable
+            # The wave in progress: its batches are the rollout's to hand out; once every one
+            # is over, its workers run the change (one restarted from an old journal while its
+            # wave waits to be healthy gets it back, rather than hold the wave to its deadline).
+            if state.batch < len(batches(wave, active.spec.strategy.max_unavailable)):
+                return None
+            return applied(stable, active.spec.desired)
     return stable
 
 

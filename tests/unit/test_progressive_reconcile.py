@@ -88,12 +88,15 @@ def test_should_run_follows_the_waves() -> None:
     target = sim.control.target("llama")
     assert target is not None
     assert should_run(sim.control, target, "w04") == V1
+    sim.decide()  # the canary's batch is handed out: the rollout's to finish
+    assert should_run(sim.control, target, "w00") is None
     sim.run(sim.in_phase(PHASE.PAUSED))
-    assert should_run(sim.control, target, "w00") is None  # in the wave being judged
+    # its wave's batches are over: it runs the change (a restart from an old journal gets it back)
+    assert should_run(sim.control, target, "w00") == V2
     sim.act(ActionKind.PROMOTE)
     sim.decide()
     assert should_run(sim.control, target, "w00") == V2
-    assert should_run(sim.control, target, "w01") is None
+    assert should_run(sim.control, target, "w01") is None  # its batch is out
     assert should_run(sim.control, target, "w04") == V1
     assert should_run(sim.control, target, "new") == V1
 
@@ -125,3 +128,24 @@ def test_a_worker_that_failed_in_a_rollout_is_left_alone_until_it_ends() -> None
     (sync,) = sim.decide().commands
     assert sync.selector.worker_ids == ["w01"]
     assert sync.spec == ReloadWeightsSpec(path="/ckpt/v2", version="v2")
+
+
+def test_a_worker_restarted_on_the_old_version_while_its_wave_waits_to_be_healthy_gets_it_back() -> (
+    None
+):
+    """Its batch acked, the canary restarts from an older journal (v1) before its wave is seen
+    healthy: the reconciler gives it the rollout's version back, so the wave passes instead of
+    waiting for its progress deadline."""
+    sim = Sim(3)
+    sim.start(Strategy(canary=1, progress_deadline_s=60))
+    sim.decide()
+    assert sim.receivers(sim.published()) == ["w00"]
+    sim.tick()  # w00 acks: succeeded, on v2
+    sim.restart("w00", version="v1")
+    sim.beat()
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.phase is ControlPhase.SUCCEEDED, state.message
+    syncs = [c for c in sim.published("sync-")]
+    assert [(c.selector.worker_ids, c.spec.version) for c in syncs] == [(["w00"], "v2")]  # type: ignore[union-attr]
+    assert sim.versions() == {"w00": "v2", "w01": "v2", "w02": "v2"}
