@@ -13,15 +13,21 @@ Catching up and being current are defined by the consumer's positions, never by 
 seen: a partition emptied by retention (log start == end > 0), or whose last offset is a
 transaction marker, has no record at ``end - 1`` to read, but the consumer's position still
 reaches ``end``. :meth:`Follower.current_as_of` is the time up to which the reader knows it has
-folded everything: the time the last fetch was sent, for every partition whose position has
-reached the end that fetch returned. It stops advancing while Kafka is unreachable (and while
-the reader lags), so liveness judged at that time never counts a silence it could not hear.
+folded everything (the rule, :class:`PartitionClock`): per partition, the latest T such that
+its position has reached an end the partition had at T (the end offsets sampled when it
+started, or the end a fetch sent at T returned), or, on the workers partition, the broker's
+append time of the last record read there (one partition, read in order: every record appended
+before it has been read); the oldest of the partitions. It never passes what the reader has
+read: while Kafka is unreachable it stands still, and while the reader lags (a long replay, a
+loop blocked by other work) it is the time its backlog starts at, never the clock, so liveness
+judged at it never counts a silence the reader could not hear, nor its own lateness.
 
 A reader that also writes (``probe=True``: the coordinator, ``--wait``, ``status``) knows more:
 it appends a small probe record to the workers topic every ``probe_interval_s`` and reads it
 back. A record read from the workers partition with broker append time T proves that every
 heartbeat appended before T has been read too (one partition, read in order), so with probes
-:meth:`Follower.current_as_of` is also never later than the latest such T. When Kafka accepts
+the workers partition is current only by such T (and the send time of its own probes read
+back), never by an end offset: an end says nothing of writes Kafka holds back. When Kafka accepts
 no writes, or holds them back (a broker died and the in-sync replicas still list it, until it
 is fenced: ``acks=all`` writes wait on every partition it replicated; or fewer in-sync
 replicas than ``min.insync.replicas``), heartbeats stop arriving though every fetch answers:
@@ -102,6 +108,55 @@ class Batch:
         )
 
 
+@dataclass(slots=True)
+class PartitionClock:
+    """Up to when one reader has read everything appended to one partition (Unix seconds).
+
+    Two kinds of evidence, each a lower bound; the latest counts:
+
+    - an end reached: at time T the partition ended at offset E (the end offsets sampled when
+      the reader started, or the end a fetch sent at T returned), and the reader's position
+      has reached E: everything appended before T has been read (:meth:`reached`);
+    - an append read: a record whose broker append time is T (``LogAppendTime``, or the send
+      time of the reader's own probe, appended after it was sent) has been read: every record
+      appended before it lies before it in the partition (:meth:`appended`).
+
+    Pure: the times come in; no clock.
+    """
+
+    by_end: float | None = None
+    by_append: float | None = None
+
+    def reached(self, at: float | None, end: int | None, position: int | None) -> None:
+        """Note that the partition ended at ``end`` at time ``at``; counts once ``position``
+        has reached it."""
+        if at is None or end is None or position is None or position < end:
+            return
+        if self.by_end is None or at > self.by_end:
+            self.by_end = at
+
+    def appended(self, at: float) -> None:
+        """Note that a record appended at ``at`` has been read."""
+        if self.by_append is None or at > self.by_append:
+            self.by_append = at
+
+    def as_of(self, *, ends_count: bool = True) -> float | None:
+        """The latest evidence; ``ends_count=False``: appends only (a prober's workers
+        partition, where an end says nothing of writes Kafka holds back), unless none is known
+        (a topic without append times whose probe has not come back): then the ends."""
+        if not ends_count and self.by_append is not None:
+            return self.by_append
+        known = [at for at in (self.by_end, self.by_append) if at is not None]
+        return max(known) if known else None
+
+
+def view_as_of(partitions: Sequence[float | None]) -> float | None:
+    """A view of several partitions is current as of the oldest of them (None: one unknown)."""
+    if not partitions or any(at is None for at in partitions):
+        return None
+    return min(at for at in partitions if at is not None)
+
+
 Listener = Callable[[Batch], None]
 AckDecoder = Callable[[bytes], AckLike]
 _topic_partition = attrgetter("topic", "partition")
@@ -135,9 +190,6 @@ class Follower(AsyncService):
         #: Probes this reader wrote and read back (diagnostics, tests).
         self.probes_sent = 0
         self.probes_read = 0
-        #: Unix time up to which the workers partition is known read: the latest broker append
-        #: time read there, or the send time of this reader's own probe read back.
-        self._written_until: float | None = None
         self._probe_task: asyncio.Task[None] | None = None
         self.fleet = fleet if fleet is not None else Fleet()
         self.topics = settings.topics
@@ -151,8 +203,11 @@ class Follower(AsyncService):
         self._consumer = Consumer(settings, max_partition_fetch_bytes=4 * 1024 * 1024)
         #: The end offset of each partition when we started: caught up when positions reach them.
         self._targets: dict[tuple[str, int], int] = {}
-        #: Per partition, the time (``time.time()``) up to which everything in it was folded.
-        self._current: dict[tuple[str, int], float] = {}
+        #: When those end offsets were asked for (``time.time()``, just before).
+        self._targets_at: float | None = None
+        #: Per partition, up to when everything in it was folded (see :class:`PartitionClock`).
+        self._clocks: dict[tuple[str, int], PartitionClock] = {}
+        self._workers_topic = HEARTBEATS.topic(self.topics)
         #: Per partition, the offset after the last record folded (diagnostics; catching up
         #: goes by the consumer's positions, which also pass markers and deleted records).
         self._positions: dict[tuple[str, int], int] = {}
@@ -191,6 +246,7 @@ class Follower(AsyncService):
         names = list(self._decoders)
         await self._consumer.assign_many(names)
         await self._consumer.seek_to_beginning()
+        self._targets_at = time.time()
         for name in names:
             for partition, end in (await self._consumer.end_offsets(name)).items():
                 self._targets[(name, partition)] = end
@@ -286,6 +342,7 @@ class Follower(AsyncService):
         with collector_paused():  # the fold makes no cycles; see kafka.client.collector_paused
             for topic, partition, records in fetched:
                 self._fold_partition(batch, topic, partition, records, now)
+        self._note_reached()
         if not self.caught_up.is_set() and self._reached_targets():
             self.caught_up.set()
             self._resume_collector()
@@ -313,6 +370,15 @@ class Follower(AsyncService):
             if end > 0 and (p is None or p.position is None or p.position < end):
                 return False
         return True
+
+    def behind(self) -> bool:
+        """Whether the reader lags: some partition's position is short of the end its last
+        answered fetch returned (records wait to be folded; :meth:`current_as_of` is then the
+        time its backlog starts at, not the time of that fetch)."""
+        for p in self._consumer.progress().values():
+            if p.position is not None and p.end is not None and p.position < p.end:
+                return True
+        return False
 
     async def wait_reached(self, ends: dict[tuple[str, int], int]) -> None:
         """Wait until :meth:`reached` (someone else polls: the coordinator's loop)."""
@@ -343,7 +409,7 @@ class Follower(AsyncService):
         append = folded.append
         heartbeats = kind == "heartbeats"
         if heartbeats:
-            self._note_written(records)
+            self._note_written(records, now)
         for record in records:
             value = record.value
             if value is None:  # a tombstone on the compacted workers topic
@@ -397,9 +463,17 @@ class Follower(AsyncService):
             return None
         return datetime.fromtimestamp(now, UTC)
 
-    def _note_written(self, records: list[Record]) -> None:
-        """Advance the workers partition's known-read time (see ``_written_until``)."""
-        latest = self._written_until
+    def _clock(self, key: tuple[str, int]) -> PartitionClock:
+        clock = self._clocks.get(key)
+        if clock is None:
+            clock = self._clocks[key] = PartitionClock()
+        return clock
+
+    def _note_written(self, records: list[Record], now: float | None = None) -> None:
+        """Advance the workers partition's clock by the appends read there: broker append
+        times (capped at ``now``, the reader's clock, as ``received_at`` is) and the send
+        times of this reader's own probes."""
+        latest: float | None = None
         for record in records:
             at: float | None = None
             if record.key == PROBE_KEY and record.value is not None:
@@ -408,14 +482,33 @@ class Follower(AsyncService):
                     self.probes_read += 1
             if record.timestamp_type == LOG_APPEND_TIME and record.timestamp_ms >= 0:
                 at = record.timestamp_ms / 1000
+                if now is not None:
+                    at = min(at, now)
             if at is not None and (latest is None or at > latest):
                 latest = at
-        self._written_until = latest
+        if latest is not None:
+            self._clock((records[0].topic, records[0].partition)).appended(latest)
+
+    def _note_reached(self) -> None:
+        """Advance every partition's clock by the ends its position has reached: the end
+        offsets sampled at start, and the end of the last fetch answered. Called after each
+        poll's fold, before anything else runs (aiokafka fetches ahead in the background: a
+        later answer, whose records are not handed out yet, would hide this one)."""
+        progress = self._consumer.progress()
+        for key, target in self._targets.items():
+            clock = self._clock(key)
+            p = progress.get(key)
+            if p is None:
+                continue
+            clock.reached(self._targets_at, target, p.position)
+            clock.reached(p.fetched_at, p.end, p.position)
 
     def written_as_of(self) -> float | None:
         """Unix time up to which the workers partition is known read: the latest append read
         there (a broker append time, or the send time of this reader's own probe)."""
-        return self._written_until
+        keys = {k for k in self._targets if k[0] == self._workers_topic}
+        keys |= {k for k in self._clocks if k[0] == self._workers_topic}
+        return view_as_of([self._clock(k).by_append for k in sorted(keys)])
 
     def _own_probe_sent_at(self, value: bytes) -> float | None:
         """When this reader sent the probe ``value`` (None: another reader's, or not one)."""
@@ -430,43 +523,34 @@ class Follower(AsyncService):
     def current_as_of(self) -> datetime | None:
         """The time up to which this reader knows it has folded everything in the log: None
         before it caught up. Judge liveness at this time, never later: a reader cut off from
-        Kafka (or lagging behind it) knows nothing about workers since.
+        Kafka, or lagging behind it, knows nothing about workers since.
 
-        Per partition, the time the last answered fetch was sent, once the position has reached
-        the end that fetch reported; the oldest of them. It stops advancing while Kafka is
-        unreachable. With probes, also never later than the workers partition is known read
-        (the latest broker append time read there): it stops advancing while Kafka holds
-        writes back."""
-        as_of = self.fetched_as_of()
-        if as_of is None or not self.probe:
-            return as_of
-        written = self.written_as_of()
-        if written is None:
-            return None
-        return min(as_of, datetime.fromtimestamp(written, UTC))
-
-    def fetched_as_of(self) -> datetime | None:
-        """:meth:`current_as_of` by the consumer's fetches alone."""
+        Per partition, :class:`PartitionClock`: the latest T whose end its position has
+        reached (the end offsets sampled at start; the end the last answered fetch, sent at
+        T, returned), or the latest append read there; the oldest of the partitions (see the
+        module's docstring). It stops advancing while Kafka is unreachable. With probes, the
+        workers partition counts only by the appends read there (the latest broker append
+        time, or this reader's own probe): it stops advancing while Kafka holds writes back."""
         if not self.caught_up.is_set():
             return None
-        progress = self._consumer.progress()
-        oldest: float | None = None
-        for key in self._targets:
-            p = progress.get(key)
-            if (
-                p is not None
-                and p.position is not None
-                and p.end is not None
-                and p.fetched_at is not None
-                and p.position >= p.end
-                and p.fetched_at > self._current.get(key, 0.0)
-            ):
-                self._current[key] = p.fetched_at
-            at = self._current.get(key)
-            if at is None:
-                return None
-            oldest = at if oldest is None else min(oldest, at)
-        return None if oldest is None else datetime.fromtimestamp(oldest, UTC)
+        self._note_reached()
+        return _datetime(
+            view_as_of(
+                [
+                    self._clock(key).as_of(
+                        ends_count=not (self.probe and key[0] == self._workers_topic)
+                    )
+                    for key in sorted(self._targets)
+                ]
+            )
+        )
+
+    def fetched_as_of(self) -> datetime | None:
+        """:meth:`current_as_of` by the ends reached alone (sampled at start, or fetched)."""
+        if not self.caught_up.is_set():
+            return None
+        self._note_reached()
+        return _datetime(view_as_of([self._clock(key).by_end for key in sorted(self._targets)]))
 
     def unreachable_since(self) -> datetime | None:
         """When Kafka stopped answering this process (None: it answers)."""
@@ -483,3 +567,7 @@ class Follower(AsyncService):
             if p is None or p.position is None or p.position < end:
                 return False
         return True
+
+
+def _datetime(at: float | None) -> datetime | None:
+    return None if at is None else datetime.fromtimestamp(at, UTC)
