@@ -1,8 +1,9 @@
 """How the CLI reads the log: catch up, wait for an unconfirmed publish, follow a rollout.
 
-``--wait``, ``status`` and ``workers`` judge at the follower's ``current_as_of()``: the time up
-to which it has read everything. During a Kafka outage that time stands still, so no worker is
-judged lost for a silence the reader could not hear; the outage is said once, each way.
+``--wait``, ``status``, ``workers`` and a publish resolving its selector judge at the follower's
+``current_as_of()``: the time up to which it has read everything, never the clock at the end of
+a long replay. During a Kafka outage that time stands still, so no worker is judged lost for a
+silence the reader could not hear; the outage is said once, each way.
 """
 
 from __future__ import annotations
@@ -124,8 +125,9 @@ async def read_log(settings: KafkaSettings) -> AsyncIterator[tuple[Follower, dat
 
 
 def judge_time(follower: Follower) -> datetime:
-    """The time to judge at: what the reader knows to be current (the wall clock only in the
-    moment after catching up when no fetch has vouched for every partition yet)."""
+    """The time to judge at: when the reader's view of the log was current
+    (:meth:`Follower.current_as_of`), however long its replay took. A reader that has caught
+    up always has one; the clock only answers for one that has not (nothing is judged then)."""
     return follower.current_as_of() or utcnow()
 
 
