@@ -49,14 +49,14 @@ from controlplane.api.models import (
 from controlplane.coordinator.publisher import new_id
 from controlplane.coordinator.service import RESYNC, Coordinator
 from controlplane.rollout.desired import TargetStatus, summary, target_status, targets_status
-from controlplane.rollout.targets import ControlState, Rollout, Target
+from controlplane.rollout.targets import Rollout
 from controlplane.wire.control import (
     ActionKind,
     RolloutAction,
     RolloutSpec,
     TargetSpec,
 )
-from controlplane.wire.errors import BusError, ControlPlaneError, LocalCode, WireCode
+from controlplane.wire.errors import BusError, LocalCode, WireCode
 from controlplane.wire.messages import WireModel
 
 log = logging.getLogger(__name__)
@@ -110,25 +110,6 @@ _WRITE_ERRORS: Final = {
 
 
 # --------------------------------------------------------------------------- the checks
-
-
-def _target(control: ControlState, name: str) -> Target:
-    target = control.target(name)
-    if target is None:
-        raise ControlPlaneError(
-            f"no target {name!r}; create it with PUT {TARGETS}/{name}",
-            code=LocalCode.TARGET_UNKNOWN,
-        )
-    return target
-
-
-def _rollout(control: ControlState, rollout_id: str) -> Rollout:
-    rollout = control.rollout(rollout_id)
-    if rollout is None:
-        raise ControlPlaneError(
-            f"no progressive rollout {rollout_id!r} in the log", code=LocalCode.ROLLOUT_UNKNOWN
-        )
-    return rollout
 
 
 def _record(model: type[Record], **fields: Any) -> Record:
@@ -230,7 +211,7 @@ def progressive_router(
         dependencies=reads,
     )
     async def get_target(name: str) -> TargetDetail:
-        target = _target(control, name)
+        target = control.known_target(name, create=f"PUT {TARGETS}/{name}")
         status = target_status(control, coordinator.fleet, target, now())
         return TargetDetail(
             **dict(status),
@@ -324,7 +305,7 @@ def progressive_router(
     async def undo(name: str, request: Request) -> JSONResponse:
         raw = await request.body()
         body = parse_body(UNDO_REQUEST, raw or b"{}", "undo request")
-        change, undo_of = _target(control, name).undo()
+        change, undo_of = control.known_target(name, create=f"PUT {TARGETS}/{name}").undo()
         spec = _record(
             RolloutSpec,
             rollout_id=body.rollout_id or new_id("undo"),
@@ -357,7 +338,7 @@ def progressive_router(
         dependencies=reads,
     )
     async def get_rollout(rollout_id: str) -> ProgressiveRolloutOut:
-        return rollout_out(_rollout(control, rollout_id))
+        return rollout_out(control.known_rollout(rollout_id))
 
     def act(kind: ActionKind) -> Callable[..., Any]:
         adapter: TypeAdapter[ActionRequest] = (
@@ -367,13 +348,7 @@ def progressive_router(
         async def handler(rollout_id: str, request: Request) -> JSONResponse:
             raw = await request.body()
             body = parse_body(adapter, raw or b"{}", f"{kind.value} request")
-            rollout = _rollout(control, rollout_id)
-            if rollout.ended:
-                phase = rollout.phase.value if rollout.phase else "ended"
-                raise ControlPlaneError(
-                    f"rollout {rollout_id} has ended ({phase}): nothing to {kind.value}",
-                    code=LocalCode.ROLLOUT_ENDED,
-                )
+            rollout = control.actionable(rollout_id, kind.value)
             action_id = body.action_id or f"{kind.value}-{uuid.uuid4().hex[:12]}"
             record = _record(
                 RolloutAction,
@@ -454,7 +429,7 @@ def progressive_router(
     ) -> EventSourceResponse:
         if control.rollout(rollout_id) is None and wait_s > 0:
             await _wait_for(coordinator, lambda: control.rollout(rollout_id) is not None, wait_s)
-        _rollout(control, rollout_id)
+        control.known_rollout(rollout_id)
         return EventSourceResponse(
             rollout_events_of(coordinator, rollout_id, closing, sse_tick_s), ping=sse_ping_s
         )

@@ -34,7 +34,7 @@ from controlplane.coordinator.follower import Follower
 from controlplane.coordinator.publisher import publish_control
 from controlplane.kafka.settings import DEFAULT_BOOTSTRAP, KafkaSettings
 from controlplane.rollout.desired import TargetStatus, summary, target_status, targets_status
-from controlplane.rollout.targets import ControlState, Rollout, Target
+from controlplane.rollout.targets import ControlState, Rollout
 from controlplane.wire.control import (
     ActionKind,
     Desired,
@@ -148,24 +148,8 @@ def _control(follower: Follower) -> ControlState:
     return follower.control
 
 
-def _rollout(control: ControlState, rollout_id: str) -> Rollout:
-    rollout = control.rollout(rollout_id)
-    if rollout is None:
-        raise ControlPlaneError(
-            f"no progressive rollout {rollout_id!r} in the log; see `controlplane rollout status`",
-            code=LocalCode.ROLLOUT_UNKNOWN,
-        )
-    return rollout
-
-
-def _target(control: ControlState, name: str) -> Target:
-    target = control.target(name)
-    if target is None:
-        raise ControlPlaneError(
-            f"no target {name!r}; create it with `controlplane targets set {name} --selector k=v`",
-            code=LocalCode.TARGET_UNKNOWN,
-        )
-    return target
+_LOOK = "; see `controlplane rollout status`"
+_CREATE = "`controlplane targets set {name} --selector k=v`"
 
 
 # ------------------------------------------------------------------ targets
@@ -493,7 +477,7 @@ def status(
                 else:
                     console().print(history_table("progressive rollouts", rows))
                 return Exit.OK
-            rollout = _rollout(control, rollout_id)
+            rollout = control.known_rollout(rollout_id, hint=_LOOK)
             if wait:
                 return await _follow(follower, rollout_id, wait_timeout, as_json)
             if rollout.ended:
@@ -537,14 +521,7 @@ def _act(
     async def go() -> int:
         settings = kafka_settings(bootstrap, prefix)
         async with read_control(settings) as (follower, _):
-            rollout = _rollout(_control(follower), rollout_id)
-            if rollout.ended:
-                assert rollout.state is not None
-                raise ControlPlaneError(
-                    f"rollout {rollout_id} has ended ({rollout.state.phase.value}): "
-                    f"nothing to {action.value}",
-                    code=LocalCode.ROLLOUT_ENDED,
-                )
+            rollout = _control(follower).actionable(rollout_id, action.value, hint=_LOOK)
             record = RolloutAction(
                 rollout_id=rollout_id,
                 action_id=f"{action.value}-{uuid.uuid4().hex[:12]}",
@@ -565,34 +542,28 @@ def _act(
 RolloutIdArg = Annotated[str, typer.Argument(help="The rollout id.")]
 
 
-@rollout_app.command("pause")
-def pause_(
-    rollout_id: RolloutIdArg,
-    bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
-    prefix: PrefixOpt = "fleet",
-) -> None:
-    """Hold the rollout before its next batch (commands handed out finish)."""
-    _act(rollout_id, ActionKind.PAUSE, bootstrap, prefix)
+#: The operator's actions that take nothing but the rollout: command name, help.
+_SIMPLE_ACTIONS: Final = {
+    ActionKind.PAUSE: "Hold the rollout before its next batch (commands handed out finish).",
+    ActionKind.RESUME: "Release an operator's pause.",
+    ActionKind.PROMOTE: "Start the next wave of a rollout waiting at a manual pause.",
+}
 
 
-@rollout_app.command("resume")
-def resume(
-    rollout_id: RolloutIdArg,
-    bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
-    prefix: PrefixOpt = "fleet",
-) -> None:
-    """Release an operator's pause."""
-    _act(rollout_id, ActionKind.RESUME, bootstrap, prefix)
+def _simple_action(action: ActionKind, help_: str) -> None:
+    def command(
+        rollout_id: RolloutIdArg,
+        bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
+        prefix: PrefixOpt = "fleet",
+    ) -> None:
+        _act(rollout_id, action, bootstrap, prefix)
+
+    command.__doc__ = help_
+    rollout_app.command(action.value)(command)
 
 
-@rollout_app.command("promote")
-def promote(
-    rollout_id: RolloutIdArg,
-    bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
-    prefix: PrefixOpt = "fleet",
-) -> None:
-    """Start the next wave of a rollout waiting at a manual pause."""
-    _act(rollout_id, ActionKind.PROMOTE, bootstrap, prefix)
+for _action, _help in _SIMPLE_ACTIONS.items():
+    _simple_action(_action, _help)
 
 
 @rollout_app.command("abort")
@@ -631,7 +602,9 @@ def undo(
     async def go() -> int:
         settings = kafka_settings(bootstrap, prefix)
         async with read_control(settings) as (follower, _):
-            change, undo_of = _target(_control(follower), target).undo()
+            change, undo_of = (
+                _control(follower).known_target(target, create=_CREATE.format(name=target)).undo()
+            )
         spec = RolloutSpec(
             rollout_id=f"undo-{datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}",
             target=target,
@@ -657,7 +630,7 @@ def history(
     async def go() -> int:
         async with read_control(kafka_settings(bootstrap, prefix)) as (follower, _):
             control = _control(follower)
-            found = _target(control, target)
+            found = control.known_target(target, create=_CREATE.format(name=target))
             rows = control.rollouts(target)
         if as_json:
             body = {

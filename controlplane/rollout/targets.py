@@ -240,6 +240,36 @@ class ControlState:
     def rollout(self, rollout_id: str) -> Rollout | None:
         return self._rollouts.get(rollout_id)
 
+    def known_target(self, name: str, *, create: str) -> Target:
+        """The target ``name``, or TARGET_UNKNOWN saying how to ``create`` it."""
+        target = self._targets.get(name)
+        if target is None:
+            raise ControlPlaneError(
+                f"no target {name!r}; create it with {create}", code=LocalCode.TARGET_UNKNOWN
+            )
+        return target
+
+    def known_rollout(self, rollout_id: str, *, hint: str = "") -> Rollout:
+        """The progressive rollout ``rollout_id``, or ROLLOUT_UNKNOWN (``hint``: where to look)."""
+        rollout = self._rollouts.get(rollout_id)
+        if rollout is None:
+            raise ControlPlaneError(
+                f"no progressive rollout {rollout_id!r} in the log{hint}",
+                code=LocalCode.ROLLOUT_UNKNOWN,
+            )
+        return rollout
+
+    def actionable(self, rollout_id: str, action: str, *, hint: str = "") -> Rollout:
+        """The rollout an operator's ``action`` is for: known, and not ended (ROLLOUT_ENDED)."""
+        rollout = self.known_rollout(rollout_id, hint=hint)
+        if rollout.ended:
+            phase = rollout.phase.value if rollout.phase else "ended"
+            raise ControlPlaneError(
+                f"rollout {rollout_id} has ended ({phase}): nothing to {action}",
+                code=LocalCode.ROLLOUT_ENDED,
+            )
+        return rollout
+
     def rollouts(self, target: str | None = None) -> list[Rollout]:
         """In log order; of one target when ``target`` is given."""
         every = sorted(self._rollouts.values(), key=lambda r: r.seq)
