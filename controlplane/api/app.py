@@ -9,13 +9,15 @@ Models live in models.py, serving in server.py. No signals, no process settings.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import hmac
 import importlib.resources
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from typing import Annotated, Any, Final
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from datetime import datetime
+from typing import Annotated, Any, Final, TypeVar
 
 from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from controlplane.api.models import (
     API,
+    PAGE_DEFAULT,
+    PAGE_MAX,
     ROLLOUT_REQUEST,
     ApiError,
     ApiErrorCode,
@@ -33,9 +37,14 @@ from controlplane.api.models import (
     ErrorBody,
     Health,
     RolloutCreated,
+    RolloutOut,
+    RolloutWorker,
     WorkerOut,
+    decode_cursor,
+    encode_cursor,
     error_response,
     from_domain,
+    parse_label_selector,
     parse_rollout_request,
     validation_details,
 )
@@ -43,16 +52,41 @@ from controlplane.api.progressive import BODIES, progressive_router
 from controlplane.coordinator.metrics import CONTENT_TYPE, CoordinatorMetrics
 from controlplane.coordinator.publisher import PublishUnconfirmed
 from controlplane.coordinator.service import RESYNC, Coordinator
+from controlplane.coordinator.summary import (
+    Budget,
+    Desire,
+    FleetSummary,
+    Levels,
+    RolloutOverview,
+    Summaries,
+    Want,
+    in_sync_with,
+)
 from controlplane.kafka.bus import Delivery
-from controlplane.rollout.desired import Alignment, targets_status
-from controlplane.rollout.models import RolloutPhase, RolloutStatus
+from controlplane.rollout.models import RolloutPhase, RolloutStatus, WorkerDetail, WorkerState
+from controlplane.rollout.registry import Registry, WorkerView, is_alive
 from controlplane.wire.errors import BusError, ControlPlaneError, LocalCode
+from controlplane.wire.protocol import WorkerStatus
 
 log = logging.getLogger(__name__)
 
 #: How often an SSE stream re-judges its rollout without news (deadlines pass, workers go silent).
 SSE_TICK_S: Final = 1.0
 SSE_PING_S: Final = 15.0
+
+PageSize = Annotated[
+    int,
+    Query(
+        ge=1, le=PAGE_MAX, description=f"Page size (default {PAGE_DEFAULT}, at most {PAGE_MAX})."
+    ),
+]
+Cursor = Annotated[
+    str | None,
+    Query(
+        description="Where the page starts: the cursor in the previous page's `Link: <...>; "
+        'rel="next"` header (opaque).'
+    ),
+]
 
 
 # --------------------------------------------------------------------------- the app
@@ -77,6 +111,7 @@ def create_app(
                 coordinator.follower.records,
             )
         metrics = CoordinatorMetrics(coordinator)
+    summaries = metrics.summaries
     app = FastAPI(
         title="Fleet control plane: coordinator",
         version="1",
@@ -88,6 +123,7 @@ def create_app(
     )
     app.state.coordinator = coordinator
     app.state.metrics = metrics
+    app.state.summaries = summaries
     app.state.closing = asyncio.Event()
     closing: asyncio.Event = app.state.closing
     dashboard = importlib.resources.files("controlplane.api").joinpath("static", "dashboard.html")
@@ -162,13 +198,16 @@ def create_app(
         503: {"model": ErrorBody},
     }
 
-    def status_or_404(rollout_id: str) -> RolloutStatus:
+    def no_rollout(rollout_id: str) -> ApiError:
+        return ApiError(
+            404, ApiErrorCode.ROLLOUT_NOT_FOUND, f"no rollout {rollout_id!r} in the log"
+        )
+
+    async def status_or_404(rollout_id: str, want: Want = Want.FRESH) -> RolloutStatus:
         try:
-            return coordinator.fleet.status(rollout_id, coordinator.now())
+            return await summaries.status(rollout_id, want=want)
         except KeyError:
-            raise ApiError(
-                404, ApiErrorCode.ROLLOUT_NOT_FOUND, f"no rollout {rollout_id!r} in the log"
-            ) from None
+            raise no_rollout(rollout_id) from None
 
     # ------------------------------------------------------------------ health
 
@@ -194,36 +233,126 @@ def create_app(
     # ------------------------------------------------------------------ rollouts
 
     @app.get(
+        f"{API}/summary",
+        summary="The fleet in counts: workers by status, version and config digest, alive and "
+        "lost; rollouts by phase",
+        responses={503: {"model": ErrorBody}},
+        dependencies=ready,
+    )
+    async def fleet_summary() -> FleetSummary:
+        await summaries.prepare()
+        return summaries.fleet()
+
+    @app.get(
         f"{API}/rollouts",
-        summary="Rollouts, newest first",
+        summary="Rollouts, newest first, in counts (no per-worker lists); paginated",
+        description=(
+            "Each item is the rollout's overview: its status without `workers`, `unexpected` "
+            "and the selector's `worker_ids`. The next page, if any, is in the `Link` header "
+            '(`rel="next"`).'
+        ),
         responses={503: {"model": ErrorBody}},
         dependencies=ready,
     )
     async def list_rollouts(
+        request: Request,
+        response: Response,
         phase: Annotated[
             list[RolloutPhase] | None, Query(description="Only these phases (repeatable).")
         ] = None,
-        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    ) -> list[RolloutStatus]:
-        fleet, now = coordinator.fleet, coordinator.now()
+        limit: Annotated[int, Query(ge=1, le=1000, description="Page size.")] = 100,
+        cursor: Cursor = None,
+    ) -> list[RolloutOverview]:
         wanted = set(phase) if phase else None
-        out: list[RolloutStatus] = []
-        for _, rollout_id in reversed(fleet.rollout_keys()):  # judged lazily: as the page needs
-            status = fleet.status(rollout_id, now)
-            if wanted is None or status.phase in wanted:
-                out.append(status)
-                if len(out) >= limit:
-                    break
+        keys = coordinator.fleet.rollout_keys()  # oldest first
+        end = len(keys)
+        if cursor is not None:
+            issued, rollout_id = decode_cursor(cursor, 2)
+            end = bisect.bisect_left(keys, (_parse_time(issued), rollout_id))
+        summaries.check_compaction()
+        budget = Budget()
+        out: list[RolloutOverview] = []
+        for index in range(end - 1, -1, -1):  # judged lazily: as the page needs
+            rollout_id = keys[index][1]
+            overview = await summaries.overview(rollout_id, budget=budget, checked=True)
+            if wanted is not None and overview.phase not in wanted:
+                continue
+            if len(out) == limit:
+                last = out[-1]
+                _link_next(request, response, last.issued_at.isoformat(), last.rollout_id)
+                break
+            out.append(overview)
         return out
 
     @app.get(
         f"{API}/rollouts/{{rollout_id}}",
-        summary="One rollout's status",
+        summary="One rollout's status; its workers by id, the first `workers_limit` of them",
         responses=not_found,
         dependencies=ready,
     )
-    async def get_rollout(rollout_id: str) -> RolloutStatus:
-        return status_or_404(rollout_id)
+    async def get_rollout(
+        rollout_id: str,
+        workers_limit: Annotated[
+            int,
+            Query(
+                ge=0,
+                le=PAGE_MAX,
+                description="How many of its workers to list (by id); `workers_next` pages on.",
+            ),
+        ] = PAGE_MAX,
+    ) -> RolloutOut:
+        return rollout_out(await status_or_404(rollout_id), workers_limit)
+
+    @app.get(
+        f"{API}/rollouts/{{rollout_id}}/summary",
+        summary="One rollout in counts: by worker state, error code and version; no worker list",
+        responses=not_found,
+        dependencies=ready,
+    )
+    async def rollout_summary(rollout_id: str) -> RolloutOverview:
+        try:
+            return await summaries.overview(rollout_id)
+        except KeyError:
+            raise no_rollout(rollout_id) from None
+
+    @app.get(
+        f"{API}/rollouts/{{rollout_id}}/workers",
+        summary="One rollout's workers (expected, then unexpected ones flagged), by id; paginated",
+        responses=not_found,
+        dependencies=ready,
+    )
+    async def rollout_workers(
+        request: Request,
+        response: Response,
+        rollout_id: str,
+        state: Annotated[
+            list[WorkerState] | None, Query(description="Only these states (repeatable).")
+        ] = None,
+        code: Annotated[
+            list[str] | None, Query(description="Only workers whose error has this code.")
+        ] = None,
+        unexpected: Annotated[
+            bool | None, Query(description="Only unexpected (or only expected) workers.")
+        ] = None,
+        limit: PageSize = PAGE_DEFAULT,
+        cursor: Cursor = None,
+    ) -> list[RolloutWorker]:
+        status = await status_or_404(rollout_id, Want.BOUNDED)
+        after = None if cursor is None else decode_cursor(cursor, 1)[0]
+        states = set(state) if state else None
+        codes = set(code) if code else None
+
+        def keep(row: tuple[WorkerDetail, bool]) -> bool:
+            detail, flagged = row
+            return (
+                (states is None or detail.state in states)
+                and (codes is None or (detail.error is not None and detail.error.code in codes))
+                and (unexpected is None or flagged is unexpected)
+            )
+
+        rows = _rollout_rows(status)
+        page = _page(request, response, rows, after, limit, keep, lambda r: r[0].worker_id)
+        return [RolloutWorker(**dict(detail), unexpected=flagged) for detail, flagged in page]
 
     @app.get(
         f"{API}/rollouts/{{rollout_id}}/events",
@@ -245,9 +374,11 @@ def create_app(
     ) -> EventSourceResponse:
         if rollout_id not in coordinator.fleet and wait_s > 0:
             await _wait_for_rollout(coordinator, rollout_id, wait_s)
-        status_or_404(rollout_id)
+        if rollout_id not in coordinator.fleet:
+            raise no_rollout(rollout_id)
         return EventSourceResponse(
-            _status_events(coordinator, rollout_id, closing, sse_tick_s), ping=sse_ping_s
+            _status_events(coordinator, summaries, rollout_id, closing, sse_tick_s),
+            ping=sse_ping_s,
         )
 
     @app.post(
@@ -320,17 +451,68 @@ def create_app(
 
     @app.get(
         f"{API}/workers",
-        summary="Workers: latest heartbeat, liveness, desired against reported weights version",
+        summary="Workers by id: latest heartbeat, liveness, desired against reported weights "
+        "version; paginated",
+        description=(
+            'The next page, if any, is in the `Link` header (`rel="next"`): follow it until '
+            "there is none to get every worker. Liveness is judged as the page is built; the "
+            "desired versions as last judged (at most a few seconds before)."
+        ),
         responses={503: {"model": ErrorBody}},
         dependencies=ready,
     )
     async def list_workers(
+        request: Request,
+        response: Response,
         alive: Annotated[
             bool | None, Query(description="Only alive (or only not alive) workers.")
         ] = None,
+        status: Annotated[
+            list[WorkerStatus] | None,
+            Query(description="Only workers whose latest heartbeat has this status (repeatable)."),
+        ] = None,
+        version: Annotated[
+            list[str] | None,
+            Query(description="Only workers reporting this weights version (repeatable)."),
+        ] = None,
+        in_sync: Annotated[
+            bool | None, Query(description="Only workers in sync (or only out of sync).")
+        ] = None,
+        selector: Annotated[
+            str | None,
+            Query(
+                description="Label selector: `key=value[,key=value...]`, every label must match."
+            ),
+        ] = None,
+        limit: PageSize = PAGE_DEFAULT,
+        cursor: Cursor = None,
     ) -> list[WorkerOut]:
-        workers = list(_workers(coordinator))
-        return [w for w in workers if alive is None or w.alive is alive]
+        labels = parse_label_selector(selector)
+        after = None if cursor is None else decode_cursor(cursor, 1)[0]
+        levels = await summaries.levels()
+        now = coordinator.now()
+        registry = coordinator.fleet.registry
+        statuses = set(status) if status else None
+        versions = set(version) if version else None
+        ids = summaries.workers.ids
+        if levels.never_seen:
+            ids = sorted({*ids, *levels.never_seen})
+
+        def keep(worker_id: str) -> bool:
+            hb, received = registry.entry(worker_id) or (None, None)
+            if alive is not None and (hb is not None and is_alive(hb, now, received)) is not alive:
+                return False
+            if statuses is not None and (hb is None or hb.status not in statuses):
+                return False
+            if versions is not None and (hb is None or hb.weights_version not in versions):
+                return False
+            if labels and (hb is None or any(hb.labels.get(k) != v for k, v in labels.items())):
+                return False
+            want = levels.desired.get(worker_id, _NO_DESIRE)
+            return in_sync is None or in_sync_with(want, hb) is in_sync
+
+        page = _page(request, response, ids, after, limit, keep, str)
+        return [_worker_out(worker_id, levels, registry, now) for worker_id in page]
 
     @app.get(
         f"{API}/workers/{{worker_id}}",
@@ -339,10 +521,11 @@ def create_app(
         dependencies=ready,
     )
     async def get_worker(worker_id: str) -> WorkerOut:
-        for worker in _workers(coordinator):
-            if worker.worker_id == worker_id:
-                return worker
-        raise ApiError(404, ApiErrorCode.WORKER_NOT_FOUND, f"no worker {worker_id!r} is known")
+        levels = await summaries.levels()
+        registry = coordinator.fleet.registry
+        if worker_id not in registry and worker_id not in levels.desired:
+            raise ApiError(404, ApiErrorCode.WORKER_NOT_FOUND, f"no worker {worker_id!r} is known")
+        return _worker_out(worker_id, levels, registry, coordinator.now())
 
     # ------------------------------------------------------------------ metrics, dashboard
 
@@ -353,6 +536,8 @@ def create_app(
         responses={200: {"content": {CONTENT_TYPE: {}}}},
     )
     async def prometheus() -> Response:
+        if coordinator.judge_time() is not None:
+            await summaries.prepare()  # judge what is stale now, the loop free between two
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/", include_in_schema=False)
@@ -404,29 +589,87 @@ async def _failed(delivery: Delivery) -> bool:
     return False
 
 
-def _workers(coordinator: Coordinator) -> Iterator[WorkerOut]:
-    """Each worker's level: a worker of a target is judged against what the target says it
+_NO_DESIRE: Final = Desire(None, None)
+Item = TypeVar("Item")
+
+
+def _page(
+    request: Request,
+    response: Response,
+    items: Sequence[Item],
+    after: str | None,
+    limit: int,
+    keep: Callable[[Item], bool],
+    key: Callable[[Item], str],
+) -> list[Item]:
+    """The first ``limit`` of ``items`` (sorted by ``key``) after the key ``after`` that
+    ``keep`` keeps; a ``Link: <...>; rel="next"`` header when more would follow. Keyset
+    pagination: every item present all along is on exactly one page, in order, whatever
+    was added or removed meanwhile."""
+    start = 0 if after is None else bisect.bisect_right(items, after, key=key)
+    out: list[Item] = []
+    for index in range(start, len(items)):
+        item = items[index]
+        if not keep(item):
+            continue
+        if len(out) == limit:
+            _link_next(request, response, key(out[-1]))
+            break
+        out.append(item)
+    return out
+
+
+def _link_next(request: Request, response: Response, *key: str) -> None:
+    """Say where the next page starts: after the item whose sort key is ``key``."""
+    url = request.url.include_query_params(cursor=encode_cursor(*key))
+    response.headers["Link"] = f'<{url.path}?{url.query}>; rel="next"'
+
+
+def _parse_time(value: str) -> datetime:
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:
+        decode_cursor("", 2)  # raises INVALID_REQUEST
+        raise
+
+
+def _worker_out(worker_id: str, levels: Levels, registry: Registry, now: datetime) -> WorkerOut:
+    """A worker's level: a worker of a target is judged against what the target says it
     should run (docs/progressive.md); any other, against the latest reload rollout for it."""
-    now = coordinator.now()
-    registry = coordinator.fleet.registry
-    members = {
-        m.worker_id: (status.name, m)
-        for status in targets_status(coordinator.control, coordinator.fleet, now)
-        for m in status.members
-        if m.alignment is not Alignment.CONFLICT
-    }
-    for level in coordinator.fleet.worker_levels(now):
-        fields = level.model_dump()
-        claimed = members.get(level.worker_id)
-        if claimed is not None:
-            target, member = claimed
-            fields.update(
-                target=target,
-                desired_version=member.desired_version,
-                desired_rollout_id=None,
-                in_sync=member.alignment is Alignment.IN_SYNC,
-            )
-        yield WorkerOut(**fields, heartbeat=registry.get(level.worker_id, now))
+    want = levels.desired.get(worker_id, _NO_DESIRE)
+    hb, received = registry.entry(worker_id) or (None, None)
+    return WorkerOut(
+        worker_id=worker_id,
+        alive=hb is not None and is_alive(hb, now, received),
+        reported_version=None if hb is None else hb.weights_version,
+        desired_version=want.version,
+        desired_rollout_id=want.rollout_id,
+        degraded=hb is not None and hb.degraded is not None,
+        in_sync=in_sync_with(want, hb),
+        heartbeat=None if hb is None else WorkerView.of(hb, now, received),
+        target=want.target,
+    )
+
+
+def _rollout_rows(status: RolloutStatus) -> Sequence[tuple[WorkerDetail, bool]]:
+    """A rollout's workers, expected and unexpected (flagged True), sorted by id."""
+    rows = [(w, False) for w in status.workers]
+    if status.unexpected:
+        rows.extend((w, True) for w in status.unexpected)
+        rows.sort(key=lambda r: r[0].worker_id)
+    return rows
+
+
+def rollout_out(status: RolloutStatus, workers_limit: int) -> RolloutOut:
+    """``status`` with its first ``workers_limit`` workers (by id) and a link to the rest."""
+    workers = status.workers
+    more = None
+    if len(workers) > workers_limit:
+        workers = workers[:workers_limit]
+        after = workers[-1].worker_id if workers else None
+        cursor = "" if after is None else f"&cursor={encode_cursor(after)}"
+        more = f"{API}/rollouts/{status.rollout_id}/workers?unexpected=false{cursor}"
+    return RolloutOut.model_construct(**{**dict(status), "workers": workers, "workers_next": more})
 
 
 _ERROR_REF: Final = "#/components/schemas/ErrorBody"
@@ -483,30 +726,42 @@ async def _wait_for_rollout(coordinator: Coordinator, rollout_id: str, wait_s: f
 
 
 async def _status_events(
-    coordinator: Coordinator, rollout_id: str, closing: asyncio.Event, tick_s: float
+    coordinator: Coordinator,
+    summaries: Summaries,
+    rollout_id: str,
+    closing: asyncio.Event,
+    tick_s: float,
 ) -> AsyncIterator[ServerSentEvent]:
-    """The rollout's status whenever it differs (``as_of`` aside), re-judged on every change or tick.
+    """The rollout's status whenever it differs (``as_of`` aside), judged again on every
+    change or tick (one judgment shared by every stream and reader: :class:`Summaries`).
 
+    Each ``status`` carries what GET /rollouts/{id} returns (its first workers, by id).
     A client too slow for the change feed gets a ``resync`` event (the changes it missed were
     dropped), then the full status again, even if unchanged."""
     last: str | None = None
+    held: RolloutStatus | None = None
     sent = 0
     resync = False
     async with contextlib.aclosing(_changes(coordinator, tick_s)) as feed:
         while True:
-            status = coordinator.fleet.status(rollout_id, coordinator.now())
-            seen = status.model_dump_json(exclude={"as_of"})
+            status = await summaries.status(rollout_id)
             if resync:
                 sent += 1
                 yield ServerSentEvent(
                     data=json.dumps({"rollout_id": rollout_id}), event="resync", id=str(sent)
                 )
                 resync = False
-                last = None
-            if seen != last:
-                last = seen
-                sent += 1
-                yield ServerSentEvent(data=status.model_dump_json(), event="status", id=str(sent))
+                last = held = None
+            if status is not held:  # the same judgment again: nothing to compare
+                held = status
+                shown = rollout_out(status, PAGE_MAX)
+                seen = shown.model_dump_json(exclude={"as_of"})
+                if seen != last:
+                    last = seen
+                    sent += 1
+                    yield ServerSentEvent(
+                        data=shown.model_dump_json(), event="status", id=str(sent)
+                    )
             if status.terminal:
                 end = {
                     "rollout_id": rollout_id,

@@ -5,6 +5,9 @@ Errors render as ``{"error": {code, message, retryable, details?}}``.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import logging
 from collections.abc import Mapping
 from enum import StrEnum
@@ -28,7 +31,7 @@ from pydantic import (
 
 from controlplane.coordinator.publisher import MAX_TTL_S, PublishUnconfirmed, RolloutRequest
 from controlplane.rollout.desired import RolloutSummary, TargetStatus
-from controlplane.rollout.models import WorkerLevel
+from controlplane.rollout.models import RolloutStatus, WorkerDetail, WorkerLevel
 from controlplane.rollout.registry import WorkerView
 from controlplane.rollout.targets import Rollout, StableEntry
 from controlplane.wire.control import (
@@ -61,6 +64,10 @@ log = logging.getLogger(__name__)
 
 API: Final = "/api/v1"
 Body = TypeVar("Body")
+
+#: Items of a page of workers when the request names no ``limit``, and the most it may name.
+PAGE_DEFAULT: Final = 500
+PAGE_MAX: Final = 1000
 
 
 # --------------------------------------------------------------------------- errors
@@ -192,6 +199,69 @@ class WorkerOut(WorkerLevel):
     heartbeat: WorkerView | None
     #: The target whose selector alone matches it: its desired version is the target's.
     target: str | None = None
+
+
+class RolloutOut(RolloutStatus):
+    """One rollout's status with its per-worker list bounded: ``workers`` holds the first
+    ``workers_limit`` expected workers by id; the rest are at ``workers_next``."""
+
+    workers_next: str | None = Field(
+        default=None,
+        description="The next page of this rollout's workers (GET /rollouts/{id}/workers); "
+        "null when `workers` lists them all.",
+    )
+
+
+class RolloutWorker(WorkerDetail):
+    """One worker's part in one rollout; ``unexpected``: it acked without being expected."""
+
+    unexpected: bool = False
+
+
+# --------------------------------------------------------------------------- pagination
+
+
+def encode_cursor(*key: str) -> str:
+    """An opaque cursor for the page after the item whose sort key is ``key``."""
+    raw = json.dumps(list(key), separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str, arity: int) -> tuple[str, ...]:
+    """The sort key a cursor of :func:`encode_cursor` holds; 422 INVALID_REQUEST otherwise."""
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        key = json.loads(raw)
+    except (binascii.Error, ValueError):
+        key = None
+    if not (isinstance(key, list) and len(key) == arity and all(isinstance(k, str) for k in key)):
+        raise ApiError(
+            422,
+            ApiErrorCode.INVALID_REQUEST,
+            "invalid cursor: pass the one a previous page's Link header (rel=next) gave",
+            details=[{"loc": ["query", "cursor"], "msg": "not a cursor of this list"}],
+        )
+    return tuple(key)
+
+
+def parse_label_selector(selector: str | None) -> dict[str, str]:
+    """``key=value,key2=value2`` (every label must match, as Kubernetes' equality-based
+    selectors); 422 INVALID_REQUEST when a term is not ``key=value``."""
+    labels: dict[str, str] = {}
+    if not selector:
+        return labels
+    for term in selector.split(","):
+        key, eq, value = term.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq or not key:
+            raise ApiError(
+                422,
+                ApiErrorCode.INVALID_REQUEST,
+                f"invalid label selector term {term!r}: expected key=value[,key=value...]",
+                details=[{"loc": ["query", "selector"], "msg": "expected key=value"}],
+            )
+        labels[key] = value
+    return labels
 
 
 class RolloutOptions(BaseModel):

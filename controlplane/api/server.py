@@ -94,6 +94,7 @@ class ApiServer(AsyncService):
     async def stop(self) -> None:
         """End SSE streams, stop accepting, drain; idempotent."""
         self.app.state.closing.set()
+        self.app.state.summaries.close()
         if self._server is None or self._task is None:
             return
         self._server.should_exit = True

@@ -2,6 +2,10 @@
 
 Each instance owns its CollectorRegistry (never the process-global one). No I/O, no HTTP: api.py
 serves the text. Counters include the replay of the log at start, so they count the log's history.
+Gauges come from :class:`~controlplane.coordinator.summary.Summaries` (cached judgments and
+counts kept as heartbeats arrive): a scrape costs O(rollouts + targets), never O(workers x
+rollouts); await ``summaries.prepare()`` before :meth:`CoordinatorMetrics.render` so that it
+judges nothing itself.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from controlplane.coordinator.follower import Batch
-from controlplane.rollout.desired import Alignment, targets_status
+from controlplane.coordinator.summary import Summaries
+from controlplane.rollout.desired import Alignment
 from controlplane.rollout.models import RolloutPhase
 from controlplane.wire.ack_codec import AckLike
 from controlplane.wire.control import ControlPhase
@@ -153,8 +158,10 @@ class CoordinatorMetrics:
         *,
         registry: CollectorRegistry | None = None,
         buckets: tuple[float, ...] = LATENCY_BUCKETS,
+        summaries: Summaries | None = None,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.summaries = summaries if summaries is not None else Summaries(coordinator)
         self.latency = AckLatency()
         self._messages = Counter(
             "controlplane_messages",
@@ -176,7 +183,7 @@ class CoordinatorMetrics:
             buckets=buckets,
             registry=self.registry,
         )
-        self.registry.register(_FleetCollector(coordinator, self.latency))
+        self.registry.register(_FleetCollector(coordinator, self.summaries, self.latency))
         coordinator.follower.listeners.append(self.on_batch)
 
     def on_batch(self, batch: Batch) -> None:
@@ -207,8 +214,9 @@ class CoordinatorMetrics:
 class _FleetCollector(Collector):
     """Gauges computed from the Fleet at scrape time, plus the follower's own record counts."""
 
-    def __init__(self, coordinator: Coordinator, latency: AckLatency) -> None:
+    def __init__(self, coordinator: Coordinator, summaries: Summaries, latency: AckLatency) -> None:
         self._coordinator = coordinator
+        self._summaries = summaries
         self._latency = latency
 
     def collect(self) -> Iterator[Metric]:
@@ -236,8 +244,12 @@ class _FleetCollector(Collector):
         yield from self._controller()
         if now is None:  # not caught up (or cut off from Kafka): no judgement to report
             return
-        yield from self._targets(now)
-        phases = collections.Counter(s.phase for s in fleet.rollouts(now))
+        summaries = self._summaries
+        levels = summaries.levels_cached()
+        yield from self._targets(levels.targets)
+        phases = collections.Counter(
+            summaries.overview_cached(rollout_id).phase for rollout_id in fleet.rollout_ids()
+        )
         rollouts = GaugeMetricFamily(
             "controlplane_rollouts", "Rollouts by phase.", labels=["phase"]
         )
@@ -245,29 +257,30 @@ class _FleetCollector(Collector):
             rollouts.add_metric([phase.value], phases[phase])
         yield rollouts
 
-        levels = fleet.worker_levels(now)
-        known = {hb.worker_id for hb in fleet.registry.heartbeats()}
+        workers = summaries.workers
+        stats = fleet.stats()
         for name, text, value in (
-            ("controlplane_workers", "Workers known from heartbeats.", len(known)),
+            ("controlplane_workers", "Workers known from heartbeats.", len(workers)),
             (
                 "controlplane_workers_alive",
                 "Workers whose heartbeats prove them alive.",
-                sum(1 for lv in levels if lv.alive),
+                workers.alive(now),
             ),
             (
                 "controlplane_workers_in_sync",
-                "Workers reporting the weights version desired for them.",
-                sum(1 for lv in levels if lv.in_sync and lv.worker_id in known),
+                "Workers reporting the weights version desired for them (a target's, for "
+                "its workers), as last judged.",
+                levels.in_sync,
             ),
             (
                 "controlplane_workers_degraded",
                 "Workers whose weights are a mix of two versions.",
-                sum(1 for lv in levels if lv.degraded),
+                workers.degraded,
             ),
             (
                 "controlplane_orphan_acks",
                 "Acks whose command has not been seen.",
-                fleet.stats().orphan_acks,
+                stats.orphan_acks,
             ),
             (
                 "controlplane_ack_latency_waiting",
@@ -277,7 +290,7 @@ class _FleetCollector(Collector):
             (
                 "controlplane_rollouts_summarized",
                 "Ended rollouts beyond max_ended_rollouts, kept only as a final summary.",
-                fleet.stats().compacted,
+                stats.compacted,
             ),
             (
                 "controlplane_change_subscribers",
@@ -320,9 +333,8 @@ class _FleetCollector(Collector):
             counter.add_metric([], value)
             yield counter
 
-    def _targets(self, now: datetime) -> Iterator[Metric]:
-        coordinator = self._coordinator
-        control = coordinator.control
+    def _targets(self, targets: dict[str, dict[Alignment, int]]) -> Iterator[Metric]:
+        control = self._coordinator.control
         phases = collections.Counter(
             r.phase.value if r.phase is not None else "pending" for r in control.rollouts()
         )
@@ -334,11 +346,10 @@ class _FleetCollector(Collector):
         yield progressive
         workers = GaugeMetricFamily(
             "controlplane_target_workers",
-            "Workers of each target by how they stand against its desired state.",
+            "Workers of each target by how they stand against its desired state (as last judged).",
             labels=["target", "alignment"],
         )
-        for status in targets_status(control, coordinator.fleet, now):
-            counts = collections.Counter(m.alignment for m in status.members)
+        for name, counts in targets.items():
             for alignment in Alignment:
-                workers.add_metric([status.name, alignment.value], counts[alignment])
+                workers.add_metric([name, alignment.value], counts.get(alignment, 0))
         yield workers

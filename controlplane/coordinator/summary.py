@@ -1,0 +1,731 @@
+"""Fleet and rollout summaries that cost O(rollouts + versions) to read, not O(workers x rollouts).
+
+What the API's summary and list endpoints, the dashboard and ``/metrics`` read (issue 18). Two parts:
+
+- :class:`WorkerIndex`: per worker, the facts of its latest heartbeat (status, weights version,
+  config digest, degraded, and the instant it stops proving the worker alive), kept from the
+  follower's batches in O(1) per heartbeat. Counts by status, version and digest are kept as
+  they change; each group keeps its workers' deadlines sorted, so how many of them are alive at
+  any instant is one bisection. Worker ids are kept sorted for keyset pagination.
+- :class:`Summaries`: each rollout judged (``Fleet.status``, O(its workers)) at most once per
+  change, cached as a :class:`RolloutOverview` (counts, no per-worker list), and the full status
+  of the few rollouts whose workers are being read. A judgment is reused while it is *fresh*:
+  nothing was folded for the rollout since, and it is settled (ended, every worker terminal:
+  only acks can change it) or younger than ``max_age_s``. A reader gets a stale one (its own
+  ``as_of`` says when it was judged) while a background task judges it again, unless it is
+  older than ``max_stale_s``: then the reader waits for the new judgment. Judgments run on the
+  event loop (the fold's state is not thread-safe), one rollout at a time with a yield between
+  them, so a response never blocks the loop for more than one rollout's judgment.
+
+The desired versions of workers (``Fleet.worker_levels`` and targets, both O(workers x reload
+rollouts)) are cached the same way. Nothing here changes the fold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, computed_field
+
+from controlplane.coordinator.follower import Batch
+from controlplane.rollout.desired import Alignment, targets_status
+from controlplane.rollout.models import (
+    Anomaly,
+    RolloutPhase,
+    RolloutReason,
+    RolloutStatus,
+    StateCounts,
+    WorkerState,
+)
+from controlplane.rollout.registry import Registry, lost_at
+from controlplane.wire.protocol import CommandKind, Heartbeat, Selector, WorkerStatus
+
+if TYPE_CHECKING:
+    from controlplane.coordinator.service import Coordinator
+
+#: A judgment younger than this (in judge time) is served as is, if nothing changed since.
+MAX_AGE_S: Final = 1.0
+#: A judgment older than this is never served: the reader waits for a new one.
+MAX_STALE_S: Final = 3.0
+#: Full statuses (every worker's detail) kept for the rollouts whose workers were read last.
+KEEP_FULL: Final = 8
+#: Anomalies an overview lists (``anomalies_total`` counts them all).
+MAX_ANOMALIES: Final = 20
+
+_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
+_US: Final = timedelta(microseconds=1)
+#: A deadline that no instant is before: a stopped worker is never alive.
+_NEVER: Final = -(2**62)
+_UNSETTLED: Final = (
+    WorkerState.PENDING,
+    WorkerState.ACCEPTED,
+    WorkerState.RUNNING,
+    WorkerState.LOST,
+)
+
+T = TypeVar("T")
+_LEVELS: Final = "*levels"  # not a rollout id: ids are identifiers (no "*")
+log = logging.getLogger(__name__)
+
+
+def micros(when: datetime) -> int:
+    """``when`` as integer microseconds since the epoch (exact, unlike a float timestamp)."""
+    return (when - _EPOCH) // _US
+
+
+# --------------------------------------------------------------------------- models
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+class GroupCount(_Out):
+    workers: int
+    alive: int
+
+
+class WorkersSummary(_Out):
+    known: int = Field(description="Workers with a heartbeat in the log.")
+    alive: int = Field(description="Known workers whose latest heartbeat proves them alive.")
+    lost: int = Field(description="Known workers not alive: silent past their lease, or stopped.")
+    degraded: int = Field(description="Known workers whose weights are a mix of two versions.")
+    in_sync: int | None = Field(
+        description="Known workers reporting what is desired for them (as GET /workers says "
+        "`in_sync`), judged at `in_sync_as_of`; null before it was first judged."
+    )
+    in_sync_as_of: AwareDatetime | None
+    never_seen: int | None = Field(
+        description="Workers a rollout expects that never sent a heartbeat (as of `in_sync_as_of`)."
+    )
+    by_status: dict[str, GroupCount] = Field(description="By the status of the latest heartbeat.")
+    by_version: dict[str, GroupCount] = Field(
+        description='By reported weights version ("": none reported).'
+    )
+    by_config_digest: dict[str, GroupCount] = Field(
+        description='By reported config digest ("": none reported).'
+    )
+
+
+class RolloutsSummary(_Out):
+    total: int
+    active: int = Field(description="Pending or progressing.")
+    by_phase: dict[RolloutPhase, int]
+    summarized: int = Field(description="Ended rollouts kept only as a summary (no details).")
+    oldest_as_of: AwareDatetime | None = Field(
+        description="The earliest instant a phase counted here was judged at."
+    )
+
+
+class FleetSummary(_Out):
+    """The fleet in counts: what the dashboard's header and a fleet-wide check need."""
+
+    as_of: AwareDatetime
+    workers: WorkersSummary
+    rollouts: RolloutsSummary
+
+
+class RolloutOverview(_Out):
+    """One rollout in counts: its status without the per-worker lists (and without the worker
+    ids its selector pinned: ``pinned_workers`` counts them). Judged at ``as_of``."""
+
+    rollout_id: str
+    command_id: str
+    kind: CommandKind | None
+    target_version: str | None = None
+    overrides: dict[str, JsonValue] | None = None
+    issuer: str | None
+    selector: Selector
+    pinned_workers: int | None = Field(
+        default=None, description="How many worker ids the command named (null: labels only)."
+    )
+    issued_at: AwareDatetime
+    expires_at: AwareDatetime | None
+    as_of: AwareDatetime
+    phase: RolloutPhase
+    reason: RolloutReason | None = None
+    message: str
+    expected: int
+    counts: StateCounts
+    errors: dict[str, int] = Field(
+        default_factory=dict, description="Failed or rejected workers by error code."
+    )
+    versions: dict[str, int] = Field(
+        default_factory=dict,
+        description="Workers by the weights version their acks reported (those that reported one).",
+    )
+    late: int = Field(default=0, description="Workers that reported a state after the end.")
+    unexpected_workers: int = 0
+    anomalies: tuple[Anomaly, ...] = Field(
+        default=(), description=f"The first {MAX_ANOMALIES} anomalies."
+    )
+    anomalies_total: int = 0
+    started_at: AwareDatetime | None = None
+    finished_at: AwareDatetime | None = None
+    duration_s: float | None = None
+    details_dropped: bool = False
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def exit_code(self) -> int | None:
+        """0 succeeded, 1 failed or aborted, 2 timed out, None while the rollout is running."""
+        return self.phase.exit_code
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase.terminal
+
+    @property
+    def settled(self) -> bool:
+        """Ended with every worker terminal (or summarized): only acks can change it now."""
+        return self.details_dropped or (
+            self.terminal and not any(self.counts[s] for s in _UNSETTLED)
+        )
+
+    @classmethod
+    def of(cls, status: RolloutStatus) -> RolloutOverview:
+        errors: collections.Counter[str] = collections.Counter()
+        versions: collections.Counter[str] = collections.Counter()
+        late = 0
+        for detail in status.workers:
+            if detail.error is not None:
+                errors[detail.error.code] += 1
+            if detail.weights_version is not None:
+                versions[detail.weights_version] += 1
+            late += detail.late_state is not None
+        ids = status.selector.worker_ids
+        return cls(
+            rollout_id=status.rollout_id,
+            command_id=status.command_id,
+            kind=status.kind,
+            target_version=status.target_version,
+            overrides=status.overrides,
+            issuer=status.issuer,
+            selector=status.selector.model_copy(update={"worker_ids": None}),
+            pinned_workers=None if ids is None else len(ids),
+            issued_at=status.issued_at,
+            expires_at=status.expires_at,
+            as_of=status.as_of,
+            phase=status.phase,
+            reason=status.reason,
+            message=status.message,
+            expected=status.expected,
+            counts=status.counts,
+            errors=dict(sorted(errors.items())),
+            versions=dict(sorted(versions.items())),
+            late=late,
+            unexpected_workers=len(status.unexpected),
+            anomalies=status.anomalies[:MAX_ANOMALIES],
+            anomalies_total=len(status.anomalies),
+            started_at=status.started_at,
+            finished_at=status.finished_at,
+            duration_s=status.duration_s,
+            details_dropped=status.details_dropped,
+        )
+
+
+J = TypeVar("J", RolloutOverview, RolloutStatus)
+
+
+# --------------------------------------------------------------------------- workers
+
+
+@dataclass(frozen=True, slots=True)
+class _Facts:
+    status: str
+    version: str
+    digest: str
+    degraded: bool
+    #: Microseconds since the epoch from which the heartbeat no longer proves the worker alive.
+    deadline: int
+
+    @classmethod
+    def of(cls, hb: Heartbeat, received_at: datetime | None) -> _Facts:
+        stopped = hb.status is WorkerStatus.STOPPED
+        return cls(
+            hb.status.value,
+            hb.weights_version or "",
+            hb.config_digest or "",
+            hb.degraded is not None,
+            _NEVER if stopped else micros(lost_at(hb, received_at)),
+        )
+
+    def groups(self) -> tuple[tuple[str, str], ...]:
+        return (
+            ("", ""),
+            ("status", self.status),
+            ("version", self.version),
+            ("digest", self.digest),
+        )
+
+
+class WorkerIndex:
+    """The latest heartbeat's facts of every worker the registry knows, kept in O(1) per
+    heartbeat (plus a memmove of a sorted list), with counts that answer in O(groups x log n).
+
+    It follows the registry through :meth:`update` (the worker ids of a batch); a registry that
+    changed otherwise (a worker forgotten, a snapshot restored) is noticed by its size and the
+    index rebuilt (O(workers), rare).
+    """
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+        self._facts: dict[str, _Facts] = {}
+        self._groups: dict[tuple[str, str], list[int]] = {}
+        self._degraded = 0
+        #: Every known worker id, sorted.
+        self.ids: list[str] = []
+
+    def update(self, worker_ids: Iterable[str]) -> None:
+        registry = self._registry
+        for worker_id in worker_ids:
+            entry = registry.entry(worker_id)
+            self._set(worker_id, None if entry is None else _Facts.of(*entry))
+        self.sync()
+
+    def sync(self) -> None:
+        """Rebuild from the registry if it changed behind the batches (its size differs)."""
+        if len(self._facts) != len(self._registry):
+            self._facts.clear()
+            self._groups.clear()
+            self._degraded = 0
+            self.ids.clear()
+            for hb, received in self._registry.entries():
+                self._set(hb.worker_id, _Facts.of(hb, received))
+
+    def _set(self, worker_id: str, facts: _Facts | None) -> None:
+        held = self._facts.get(worker_id)
+        if held == facts:
+            return
+        if held is not None:
+            for key in held.groups():
+                group = self._groups[key]
+                del group[bisect.bisect_left(group, held.deadline)]
+                if not group:
+                    del self._groups[key]
+            self._degraded -= held.degraded
+        if facts is None:
+            del self._facts[worker_id]
+            del self.ids[bisect.bisect_left(self.ids, worker_id)]
+            return
+        if held is None:
+            bisect.insort(self.ids, worker_id)
+        self._facts[worker_id] = facts
+        for key in facts.groups():
+            bisect.insort(self._groups.setdefault(key, []), facts.deadline)
+        self._degraded += facts.degraded
+
+    def __len__(self) -> int:
+        self.sync()
+        return len(self._facts)
+
+    @property
+    def degraded(self) -> int:
+        self.sync()
+        return self._degraded
+
+    def alive(self, now: datetime) -> int:
+        self.sync()
+        return self._count(("", ""), micros(now)).alive
+
+    def _count(self, key: tuple[str, str], now_us: int) -> GroupCount:
+        group = self._groups.get(key, [])
+        return GroupCount(workers=len(group), alive=len(group) - bisect.bisect_right(group, now_us))
+
+    def summary(self, now: datetime, levels: Levels | None) -> WorkersSummary:
+        self.sync()
+        now_us = micros(now)
+        total = self._count(("", ""), now_us)
+
+        def by(kind: str) -> dict[str, GroupCount]:
+            keys = sorted(v for k, v in self._groups if k == kind)
+            return {v: self._count((kind, v), now_us) for v in keys}
+
+        return WorkersSummary(
+            known=total.workers,
+            alive=total.alive,
+            lost=total.workers - total.alive,
+            degraded=self._degraded,
+            in_sync=None if levels is None else levels.in_sync,
+            in_sync_as_of=None if levels is None else levels.as_of,
+            never_seen=None if levels is None else len(levels.never_seen),
+            by_status=by("status"),
+            by_version=by("version"),
+            by_config_digest=by("digest"),
+        )
+
+
+# --------------------------------------------------------------------------- cached judgments
+
+
+@dataclass(slots=True)
+class _Entry(Generic[T]):
+    value: T
+    #: The instant it was judged at (the coordinator's judge time, which ages it).
+    as_of: datetime
+    #: Seconds judging it took (time.monotonic).
+    cost: float
+    #: time.monotonic() when it was judged.
+    judged: float
+    settled: bool = False
+    #: Something was folded for it since.
+    dirty: bool = False
+
+
+class Want(Enum):
+    """How current a reader needs a judgment."""
+
+    #: Judged since the last change and within ``max_age_s``.
+    FRESH = "fresh"
+    #: At most ``max_stale_s`` old (a cheap one is judged again at once).
+    BOUNDED = "bounded"
+    #: Whatever is cached (a stale one is judged again in the background).
+    CACHED = "cached"
+
+
+@dataclass(slots=True)
+class Budget:
+    """Seconds a reader may spend judging stale entries again before it takes them stale."""
+
+    left: float = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class Desire:
+    """What a worker should run, as GET /workers says it."""
+
+    version: str | None
+    rollout_id: str | None
+    target: str | None = None
+    #: For a worker of a target: whether it is in sync with it (None: judged from versions).
+    in_sync: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Levels:
+    """Desired against reported, for every worker, judged at ``as_of``."""
+
+    as_of: datetime
+    desired: dict[str, Desire]
+    #: Expected by a rollout, never heard from: sorted ids.
+    never_seen: list[str]
+    in_sync: int
+    #: Target name -> its members' counts by alignment.
+    targets: dict[str, dict[Alignment, int]] = field(default_factory=dict)
+
+
+class Summaries:
+    """Cached judgments of the coordinator's rollouts and workers; see the module docstring.
+
+    Create it before the coordinator folds the log (it listens to the follower's batches);
+    :meth:`close` stops its background task. A judgment that cost less than what is left of
+    the reader's :class:`Budget` is made again at once rather than served stale, so a small
+    fleet is always answered exactly as the fold says now.
+    """
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        *,
+        max_age_s: float = MAX_AGE_S,
+        max_stale_s: float = MAX_STALE_S,
+        keep_full: int = KEEP_FULL,
+    ) -> None:
+        self._coordinator = coordinator
+        self._max_age = timedelta(seconds=max_age_s)
+        self._max_stale = timedelta(seconds=max(max_stale_s, max_age_s))
+        self._keep_full = max(1, keep_full)
+        self.workers = WorkerIndex(coordinator.fleet.registry)
+        self._rollouts: dict[str, _Entry[RolloutOverview]] = {}
+        #: Full statuses of the rollouts whose workers were read last (least recent first).
+        self._full: collections.OrderedDict[str, _Entry[RolloutStatus]] = collections.OrderedDict()
+        self._levels: _Entry[Levels] | None = None
+        self._compacted = 0
+        self._wanted: dict[str, None] = {}
+        self._task: asyncio.Task[None] | None = None
+        #: Judgments made (Fleet.status or worker_levels calls): tests count them.
+        self.judgments = 0
+        coordinator.follower.listeners.append(self.on_batch)
+        self.workers.sync()
+
+    # ------------------------------------------------------------------ the fold's news
+
+    def on_batch(self, batch: Batch) -> None:
+        """A follower listener: what changed, in O(batch)."""
+        if batch.heartbeats:
+            self.workers.update({hb.worker_id for hb in batch.heartbeats})
+        changed = batch.rollout_ids
+        for rollout_id in changed:
+            for cache in (self._rollouts, self._full):
+                held = cache.get(rollout_id)
+                if held is not None:
+                    held.dirty = True
+        if (changed or batch.control) and self._levels is not None:
+            self._levels.dirty = True
+
+    def close(self) -> None:
+        """Stop judging in the background."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    # ------------------------------------------------------------------ reads
+
+    def now(self) -> datetime:
+        return self._coordinator.now()
+
+    async def prepare(self, budget: Budget | None = None) -> None:
+        """Make every rollout's judgment and the desired levels servable (judging what is
+        missing or too stale, one at a time, the loop free between two), so that the
+        synchronous reads (:meth:`fleet`, the metrics) judge nothing themselves."""
+        budget = Budget() if budget is None else budget
+        self.check_compaction()
+        for rollout_id in self._coordinator.fleet.rollout_ids():
+            await self.overview(rollout_id, budget=budget, checked=True)
+        await self.levels(budget)
+
+    def fleet(self) -> FleetSummary:
+        """Counts of the fleet: O(rollouts + versions + log workers), from the cached
+        judgments as they are (await :meth:`prepare` first)."""
+        now = self.now()
+        phases: collections.Counter[RolloutPhase] = collections.Counter()
+        oldest: datetime | None = None
+        summarized = 0
+        for rollout_id in self._coordinator.fleet.rollout_ids():
+            overview = self.overview_cached(rollout_id)
+            phases[overview.phase] += 1
+            summarized += overview.details_dropped
+            if not overview.settled and (oldest is None or overview.as_of < oldest):
+                oldest = overview.as_of
+        levels = self._levels.value if self._levels is not None else None
+        return FleetSummary(
+            as_of=now,
+            workers=self.workers.summary(now, levels),
+            rollouts=RolloutsSummary(
+                total=sum(phases.values()),
+                active=phases[RolloutPhase.PENDING] + phases[RolloutPhase.PROGRESSING],
+                by_phase={p: phases[p] for p in RolloutPhase},
+                summarized=summarized,
+                oldest_as_of=oldest,
+            ),
+        )
+
+    def overview_cached(self, rollout_id: str) -> RolloutOverview:
+        """The rollout's overview as cached (judged now if it never was); a stale one is
+        judged again in the background. Raises KeyError for an unknown rollout."""
+        held = self._pick(self._rollouts, rollout_id, Want.CACHED, Budget(0.0))
+        return self._judge(rollout_id)[0] if held is None else self._shown(held)
+
+    async def overview(
+        self,
+        rollout_id: str,
+        *,
+        want: Want = Want.BOUNDED,
+        budget: Budget | None = None,
+        checked: bool = False,
+    ) -> RolloutOverview:
+        """The rollout's overview, as current as ``want``. Raises KeyError when unknown."""
+        if not checked:
+            self.check_compaction()
+        budget = Budget() if budget is None else budget
+        held = self._pick(self._rollouts, rollout_id, want, budget)
+        if held is not None:
+            return self._shown(held)
+        await asyncio.sleep(self._turn(self._rollouts.get(rollout_id)))
+        held = self._pick(self._rollouts, rollout_id, want, budget)
+        if held is not None:
+            return self._shown(held)
+        return self._judge(rollout_id, budget=budget)[0]
+
+    async def status(self, rollout_id: str, *, want: Want = Want.FRESH) -> RolloutStatus:
+        """The rollout's full status (every worker), as current as ``want``; judging it
+        again waits for its turn (:meth:`_turn`). Raises KeyError when unknown."""
+        self.check_compaction()
+        budget = Budget()
+        held = self._pick(self._full, rollout_id, want, budget)
+        if held is None:
+            await asyncio.sleep(self._turn(self._full.get(rollout_id)))
+            held = self._pick(self._full, rollout_id, want, budget)
+        if held is None:
+            return self._judge(rollout_id, full=True)[1]
+        self._full.move_to_end(rollout_id)
+        return self._shown(held)
+
+    async def levels(self, budget: Budget | None = None) -> Levels:
+        """Desired versions of every worker, at most ``max_stale_s`` old."""
+        budget = Budget() if budget is None else budget
+        held = self._levels
+        if held is not None:
+            if self._fresh(held):
+                return held.value
+            if held.cost > budget.left:
+                self._want(_LEVELS)
+                if self.now() - held.as_of < self._max_stale:
+                    return held.value
+        await asyncio.sleep(self._turn(held))
+        return self._judge_levels(budget)
+
+    def levels_cached(self) -> Levels:
+        """The desired levels as cached (judged now if they never were)."""
+        held = self._levels
+        if held is None:
+            return self._judge_levels(Budget(0.0))
+        if not self._fresh(held):
+            self._want(_LEVELS)
+        return held.value
+
+    def check_compaction(self) -> None:
+        """Rollouts summarized by ``Fleet.compact`` since last asked: their judgments are dirty."""
+        fleet = self._coordinator.fleet
+        compacted = fleet.stats().compacted
+        if compacted == self._compacted:
+            return
+        self._compacted = compacted
+        for cache in (self._rollouts, self._full):
+            for rollout_id, entry in cache.items():
+                if entry.value.details_dropped:
+                    continue
+                try:
+                    fleet.command(rollout_id)
+                except KeyError:  # summarized (or known only from NACKs: judged again, cheap)
+                    entry.dirty = True
+
+    # ------------------------------------------------------------------ internals
+
+    def _fresh(self, entry: _Entry[Any]) -> bool:
+        if entry.dirty:
+            return False
+        return entry.settled or self.now() - entry.as_of < self._max_age
+
+    def _pick(
+        self, cache: dict[str, _Entry[J]], rollout_id: str, want: Want, budget: Budget
+    ) -> _Entry[J] | None:
+        """The cached entry to serve, or None: judge it now."""
+        held = cache.get(rollout_id)
+        if held is None or self._fresh(held):
+            return held
+        if want is Want.FRESH or held.cost <= budget.left:
+            return None
+        self._want(rollout_id)
+        if want is Want.CACHED or self.now() - held.as_of < self._max_stale:
+            return held
+        return None
+
+    def _shown(self, entry: _Entry[J]) -> J:
+        """A settled judgment holds at any later instant: shown as of now."""
+        if entry.settled and not entry.dirty:
+            return entry.value.model_copy(update={"as_of": self.now()})
+        return entry.value
+
+    def _judge(
+        self, rollout_id: str, *, full: bool = False, budget: Budget | None = None
+    ) -> tuple[RolloutOverview, RolloutStatus]:
+        started = time.monotonic()
+        now = self.now()
+        status = self._coordinator.fleet.status(rollout_id, now)
+        overview = RolloutOverview.of(status)
+        judged = time.monotonic()
+        self.judgments += 1
+        cost = judged - started
+        if budget is not None:
+            budget.left -= cost
+        self._rollouts[rollout_id] = _Entry(overview, now, cost, judged, overview.settled)
+        if full or rollout_id in self._full:
+            self._full[rollout_id] = _Entry(status, now, cost, judged, overview.settled)
+            self._full.move_to_end(rollout_id)
+            while len(self._full) > self._keep_full:
+                self._full.popitem(last=False)
+        self._wanted.pop(rollout_id, None)
+        return overview, status
+
+    def _judge_levels(self, budget: Budget) -> Levels:
+        coordinator = self._coordinator
+        started = time.monotonic()
+        now = self.now()
+        registry = coordinator.fleet.registry
+        desired: dict[str, Desire] = {}
+        for level in coordinator.fleet.worker_levels(now):
+            desired[level.worker_id] = Desire(level.desired_version, level.desired_rollout_id)
+        targets: dict[str, dict[Alignment, int]] = {}
+        for target in targets_status(coordinator.control, coordinator.fleet, now):
+            counts = dict.fromkeys(Alignment, 0)
+            for member in target.members:
+                counts[member.alignment] += 1
+                if member.alignment is not Alignment.CONFLICT:
+                    desired[member.worker_id] = Desire(
+                        member.desired_version,
+                        None,
+                        target.name,
+                        member.alignment is Alignment.IN_SYNC,
+                    )
+            targets[target.name] = counts
+        in_sync = 0
+        never_seen = []
+        for worker_id, want in desired.items():
+            hb = registry.latest(worker_id)
+            if hb is None:
+                never_seen.append(worker_id)
+            elif in_sync_with(want, hb):
+                in_sync += 1
+        levels = Levels(now, desired, sorted(never_seen), in_sync, targets)
+        judged = time.monotonic()
+        self.judgments += 1
+        budget.left -= judged - started
+        self._levels = _Entry(levels, now, judged - started, judged)
+        self._wanted.pop(_LEVELS, None)
+        return levels
+
+    def _turn(self, held: _Entry[Any] | None) -> float:
+        """Seconds until ``held`` may be judged again: at most once per four times what
+        judging it cost, so one that changes all the time takes at most a fifth of the
+        loop, however many readers ask."""
+        if held is None:
+            return 0.0
+        return max(0.0, held.judged + 4 * held.cost - time.monotonic())
+
+    def _want(self, key: str) -> None:
+        """Judge ``key`` again in the background (a rollout id, or :data:`_LEVELS`)."""
+        self._wanted[key] = None
+        if self._task is None or self._task.done():
+            with contextlib.suppress(RuntimeError):  # no running loop: a synchronous caller
+                self._task = asyncio.get_running_loop().create_task(
+                    self._refresh(), name="summaries-refresh"
+                )
+
+    async def _refresh(self) -> None:
+        while self._wanted:
+            key = next(iter(self._wanted))
+            held: _Entry[Any] | None = self._levels if key == _LEVELS else self._rollouts.get(key)
+            await asyncio.sleep(self._turn(held))
+            if key not in self._wanted:  # a reader judged it meanwhile
+                continue
+            self._wanted.pop(key, None)
+            try:
+                if key == _LEVELS:
+                    self._judge_levels(Budget())
+                elif key in self._coordinator.fleet:
+                    self._judge(key)
+                else:
+                    self._rollouts.pop(key, None)
+                    self._full.pop(key, None)
+            except Exception:  # a reader judging it itself meets the same error
+                log.exception("judging %s in the background failed", key)
+
+
+def in_sync_with(want: Desire, hb: Heartbeat | None) -> bool:
+    """Whether a worker whose latest heartbeat is ``hb`` runs what ``want`` says."""
+    if want.in_sync is not None:
+        return want.in_sync
+    degraded = hb is not None and hb.degraded is not None
+    reported = None if hb is None else hb.weights_version
+    return not degraded and (want.version is None or reported == want.version)

@@ -1,0 +1,193 @@
+"""A synthetic fleet folded in memory, to measure and test the HTTP API at fleet scale (issue 18).
+
+``build(coordinator, workers=N, rollouts=R)`` feeds a never-started Coordinator's Fleet (and its
+follower listeners, as a fetch does) with N live workers' heartbeats and R reload rollouts
+pinned to all N: accepted, running and succeeded acks for every worker of every rollout (3 N
+acks per rollout), except that the last ``active`` rollouts are still in progress (half of their
+workers running) and every 50th worker failed the oldest one. Acks are the fast decoder's
+(:class:`~controlplane.wire.ack_codec.FastAck`), as the coordinator folds them.
+
+``python -m tests.fleet_at_scale [N] [R]`` builds one (10,000 x 100 by default) and prints what the
+summary, list and page endpoints cost through httpx's ASGI transport: p50 and p99 wall time and
+bytes of each (tests never assert on time; tests/component/test_api_scale.py asserts on sizes
+and pagination).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Final
+
+from controlplane.coordinator.follower import Batch
+from controlplane.coordinator.service import Coordinator
+from controlplane.wire.ack_codec import FastAck, FastAckError, FastTimings
+from controlplane.wire.protocol import (
+    AckState,
+    Command,
+    CommandKind,
+    Heartbeat,
+    ReloadWeightsSpec,
+    Selector,
+    WorkerStatus,
+)
+
+#: Heartbeats are sent from here on; rollouts are issued before it, 60 s apart.
+NOW: Final = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
+ISSUE_EVERY: Final = timedelta(seconds=60)
+BATCH: Final = 5000
+
+
+def worker_ids(n: int) -> list[str]:
+    return [f"w{i:05d}" for i in range(n)]
+
+
+def heartbeat(worker_id: str, index: int, sent: datetime, version: str) -> Heartbeat:
+    return Heartbeat(
+        worker_id=worker_id,
+        labels={"model": "big", "zone": f"z{index % 4}"},
+        runner="fake",
+        device="cpu",
+        status=WorkerStatus.BUSY if index % 10 == 0 else WorkerStatus.READY,
+        weights_version=version,
+        config_digest=f"cfg{index % 3}",
+        seq=int(sent.timestamp()),
+        sent_at=sent,
+        started_at=sent - timedelta(hours=1),
+        interval_s=3.0,
+    )
+
+
+def rollout_command(index: int, rollouts: int, ids: list[str]) -> Command:
+    issued = NOW - ISSUE_EVERY * (rollouts - index)
+    return Command(
+        command_id=f"c{index:04d}",
+        rollout_id=f"r{index:04d}",
+        issued_at=issued,
+        expires_at=issued + timedelta(days=1),
+        issuer="scale",
+        selector=Selector(worker_ids=ids),
+        spec=ReloadWeightsSpec(path=f"/ckpt/v{index}", version=f"v{index}"),
+    )
+
+
+def _acks(command: Command, worker_id: str, states: tuple[AckState, ...], failed: bool) -> Iterator[FastAck]:
+    t = command.issued_at + timedelta(seconds=1)
+    for state in states:
+        error = None
+        if failed and state is AckState.SUCCEEDED:
+            state, error = AckState.FAILED, FastAckError("RUNNER_FAILED", "out of memory", False)
+        yield FastAck(
+            schema_version=1,
+            command_id=command.command_id,
+            rollout_id=command.rollout_id,
+            worker_id=worker_id,
+            state=state,
+            timings=FastTimings(t, t, t if state.terminal else None),
+            sent_at=t,
+            kind=CommandKind.RELOAD_WEIGHTS,
+            weights_version=command.spec.version if state is AckState.SUCCEEDED else None,  # type: ignore[union-attr]
+            config_digest=None,
+            error=error,
+            attempt=1,
+            result={},
+        )
+
+
+def _fold(coordinator: Coordinator, batch: Batch) -> None:
+    """What the follower does with one fetch: fold, then tell the listeners."""
+    fleet = coordinator.fleet
+    for command in batch.commands:
+        fleet.observe_command(command)
+    for ack in batch.acks:
+        fleet.observe_ack(ack)
+    for hb in batch.heartbeats:
+        fleet.observe_heartbeat(hb)
+    for listener in coordinator.follower.listeners:
+        listener(batch)
+
+
+def build(coordinator: Coordinator, *, workers: int, rollouts: int, active: int = 2) -> None:
+    """Fold the synthetic fleet into ``coordinator`` (see the module's docstring)."""
+    ids = worker_ids(workers)
+    done = (AckState.ACCEPTED, AckState.RUNNING, AckState.SUCCEEDED)
+    for r in range(rollouts):
+        command = rollout_command(r, rollouts, ids)
+        batch = Batch()
+        batch.commands.append(command)
+        in_progress = r >= rollouts - active
+        for i, worker_id in enumerate(ids):
+            states = (AckState.ACCEPTED, AckState.RUNNING) if in_progress and i % 2 else done
+            batch.acks.extend(_acks(command, worker_id, states, failed=r == 0 and i % 50 == 0))
+            if len(batch.acks) >= BATCH:
+                _fold(coordinator, batch)
+                batch = Batch()
+        _fold(coordinator, batch)
+    finished = max(0, rollouts - active - 1)
+    batch = Batch()
+    for i, worker_id in enumerate(ids):
+        batch.heartbeats.append(heartbeat(worker_id, i, NOW, f"v{finished}"))
+        if len(batch.heartbeats) >= BATCH:
+            _fold(coordinator, batch)
+            batch = Batch()
+    _fold(coordinator, batch)
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+async def _measure(workers: int, rollouts: int, repeat: int) -> None:
+    import httpx
+    from pydantic import SecretStr
+
+    from controlplane.api.app import create_app
+    from controlplane.coordinator.service import CoordinatorSettings
+    from controlplane.kafka.settings import KafkaSettings
+
+    now = NOW + timedelta(seconds=1)
+    settings = CoordinatorSettings(
+        kafka=KafkaSettings(bootstrap_servers="127.0.0.1:9"), api_token=SecretStr("x")
+    )
+    coordinator = Coordinator(settings, clock=lambda: now, current_as_of=lambda: now)
+    coordinator.follower.caught_up.set()
+    app = create_app(coordinator)
+    started = time.perf_counter()
+    build(coordinator, workers=workers, rollouts=rollouts)
+    print(f"built {workers} workers x {rollouts} rollouts in {time.perf_counter() - started:.1f} s")
+    last = f"r{rollouts - 1:04d}"
+    paths = [
+        "/api/v1/summary",
+        f"/api/v1/rollouts/{last}/summary",
+        "/api/v1/rollouts?limit=50",
+        "/api/v1/workers?limit=100",
+        f"/api/v1/rollouts/{last}/workers?limit=100",
+        f"/api/v1/rollouts/{last}",
+        "/metrics",
+        "/healthz",
+    ]
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://c", timeout=600) as client:
+        for path in paths:
+            times, size = [], 0
+            for _ in range(repeat):
+                t = time.perf_counter()
+                response = await client.get(path)
+                times.append(time.perf_counter() - t)
+                size = len(response.content)
+            times.sort()
+            p99 = times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]
+            print(
+                f"{path:48s} {response.status_code}  p50 {1000 * statistics.median(times):8.1f} ms"
+                f"  p99 {1000 * p99:8.1f} ms  {size / 1024:9.1f} KiB"
+            )
+    await coordinator.stop()
+
+
+if __name__ == "__main__":
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 10_000
+    r = int(sys.argv[2]) if len(sys.argv) > 2 else 100
+    asyncio.run(_measure(n, r, int(sys.argv[3]) if len(sys.argv) > 3 else 20))
