@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError, for_code
+from aiokafka.protocol.api import Request, RequestStruct, Response
+from aiokafka.protocol.types import Array, Boolean, Int8, Int16, Int32, Schema, String
 
 from controlplane.kafka.client import (
     ClientLifecycle,
@@ -21,9 +24,10 @@ from controlplane.kafka.client import (
 from controlplane.kafka.health import health
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.errors import BusError, LocalCode, TopicMismatch
-from controlplane.wire.topics import Topics, TopicSpec
+from controlplane.wire.topics import TUNED_IN_PLACE, Topics, TopicSpec
 
 R = TypeVar("R")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,21 @@ class EnsureReport:
     #: What the created topics got and the existing ones were checked against.
     replication_factor: int | None = None
     min_insync_replicas: int | None = None
+    #: Configs of existing topics set in place (``TUNED_IN_PLACE``): "topic: key old -> new".
+    altered: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Differing:
+    """One config of an existing topic that is not what this version needs."""
+
+    topic: str
+    key: str
+    have: str | None
+    want: str
+
+    def __str__(self) -> str:
+        return f"{self.topic}: {self.key}={self.have}, expected {self.want}"
 
 
 @dataclass(frozen=True)
@@ -142,10 +161,15 @@ class Admin(ClientLifecycle):
                     if {c for _, c, _ in _topic_errors(resp)} & {38, 40}
                     else LocalCode.KAFKA_ERROR,
                 )
-        # Whatever we did not create ourselves is checked against what we need.
+        # Whatever we did not create ourselves is checked against what we need; configs that
+        # only tune segments and the cleaner are set in place, the rest is reported.
         present = [s for s in specs if s.name in existing]
         missing = [s for s in missing if s.name not in existing]
-        differences = await self._differences(present) if present else []
+        differences, configs = await self._differences(present) if present else ([], [])
+        tunable = [d for d in configs if d.key in TUNED_IN_PLACE]
+        differences += [str(d) for d in configs if d.key not in TUNED_IN_PLACE]
+        altered, refused = await self._alter_in_place(tunable) if tunable else ([], [])
+        differences += refused
         if differences:
             hints = []
             if any("=" in d for d in differences):
@@ -160,10 +184,12 @@ class Admin(ClientLifecycle):
                     "(kafka-reassign-partitions.sh --bootstrap-server HOST:PORT "
                     "--reassignment-json-file FILE --execute), or by recreating the topic"
                 )
+            done = "".join(f"\n  set in place: {a}" for a in altered)
             raise TopicMismatch(
                 "existing topics differ from what this version needs:\n  "
                 + "\n  ".join(differences)
-                + "".join(f"\n  {h}" for h in hints),
+                + "".join(f"\n  {h}" for h in hints)
+                + done,
                 differences=differences,
             )
         return EnsureReport(
@@ -171,7 +197,45 @@ class Admin(ClientLifecycle):
             existing=[s.name for s in present],
             replication_factor=rf,
             min_insync_replicas=min_isr,
+            altered=altered,
         )
+
+    async def _alter_in_place(self, configs: list[_Differing]) -> tuple[list[str], list[str]]:
+        """Set ``configs`` (only ``TUNED_IN_PLACE`` ones: when segments roll and the cleaner
+        runs) on their existing topics with IncrementalAlterConfigs, which changes only the
+        keys named (the legacy AlterConfigs would reset every other override of the topic).
+        Returns what was set ("topic: key old -> new") and, as differences to report, what the
+        cluster refused (no ALTER_CONFIGS permission, a policy), with its reason."""
+        by_topic: dict[str, list[_Differing]] = {}
+        for d in configs:
+            by_topic.setdefault(d.topic, []).append(d)
+        request = _IncrementalAlterConfigs(
+            [
+                (int(ConfigResourceType.TOPIC), topic, [(d.key, _SET, d.want) for d in diffs])
+                for topic, diffs in by_topic.items()
+            ]
+        )
+        try:
+            response = await self._retrying(
+                "altering topic configs", lambda: self._admin._send_request(request)
+            )
+        except BusError as exc:
+            return [], [f"{d} (not set in place: {exc.message})" for d in configs]
+        errors = {
+            name: (code, message) for code, message, _, name in response.responses if code != 0
+        }
+        altered: list[str] = []
+        refused: list[str] = []
+        for topic, diffs in by_topic.items():
+            if topic in errors:
+                code, message = errors[topic]
+                why = f"{_kafka_error_name(code)}: {message or ''}".strip().rstrip(":")
+                refused += [f"{d} (not set in place: {why})" for d in diffs]
+                continue
+            for d in diffs:
+                altered.append(f"{d.topic}: {d.key} {d.have} -> {d.want}")
+                log.warning("topic %s: %s set in place, %s -> %s", d.topic, d.key, d.have, d.want)
+        return altered, refused
 
     async def _default_replication_factor(self) -> int:
         """The cluster's ``default.replication.factor``, as one of its brokers reports it."""
@@ -210,7 +274,8 @@ class Admin(ClientLifecycle):
                         return int(entry[1])
         raise BusError(f"the cluster did not report {key}")
 
-    async def _differences(self, specs: list[TopicSpec]) -> list[str]:
+    async def _differences(self, specs: list[TopicSpec]) -> tuple[list[str], list[_Differing]]:
+        """How existing topics differ: partitions and replication (text), and configs."""
         # A topic created a moment ago (by someone else) may not be described yet: no partitions,
         # no configs. Wait for it briefly rather than report a mismatch that is not there.
         for _ in range(40):
@@ -219,6 +284,7 @@ class Admin(ClientLifecycle):
                 break
             await asyncio.sleep(0.25)
         diffs: list[str] = []
+        configs: list[_Differing] = []
         for s in specs:
             replicas = partitions.get(s.name)
             if replicas and len(replicas) != s.partitions:
@@ -238,8 +304,8 @@ class Admin(ClientLifecycle):
             for key, want in s.config.items():
                 got = actual_cfg.get(s.name, {}).get(key)
                 if got != want:
-                    diffs.append(f"{s.name}: {key}={got}, expected {want}")
-        return diffs
+                    configs.append(_Differing(s.name, key, got, want))
+        return diffs, configs
 
     async def _describe(
         self, specs: list[TopicSpec]
@@ -264,6 +330,69 @@ class Admin(ClientLifecycle):
                 if error_code == 0 and entries:
                     actual_cfg[name] = {e[0]: e[1] for e in entries}
         return partitions, actual_cfg
+
+
+# --------------------------------------------------------------------------- IncrementalAlterConfigs
+#
+# aiokafka 0.14 speaks only the legacy AlterConfigs (API 33), which replaces a resource's
+# whole set of overrides. IncrementalAlterConfigs (API 44, Kafka 2.3+) v0, as the protocol
+# defines it (non-flexible: v1 is the flexible one).
+
+#: The SET operation of an IncrementalAlterConfigs entry (1 DELETE, 2 APPEND, 3 SUBTRACT).
+_SET = 0
+
+
+class _IncrementalAlterConfigsResponse_v0(Response):  # type: ignore[misc]
+    API_KEY = 44
+    API_VERSION = 0
+    SCHEMA = Schema(
+        ("throttle_time_ms", Int32),
+        (
+            "responses",
+            Array(
+                ("error_code", Int16),
+                ("error_message", String("utf-8")),
+                ("resource_type", Int8),
+                ("resource_name", String("utf-8")),
+            ),
+        ),
+    )
+
+
+class _IncrementalAlterConfigsRequest_v0(RequestStruct):  # type: ignore[misc]
+    API_KEY = 44
+    API_VERSION = 0
+    RESPONSE_TYPE = _IncrementalAlterConfigsResponse_v0
+    SCHEMA = Schema(
+        (
+            "resources",
+            Array(
+                ("resource_type", Int8),
+                ("resource_name", String("utf-8")),
+                (
+                    "configs",
+                    Array(
+                        ("name", String("utf-8")),
+                        ("config_operation", Int8),
+                        ("value", String("utf-8")),
+                    ),
+                ),
+            ),
+        ),
+        ("validate_only", Boolean),
+    )
+
+
+class _IncrementalAlterConfigs(Request[_IncrementalAlterConfigsRequest_v0]):  # type: ignore[misc]
+    API_KEY = 44
+
+    def __init__(self, resources: list[tuple[int, str, list[tuple[str, int, str]]]]) -> None:
+        self._resources = resources
+
+    def build(
+        self, request_struct_class: type[_IncrementalAlterConfigsRequest_v0]
+    ) -> _IncrementalAlterConfigsRequest_v0:
+        return request_struct_class(self._resources, False)
 
 
 def _kafka_error_name(code: int) -> str:

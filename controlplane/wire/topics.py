@@ -13,7 +13,26 @@ from dataclasses import dataclass, field, replace
 from typing import Final
 
 DEFAULT_PREFIX: Final = "fleet"
-DAY_MS: Final = 24 * 60 * 60 * 1000
+MINUTE_MS: Final = 60 * 1000
+HOUR_MS: Final = 60 * MINUTE_MS
+DAY_MS: Final = 24 * HOUR_MS
+MIB: Final = 1024 * 1024
+
+#: Topic configs that only say when segments roll and when the log cleaner may run: changing
+#: them on a live topic changes no record a reader is given (compaction keeps each key's latest
+#: either way), so ``topics ensure`` sets them in place on an existing topic that differs.
+#: Anything else that differs (cleanup policy, retention, timestamp type, replication) is
+#: reported for the operator to change.
+TUNED_IN_PLACE: Final = frozenset(
+    {
+        "segment.ms",
+        "segment.bytes",
+        "min.cleanable.dirty.ratio",
+        "delete.retention.ms",
+        "min.compaction.lag.ms",
+        "max.compaction.lag.ms",
+    }
+)
 
 
 def default_min_insync_replicas(replication_factor: int) -> int:
@@ -50,6 +69,10 @@ class Topics:
     min_insync_replicas: int | None = None
     #: How long commands and acks are kept; the coordinator rebuilds status from them on start.
     retention_ms: int = 30 * DAY_MS
+    #: The workers topic's active segment rolls after this long or this size, whichever comes
+    #: first; only rolled segments are compacted (see :attr:`workers`).
+    workers_segment_ms: int = MINUTE_MS
+    workers_segment_bytes: int = 8 * MIB
 
     def resolved(self, cluster_default_replication_factor: int) -> Topics:
         """These topics with a concrete replication factor (the cluster's when none is set)."""
@@ -107,17 +130,33 @@ class Topics:
 
     @property
     def workers(self) -> TopicSpec:
-        # Compacted, keyed by worker id: the latest heartbeat of each worker survives.
-        # LogAppendTime: each heartbeat carries the broker's clock when it was appended, which
-        # the readers judge liveness by (a worker's own clock may be off; the follower falls
-        # back to its own clock at the fetch on a topic without it).
+        """Compacted, keyed by worker id: the latest heartbeat of each worker survives, so a
+        reader replays about one record per worker plus what the cleaner has not reached yet.
+
+        The log cleaner never compacts the active segment, and checks for dirty logs every
+        ``log.cleaner.backoff.ms`` (a broker setting, 15 s by default). So the segment rolls
+        after :attr:`workers_segment_ms` (1 minute; Kafka 4.1 accepts 1 ms and up) or
+        :attr:`workers_segment_bytes` (8 MiB; at least 1 MiB): 10,000 workers beating every
+        3 s fill 8 MiB in a few seconds, instead of the 1 GiB default (hours of heartbeats,
+        millions of records). ``min.cleanable.dirty.ratio`` 0.1: nearly every record of a
+        rolled segment is superseded, so it is cleaned as soon as it is a tenth of the log.
+        ``delete.retention.ms`` 1 hour: the tombstone of a worker gone for good is dropped an
+        hour after its segment is cleaned (a reader must finish a replay within that to see
+        it; the default is a day). ``min.compaction.lag.ms`` stays 0: a reader needs only each
+        worker's latest heartbeat.
+
+        LogAppendTime: each heartbeat carries the broker's clock when it was appended, which
+        the readers judge liveness by (a worker's own clock may be off; the follower falls
+        back to its own clock at the fetch on a topic without it)."""
         return TopicSpec(
             f"{self.prefix}.workers",
             1,
             {
                 "cleanup.policy": "compact",
                 "min.cleanable.dirty.ratio": "0.1",
-                "segment.ms": str(60 * 60 * 1000),
+                "segment.ms": str(self.workers_segment_ms),
+                "segment.bytes": str(self.workers_segment_bytes),
+                "delete.retention.ms": str(HOUR_MS),
                 "message.timestamp.type": "LogAppendTime",
                 **self._durability(no_unclean_election=False),
             },
