@@ -43,6 +43,7 @@ from controlplane.wire.messages import (
     Sha256Hex,
     Timestamp,
     WireModel,
+    WorkerIds,
     _finite_json,
 )
 
@@ -294,7 +295,7 @@ class RolloutState(WireModel):
     revision: Annotated[int, Field(ge=0)]
     phase: ControlPhase
     #: The waves, planned once when the rollout started: worker ids, canary first.
-    waves: list[list[Identifier]] = Field(default_factory=list)
+    waves: list[WorkerIds] = Field(default_factory=list)
     #: The wave in progress (``len(waves)`` once every wave passed).
     wave: Annotated[int, Field(ge=0)] = 0
     #: The batch in progress within the wave (batches of ``max_unavailable``).
@@ -308,12 +309,12 @@ class RolloutState(WireModel):
     healthy_at: Timestamp | None = None
     #: Promote actions consumed (each one releases one manual pause).
     promoted: Annotated[int, Field(ge=0)] = 0
-    failed: list[Identifier] = Field(default_factory=list)
+    failed: WorkerIds = Field(default_factory=list)
     gates: list[GateResult] = Field(default_factory=list)
     #: The target's stable state when the rollout started: what a rollback reloads.
     previous: Desired | None = None
     #: Workers to put back on ``previous``, in batches, once aborted with rollback.
-    rollback: list[list[Identifier]] = Field(default_factory=list)
+    rollback: list[WorkerIds] = Field(default_factory=list)
     rollback_batch: Annotated[int, Field(ge=0)] = 0
     code: str | None = None
     message: Annotated[str, StringConstraints(max_length=4096)] = ""

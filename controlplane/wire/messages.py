@@ -23,11 +23,14 @@ from pydantic import (
     GetCoreSchemaHandler,
     GetPydanticSchema,
     JsonValue,
+    PlainSerializer,
     StringConstraints,
+    WithJsonSchema,
     model_validator,
 )
 from pydantic_core import CoreSchema, core_schema
 
+from controlplane.wire import packed
 from controlplane.wire.errors import WireCode
 
 SCHEMA_VERSION: Final = 1
@@ -111,6 +114,14 @@ def _finite_json(value: dict[str, Any]) -> dict[str, Any]:
 
 
 Identifier = Annotated[str, StringConstraints(pattern=rf"^{IDENTIFIER}$")]
+#: A list of worker ids that may be long (a command pinned to a fleet, a rollout's waves): on the
+#: wire, more than ``packed.PACK_MIN_IDS`` of them go packed (controlplane/wire/packed.py).
+WorkerIds = Annotated[
+    list[Identifier],
+    BeforeValidator(packed.unpack_wire),
+    PlainSerializer(packed.pack_wire, return_type=Any, when_used="json"),
+    WithJsonSchema(packed.json_schema({"type": "string", "pattern": rf"^{IDENTIFIER}$"})),
+]
 LabelKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")]
 LabelValue = Annotated[str, StringConstraints(max_length=63)]
 #: pydantic renders constrained keys as patternProperties, which alone let other keys through.
@@ -185,8 +196,9 @@ class CommandKind(StrEnum):
 class Selector(WireModel):
     """Which workers a command is for. Every given field must match; an empty selector matches all."""
 
-    worker_ids: list[Identifier] | None = Field(
-        default=None, description="Exact worker ids; omitted means any worker id."
+    worker_ids: WorkerIds | None = Field(
+        default=None,
+        description="Exact worker ids (more than 1000: packed); omitted means any worker id.",
     )
     labels: Labels = Field(
         default_factory=dict, description="Every label must be present with this exact value."

@@ -268,3 +268,21 @@ async def test_ttl_too_long_and_issued_in_the_future_are_refused(
     assert early.state is AckState.REJECTED
     assert early.error is not None and early.error.code == "ISSUED_IN_FUTURE"
     assert runner.applied == ["v-skewed", "v-long"]
+
+
+async def test_a_command_pinned_to_a_packed_fleet_reaches_its_workers_only(
+    kafka: KafkaSettings, tmp_path: Path, weights: Path
+) -> None:
+    """Past 1,000 ids the selector goes packed on the wire (docs/wire.md): the agent unpacks it
+    and applies a command whose set holds it, and ignores one whose set does not."""
+    fleet = [f"other-{i:05d}" for i in range(3000)]
+    runner = RecordingRunner()
+    async with running_agent(kafka, tmp_path, runner), acks_tail(kafka) as acks:
+        not_me = reload(weights, "v-not-me", selector=Selector(worker_ids=fleet))
+        mine = reload(weights, "v-packed", selector=Selector(worker_ids=sorted([*fleet, "w1"])))
+        await publish(kafka, not_me, mine)
+        await acks.until(has_terminal(mine.command_id))
+    assert not [a for a in acks.items if a.command_id == not_me.command_id]
+    (final,) = terminal(acks.items, mine.command_id)
+    assert final.state is AckState.SUCCEEDED
+    assert runner.applied == ["v-packed"]
