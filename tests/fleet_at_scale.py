@@ -75,7 +75,9 @@ def rollout_command(index: int, rollouts: int, ids: list[str]) -> Command:
     )
 
 
-def _acks(command: Command, worker_id: str, states: tuple[AckState, ...], failed: bool) -> Iterator[FastAck]:
+def _acks(
+    command: Command, worker_id: str, states: tuple[AckState, ...], failed: bool
+) -> Iterator[FastAck]:
     t = command.issued_at + timedelta(seconds=1)
     for state in states:
         error = None
@@ -111,13 +113,16 @@ def _fold(coordinator: Coordinator, batch: Batch) -> None:
         listener(batch)
 
 
-def build(coordinator: Coordinator, *, workers: int, rollouts: int, active: int = 2) -> None:
-    """Fold the synthetic fleet into ``coordinator`` (see the module's docstring)."""
+def build(
+    coordinator: Coordinator, *, workers: int, rollouts: int, active: int = 2, replay: bool = False
+) -> None:
+    """Fold the synthetic fleet into ``coordinator`` (see the module's docstring); ``replay``:
+    as the batches of a coordinator reading the log before it caught up."""
     ids = worker_ids(workers)
     done = (AckState.ACCEPTED, AckState.RUNNING, AckState.SUCCEEDED)
     for r in range(rollouts):
         command = rollout_command(r, rollouts, ids)
-        batch = Batch()
+        batch = Batch(replay=replay)
         batch.commands.append(command)
         in_progress = r >= rollouts - active
         for i, worker_id in enumerate(ids):
@@ -125,22 +130,33 @@ def build(coordinator: Coordinator, *, workers: int, rollouts: int, active: int 
             batch.acks.extend(_acks(command, worker_id, states, failed=r == 0 and i % 50 == 0))
             if len(batch.acks) >= BATCH:
                 _fold(coordinator, batch)
-                batch = Batch()
+                batch = Batch(replay=replay)
         _fold(coordinator, batch)
     finished = max(0, rollouts - active - 1)
-    batch = Batch()
+    batch = Batch(replay=replay)
     for i, worker_id in enumerate(ids):
         batch.heartbeats.append(heartbeat(worker_id, i, NOW, f"v{finished}"))
         if len(batch.heartbeats) >= BATCH:
             _fold(coordinator, batch)
-            batch = Batch()
+            batch = Batch(replay=replay)
     _fold(coordinator, batch)
+
+
+#: What the dashboard fetches for one update (controlplane/api/static/dashboard.html).
+def dashboard_paths(selected: str) -> list[str]:
+    return [
+        "/healthz",
+        "/api/v1/summary",
+        "/api/v1/rollouts?limit=25",
+        "/api/v1/workers?limit=50",
+        f"/api/v1/rollouts/{selected}/workers?limit=50",
+    ]
 
 
 # --------------------------------------------------------------------------- measuring
 
 
-async def _measure(workers: int, rollouts: int, repeat: int) -> None:
+async def _measure(workers: int, rollouts: int, rounds: int) -> None:
     import httpx
     from pydantic import SecretStr
 
@@ -148,16 +164,44 @@ async def _measure(workers: int, rollouts: int, repeat: int) -> None:
     from controlplane.coordinator.service import CoordinatorSettings
     from controlplane.kafka.settings import KafkaSettings
 
-    now = NOW + timedelta(seconds=1)
+    origin = [time.monotonic()]
+
+    def clock() -> datetime:  # the judge time runs with the wall clock from NOW on
+        return NOW + timedelta(seconds=time.monotonic() - origin[0])
+
     settings = CoordinatorSettings(
         kafka=KafkaSettings(bootstrap_servers="127.0.0.1:9"), api_token=SecretStr("x")
     )
-    coordinator = Coordinator(settings, clock=lambda: now, current_as_of=lambda: now)
-    coordinator.follower.caught_up.set()
+    coordinator = Coordinator(settings, clock=clock, current_as_of=clock)
     app = create_app(coordinator)
     started = time.perf_counter()
-    build(coordinator, workers=workers, rollouts=rollouts)
+    build(coordinator, workers=workers, rollouts=rollouts, replay=True)
     print(f"built {workers} workers x {rollouts} rollouts in {time.perf_counter() - started:.1f} s")
+    origin[0] = time.monotonic()
+    coordinator.follower.caught_up.set()
+    ids = worker_ids(workers)
+
+    async def heartbeats() -> None:  # every worker every 3 s: 1,000 every 0.3 s
+        i = 0
+        while True:
+            batch = Batch()
+            for _ in range(min(1000, workers)):
+                worker_id = ids[i % workers]
+                batch.heartbeats.append(heartbeat(worker_id, i % workers, clock(), "v1"))
+                i += 1
+            _fold(coordinator, batch)
+            await asyncio.sleep(0.3)
+
+    health: list[float] = []
+
+    async def probe(client: httpx.AsyncClient) -> None:
+        """/healthz every 50 ms: how late its answer is (the loop busy elsewhere counts)."""
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.05)
+            await client.get("/healthz")
+            health.append(time.perf_counter() - t - 0.05)
+
     last = f"r{rollouts - 1:04d}"
     paths = [
         "/api/v1/summary",
@@ -165,29 +209,53 @@ async def _measure(workers: int, rollouts: int, repeat: int) -> None:
         "/api/v1/rollouts?limit=50",
         "/api/v1/workers?limit=100",
         f"/api/v1/rollouts/{last}/workers?limit=100",
-        f"/api/v1/rollouts/{last}",
+        f"/api/v1/rollouts/{last}?workers_limit=100",
         "/metrics",
-        "/healthz",
     ]
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://c", timeout=600) as client:
-        for path in paths:
-            times, size = [], 0
-            for _ in range(repeat):
+        feeder = asyncio.create_task(heartbeats())
+        await asyncio.sleep(0)
+        prober = asyncio.create_task(probe(client))
+        t = time.perf_counter()
+        first = await client.get("/api/v1/summary")
+        print(
+            f"first /api/v1/summary after ready: {time.perf_counter() - t:.2f} s "
+            f"({first.status_code}); /healthz meanwhile: max {1000 * max(health or [0]):.0f} ms"
+        )
+        health.clear()
+        times: dict[str, list[float]] = {p: [] for p in paths}
+        sizes: dict[str, int] = {}
+        for _ in range(rounds):
+            for path in paths:
                 t = time.perf_counter()
                 response = await client.get(path)
-                times.append(time.perf_counter() - t)
-                size = len(response.content)
-            times.sort()
-            p99 = times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]
+                times[path].append(time.perf_counter() - t)
+                sizes[path] = len(response.content)
+                assert response.status_code == 200, (path, response.text[:300])
+                await asyncio.sleep(0.05)
+        for path in paths:
+            got = sorted(times[path])
+            p99 = got[min(len(got) - 1, round(0.99 * (len(got) - 1)))]
             print(
-                f"{path:48s} {response.status_code}  p50 {1000 * statistics.median(times):8.1f} ms"
-                f"  p99 {1000 * p99:8.1f} ms  {size / 1024:9.1f} KiB"
+                f"{path:48s} p50 {1000 * statistics.median(got):7.1f} ms  p99 {1000 * p99:7.1f} ms"
+                f"  {sizes[path] / 1024:8.1f} KiB"
             )
+        update = 0
+        for path in dashboard_paths(last):
+            update += len((await client.get(path)).content)
+        print(f"one dashboard update: {update / 1024:.1f} KiB")
+        print(
+            f"/healthz while serving: p50 {1000 * statistics.median(health):.1f} ms, "
+            f"max {1000 * max(health):.0f} ms ({len(health)} probes)"
+        )
+        feeder.cancel()
+        prober.cancel()
+    app.state.summaries.close()
     await coordinator.stop()
 
 
 if __name__ == "__main__":
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 10_000
     r = int(sys.argv[2]) if len(sys.argv) > 2 else 100
-    asyncio.run(_measure(n, r, int(sys.argv[3]) if len(sys.argv) > 3 else 20))
+    asyncio.run(_measure(n, r, int(sys.argv[3]) if len(sys.argv) > 3 else 40))

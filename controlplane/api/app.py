@@ -53,8 +53,8 @@ from controlplane.coordinator.metrics import CONTENT_TYPE, CoordinatorMetrics
 from controlplane.coordinator.publisher import PublishUnconfirmed
 from controlplane.coordinator.service import RESYNC, Coordinator
 from controlplane.coordinator.summary import (
+    NO_DESIRE,
     Budget,
-    Desire,
     FleetSummary,
     Levels,
     RolloutOverview,
@@ -287,6 +287,12 @@ def create_app(
     @app.get(
         f"{API}/rollouts/{{rollout_id}}",
         summary="One rollout's status; its workers by id, the first `workers_limit` of them",
+        description=(
+            "The rollout's status as `controlplane status --json` prints it. Beyond "
+            "`workers_limit` workers (1000 unless told), `workers` lists the first ones and "
+            "`workers_next` says where the others are (absent when `workers` lists them all)."
+        ),
+        response_model=RolloutOut,
         responses=not_found,
         dependencies=ready,
     )
@@ -300,8 +306,9 @@ def create_app(
                 description="How many of its workers to list (by id); `workers_next` pages on.",
             ),
         ] = PAGE_MAX,
-    ) -> RolloutOut:
-        return rollout_out(await status_or_404(rollout_id), workers_limit)
+    ) -> Response:
+        shown = rollout_out(await status_or_404(rollout_id, Want.BOUNDED), workers_limit)
+        return Response(rollout_json(shown), media_type="application/json")
 
     @app.get(
         f"{API}/rollouts/{{rollout_id}}/summary",
@@ -508,7 +515,7 @@ def create_app(
                 return False
             if labels and (hb is None or any(hb.labels.get(k) != v for k, v in labels.items())):
                 return False
-            want = levels.desired.get(worker_id, _NO_DESIRE)
+            want = levels.desired.get(worker_id, NO_DESIRE)
             return in_sync is None or in_sync_with(want, hb) is in_sync
 
         page = _page(request, response, ids, after, limit, keep, str)
@@ -589,7 +596,6 @@ async def _failed(delivery: Delivery) -> bool:
     return False
 
 
-_NO_DESIRE: Final = Desire(None, None)
 Item = TypeVar("Item")
 
 
@@ -636,7 +642,7 @@ def _parse_time(value: str) -> datetime:
 def _worker_out(worker_id: str, levels: Levels, registry: Registry, now: datetime) -> WorkerOut:
     """A worker's level: a worker of a target is judged against what the target says it
     should run (docs/progressive.md); any other, against the latest reload rollout for it."""
-    want = levels.desired.get(worker_id, _NO_DESIRE)
+    want = levels.desired.get(worker_id, NO_DESIRE)
     hb, received = registry.entry(worker_id) or (None, None)
     return WorkerOut(
         worker_id=worker_id,
@@ -658,6 +664,15 @@ def _rollout_rows(status: RolloutStatus) -> Sequence[tuple[WorkerDetail, bool]]:
         rows.extend((w, True) for w in status.unexpected)
         rows.sort(key=lambda r: r[0].worker_id)
     return rows
+
+
+def rollout_json(shown: RolloutOut, *, exclude: set[str] | None = None) -> str:
+    """``shown`` as JSON; without ``workers_next`` when every worker is listed: exactly the
+    RolloutStatus that ``controlplane status --json`` prints."""
+    skip = set(exclude or ())
+    if shown.workers_next is None:
+        skip.add("workers_next")
+    return shown.model_dump_json(exclude=skip)
 
 
 def rollout_out(status: RolloutStatus, workers_limit: int) -> RolloutOut:
@@ -755,13 +770,11 @@ async def _status_events(
             if status is not held:  # the same judgment again: nothing to compare
                 held = status
                 shown = rollout_out(status, PAGE_MAX)
-                seen = shown.model_dump_json(exclude={"as_of"})
+                seen = rollout_json(shown, exclude={"as_of"})
                 if seen != last:
                     last = seen
                     sent += 1
-                    yield ServerSentEvent(
-                        data=shown.model_dump_json(), event="status", id=str(sent)
-                    )
+                    yield ServerSentEvent(data=rollout_json(shown), event="status", id=str(sent))
             if status.terminal:
                 end = {
                     "rollout_id": rollout_id,

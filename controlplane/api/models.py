@@ -208,7 +208,7 @@ class RolloutOut(RolloutStatus):
     workers_next: str | None = Field(
         default=None,
         description="The next page of this rollout's workers (GET /rollouts/{id}/workers); "
-        "null when `workers` lists them all.",
+        "absent when `workers` lists them all.",
     )
 
 

@@ -270,7 +270,7 @@ class _FleetCollector(Collector):
                 "controlplane_workers_in_sync",
                 "Workers reporting the weights version desired for them (a target's, for "
                 "its workers), as last judged.",
-                levels.in_sync,
+                workers.in_sync,
             ),
             (
                 "controlplane_workers_degraded",

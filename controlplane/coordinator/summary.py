@@ -27,9 +27,10 @@ import asyncio
 import bisect
 import collections
 import contextlib
+import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from enum import Enum
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, computed_field
 
 from controlplane.coordinator.follower import Batch
+from controlplane.kafka.client import collector_paused
 from controlplane.rollout.desired import Alignment, targets_status
 from controlplane.rollout.models import (
     Anomaly,
@@ -59,6 +61,12 @@ MAX_AGE_S: Final = 1.0
 MAX_STALE_S: Final = 3.0
 #: Full statuses (every worker's detail) kept for the rollouts whose workers were read last.
 KEEP_FULL: Final = 8
+#: An entry read within this many seconds is judged again in the background as it ages, so
+#: that its readers (a dashboard, a Prometheus scrape) never wait for a judgment.
+KEEP_WARM_S: Final = 60.0
+#: The background task sleeps this many times what its last judgment cost before the next:
+#: it takes at most a quarter of the event loop.
+IDLE_PER_COST: Final = 3.0
 #: Anomalies an overview lists (``anomalies_total`` counts them all).
 MAX_ANOMALIES: Final = 20
 
@@ -254,7 +262,7 @@ class _Facts:
         stopped = hb.status is WorkerStatus.STOPPED
         return cls(
             hb.status.value,
-            hb.weights_version or "",
+            hb.weights_version or "",  # "" is no version (a version is never empty)
             hb.config_digest or "",
             hb.degraded is not None,
             _NEVER if stopped else micros(lost_at(hb, received_at)),
@@ -283,6 +291,9 @@ class WorkerIndex:
         self._facts: dict[str, _Facts] = {}
         self._groups: dict[tuple[str, str], list[int]] = {}
         self._degraded = 0
+        #: What each worker should run (as last judged) and the known workers that do.
+        self._desired: Mapping[str, Desire] = {}
+        self._synced: set[str] = set()
         #: Every known worker id, sorted.
         self.ids: list[str] = []
 
@@ -299,6 +310,7 @@ class WorkerIndex:
             self._facts.clear()
             self._groups.clear()
             self._degraded = 0
+            self._synced.clear()
             self.ids.clear()
             for hb, received in self._registry.entries():
                 self._set(hb.worker_id, _Facts.of(hb, received))
@@ -317,6 +329,7 @@ class WorkerIndex:
         if facts is None:
             del self._facts[worker_id]
             del self.ids[bisect.bisect_left(self.ids, worker_id)]
+            self._synced.discard(worker_id)
             return
         if held is None:
             bisect.insort(self.ids, worker_id)
@@ -324,6 +337,31 @@ class WorkerIndex:
         for key in facts.groups():
             bisect.insort(self._groups.setdefault(key, []), facts.deadline)
         self._degraded += facts.degraded
+        self._judge_sync(worker_id, facts)
+
+    def _judge_sync(self, worker_id: str, facts: _Facts) -> None:
+        want = self._desired.get(worker_id, NO_DESIRE)
+        if want.in_sync is not None:
+            synced = want.in_sync
+        else:
+            synced = not facts.degraded and (want.version is None or facts.version == want.version)
+        if synced:
+            self._synced.add(worker_id)
+        else:
+            self._synced.discard(worker_id)
+
+    def set_desired(self, desired: Mapping[str, Desire]) -> None:
+        """What each worker should run, newly judged: which known workers are in sync (O(workers))."""
+        self.sync()
+        self._desired = desired
+        for worker_id, facts in self._facts.items():
+            self._judge_sync(worker_id, facts)
+
+    @property
+    def in_sync(self) -> int:
+        """Known workers that run what is desired for them (as last judged)."""
+        self.sync()
+        return len(self._synced)
 
     def __len__(self) -> int:
         self.sync()
@@ -356,7 +394,7 @@ class WorkerIndex:
             alive=total.alive,
             lost=total.workers - total.alive,
             degraded=self._degraded,
-            in_sync=None if levels is None else levels.in_sync,
+            in_sync=None if levels is None else len(self._synced),
             in_sync_as_of=None if levels is None else levels.as_of,
             never_seen=None if levels is None else len(levels.never_seen),
             by_status=by("status"),
@@ -380,6 +418,9 @@ class _Entry(Generic[T]):
     settled: bool = False
     #: Something was folded for it since.
     dirty: bool = False
+    #: time.monotonic() when a reader last asked for it: the background task keeps an entry
+    #: asked for within KEEP_WARM_S judged.
+    read: float = 0.0
 
 
 class Want(Enum):
@@ -411,6 +452,9 @@ class Desire:
     in_sync: bool | None = None
 
 
+NO_DESIRE: Final = Desire(None, None)
+
+
 @dataclass(frozen=True, slots=True)
 class Levels:
     """Desired against reported, for every worker, judged at ``as_of``."""
@@ -419,7 +463,6 @@ class Levels:
     desired: dict[str, Desire]
     #: Expected by a rollout, never heard from: sorted ids.
     never_seen: list[str]
-    in_sync: int
     #: Target name -> its members' counts by alignment.
     targets: dict[str, dict[Alignment, int]] = field(default_factory=dict)
 
@@ -453,6 +496,7 @@ class Summaries:
         self._compacted = 0
         self._wanted: dict[str, None] = {}
         self._task: asyncio.Task[None] | None = None
+        self._warmed = False
         #: Judgments made (Fleet.status or worker_levels calls): tests count them.
         self.judgments = 0
         coordinator.follower.listeners.append(self.on_batch)
@@ -472,6 +516,15 @@ class Summaries:
                     held.dirty = True
         if (changed or batch.control) and self._levels is not None:
             self._levels.dirty = True
+        if not self._warmed and not batch.replay and self._coordinator.ready:
+            # Caught up: judge every rollout once in the background, so that the first
+            # readers find them judged (a restart with a long history pays it here, one
+            # rollout at a time, not in one request).
+            self._warmed = True
+            for rollout_id in self._coordinator.fleet.rollout_ids():
+                if rollout_id not in self._rollouts:
+                    self._want(rollout_id)
+            self._want(_LEVELS)
 
     def close(self) -> None:
         """Stop judging in the background."""
@@ -565,23 +618,16 @@ class Summaries:
         """Desired versions of every worker, at most ``max_stale_s`` old."""
         budget = Budget() if budget is None else budget
         held = self._levels
-        if held is not None:
-            if self._fresh(held):
-                return held.value
-            if held.cost > budget.left:
-                self._want(_LEVELS)
-                if self.now() - held.as_of < self._max_stale:
-                    return held.value
+        if held is not None and self._servable(held, _LEVELS, Want.BOUNDED, budget):
+            return held.value
         await asyncio.sleep(self._turn(held))
         return self._judge_levels(budget)
 
     def levels_cached(self) -> Levels:
         """The desired levels as cached (judged now if they never were)."""
         held = self._levels
-        if held is None:
+        if held is None or not self._servable(held, _LEVELS, Want.CACHED, Budget(0.0)):
             return self._judge_levels(Budget(0.0))
-        if not self._fresh(held):
-            self._want(_LEVELS)
         return held.value
 
     def check_compaction(self) -> None:
@@ -612,14 +658,23 @@ class Summaries:
     ) -> _Entry[J] | None:
         """The cached entry to serve, or None: judge it now."""
         held = cache.get(rollout_id)
-        if held is None or self._fresh(held):
-            return held
-        if want is Want.FRESH or held.cost <= budget.left:
+        if held is None or not self._servable(held, rollout_id, want, budget):
             return None
-        self._want(rollout_id)
-        if want is Want.CACHED or self.now() - held.as_of < self._max_stale:
-            return held
-        return None
+        return held
+
+    def _servable(self, held: _Entry[Any], key: str, want: Want, budget: Budget) -> bool:
+        """Whether to serve ``held`` as it is (else the reader judges it now). Stale, it is
+        served when judging it again costs more than the reader's budget, and it was read
+        lately (the background task keeps it judged) or is younger than ``max_stale_s``."""
+        clock = time.monotonic()
+        hot = clock - held.read < KEEP_WARM_S
+        held.read = clock
+        if self._fresh(held):
+            return True
+        if want is Want.FRESH or held.cost <= budget.left:
+            return False
+        self._want(key)
+        return want is Want.CACHED or hot or self.now() - held.as_of < self._max_stale
 
     def _shown(self, entry: _Entry[J]) -> J:
         """A settled judgment holds at any later instant: shown as of now."""
@@ -628,33 +683,46 @@ class Summaries:
         return entry.value
 
     def _judge(
-        self, rollout_id: str, *, full: bool = False, budget: Budget | None = None
+        self,
+        rollout_id: str,
+        *,
+        full: bool = False,
+        budget: Budget | None = None,
+        reader: bool = True,
     ) -> tuple[RolloutOverview, RolloutStatus]:
+        """Judge the rollout now; ``reader``: for a reader (else for the background task)."""
         started = time.monotonic()
         now = self.now()
-        status = self._coordinator.fleet.status(rollout_id, now)
-        overview = RolloutOverview.of(status)
+        with collector_paused():  # no cycles made; a collection now would scan the whole heap
+            status = self._coordinator.fleet.status(rollout_id, now)
+            overview = RolloutOverview.of(status)
         judged = time.monotonic()
         self.judgments += 1
         cost = judged - started
         if budget is not None:
             budget.left -= cost
-        self._rollouts[rollout_id] = _Entry(overview, now, cost, judged, overview.settled)
+        held = self._rollouts.get(rollout_id)
+        read = judged if reader else (0.0 if held is None else held.read)
+        self._rollouts[rollout_id] = _Entry(
+            overview, now, cost, judged, overview.settled, read=read
+        )
         if full or rollout_id in self._full:
-            self._full[rollout_id] = _Entry(status, now, cost, judged, overview.settled)
+            self._full[rollout_id] = _Entry(status, now, cost, judged, overview.settled, read=read)
             self._full.move_to_end(rollout_id)
             while len(self._full) > self._keep_full:
                 self._full.popitem(last=False)
         self._wanted.pop(rollout_id, None)
         return overview, status
 
-    def _judge_levels(self, budget: Budget) -> Levels:
+    def _judge_levels(self, budget: Budget, *, reader: bool = True) -> Levels:
         coordinator = self._coordinator
         started = time.monotonic()
         now = self.now()
         registry = coordinator.fleet.registry
         desired: dict[str, Desire] = {}
-        for level in coordinator.fleet.worker_levels(now):
+        with collector_paused():
+            levels_now = coordinator.fleet.worker_levels(now)
+        for level in levels_now:
             desired[level.worker_id] = Desire(level.desired_version, level.desired_rollout_id)
         targets: dict[str, dict[Alignment, int]] = {}
         for target in targets_status(coordinator.control, coordinator.fleet, now):
@@ -669,19 +737,21 @@ class Summaries:
                         member.alignment is Alignment.IN_SYNC,
                     )
             targets[target.name] = counts
-        in_sync = 0
-        never_seen = []
-        for worker_id, want in desired.items():
-            hb = registry.latest(worker_id)
-            if hb is None:
-                never_seen.append(worker_id)
-            elif in_sync_with(want, hb):
-                in_sync += 1
-        levels = Levels(now, desired, sorted(never_seen), in_sync, targets)
+        never_seen = sorted(w for w in desired if w not in registry)
+        levels = Levels(now, desired, never_seen, targets)
+        self.workers.set_desired(desired)
+        # Without targets, what workers should run follows from the rollouts alone: settled
+        # once they all are (acks and commands make it dirty again).
+        fleet = coordinator.fleet
+        rollouts = fleet.rollout_ids()
+        settled = not targets and all(
+            (e := self._rollouts.get(r)) is not None and e.settled and not e.dirty for r in rollouts
+        )
         judged = time.monotonic()
         self.judgments += 1
         budget.left -= judged - started
-        self._levels = _Entry(levels, now, judged - started, judged)
+        read = judged if reader or self._levels is None else self._levels.read
+        self._levels = _Entry(levels, now, judged - started, judged, settled, read=read)
         self._wanted.pop(_LEVELS, None)
         return levels
 
@@ -702,24 +772,60 @@ class Summaries:
                     self._refresh(), name="summaries-refresh"
                 )
 
-    async def _refresh(self) -> None:
+    def _entry(self, key: str) -> _Entry[Any] | None:
+        return self._levels if key == _LEVELS else self._rollouts.get(key)
+
+    def _next(self) -> str | None:
+        """What to judge next: a key asked for, else the stalest entry read lately that is
+        not fresh; None when there is none."""
         while self._wanted:
             key = next(iter(self._wanted))
-            held: _Entry[Any] | None = self._levels if key == _LEVELS else self._rollouts.get(key)
-            await asyncio.sleep(self._turn(held))
-            if key not in self._wanted:  # a reader judged it meanwhile
+            held = self._entry(key)
+            if held is None or not self._fresh(held):
+                return key
+            del self._wanted[key]
+        clock = time.monotonic()
+        stalest: tuple[datetime, str] | None = None
+        keyed: list[tuple[str, _Entry[Any] | None]] = [(_LEVELS, self._levels)]
+        for key, entry in itertools.chain(keyed, self._rollouts.items()):
+            if entry is None or clock - entry.read >= KEEP_WARM_S or self._fresh(entry):
+                continue
+            if stalest is None or entry.as_of < stalest[0]:
+                stalest = (entry.as_of, key)
+        return None if stalest is None else stalest[1]
+
+    def _warm(self) -> bool:
+        """Whether an entry read lately can go stale (the background task has work ahead)."""
+        clock = time.monotonic()
+        entries = itertools.chain([self._levels], self._rollouts.values())
+        return any(
+            e is not None and clock - e.read < KEEP_WARM_S and (e.dirty or not e.settled)
+            for e in entries
+        )
+
+    async def _refresh(self) -> None:
+        """Judge what readers asked for, then keep what they read lately judged, at most a
+        quarter of the loop's time; ends when nothing read lately can go stale."""
+        while True:
+            key = self._next()
+            if key is None:
+                if not self._wanted and not self._warm():
+                    return
+                await asyncio.sleep(self._max_age.total_seconds() / 4)
                 continue
             self._wanted.pop(key, None)
+            started = time.monotonic()
             try:
                 if key == _LEVELS:
-                    self._judge_levels(Budget())
+                    self._judge_levels(Budget(), reader=False)
                 elif key in self._coordinator.fleet:
-                    self._judge(key)
+                    self._judge(key, reader=False)
                 else:
                     self._rollouts.pop(key, None)
                     self._full.pop(key, None)
             except Exception:  # a reader judging it itself meets the same error
                 log.exception("judging %s in the background failed", key)
+            await asyncio.sleep(IDLE_PER_COST * (time.monotonic() - started))
 
 
 def in_sync_with(want: Desire, hb: Heartbeat | None) -> bool:

@@ -147,6 +147,19 @@ async def test_post_follow_and_restart(kafka: KafkaSettings, tmp_path: Path) -> 
             api, "/api/v1/workers", lambda ws: all(w["reported_version"] == "v2" for w in ws)
         )
         assert all(w["in_sync"] and w["desired_version"] == "v2" for w in workers)
+        # The same in counts, and one worker a page.
+        summary = await until(
+            api, "/api/v1/summary", lambda b: b["workers"]["by_version"].get("v2", {}).get("alive")
+        )
+        assert (summary["workers"]["known"], summary["workers"]["alive"]) == (2, 2)
+        assert summary["workers"]["in_sync"] == 2
+        assert summary["rollouts"]["by_phase"]["succeeded"] == 1
+        first = await api.get("/api/v1/workers", params={"limit": 1})
+        second = await api.get(first.links["next"]["url"])
+        assert [w["worker_id"] for w in first.json() + second.json()] == ["w1", "w2"]
+        assert "next" not in second.links
+        counts = (await api.get(f"/api/v1/rollouts/{rollout_id}/summary")).json()
+        assert counts["counts"]["succeeded"] == 2 and counts["versions"] == {"v2": 2}
 
         # A config key the runner does not accept: refused by both workers, with the code.
         bad = await api.post(
@@ -197,6 +210,10 @@ async def test_post_follow_and_restart(kafka: KafkaSettings, tmp_path: Path) -> 
 
         before = (await api.get("/api/v1/rollouts")).json()
         assert [s["rollout_id"] for s in before] == ["r-unreadable", "r-bad-config", rollout_id]
+        # The list is in counts; the rollout itself has its workers.
+        assert all("workers" not in s for s in before)
+        full = (await api.get(f"/api/v1/rollouts/{rollout_id}")).json()
+        assert without_as_of([full]) == without_as_of([got])
 
     # A new coordinator on the same topics: everything comes back from the log, identical.
     async with running_coordinator(kafka) as api:
@@ -204,7 +221,10 @@ async def test_post_follow_and_restart(kafka: KafkaSettings, tmp_path: Path) -> 
         assert without_as_of(after) == without_as_of(before)
         replayed = await follow(api, rollout_id)
         assert [name for name, _ in replayed] == ["status", "end"]
-        assert without_as_of([replayed[0][1]]) == without_as_of([before[2]])
+        assert without_as_of([replayed[0][1]]) == without_as_of([full])
+        assert without_as_of([before[2]]) == without_as_of(
+            [(await api.get(f"/api/v1/rollouts/{rollout_id}/summary")).json()]
+        )
         again = await api.post(
             "/api/v1/rollouts", json={**reload_body, "rollout_id": "r-bad-config"}, headers=AUTH
         )
