@@ -7,7 +7,8 @@ acks per rollout), except that the last ``active`` rollouts are still in progres
 workers running) and every 50th worker failed the oldest one. Acks are the fast decoder's
 (:class:`~controlplane.wire.ack_codec.FastAck`), as the coordinator folds them.
 
-``python -m tests.fleet_at_scale [N] [R]`` builds one (10,000 x 100 by default) and prints what the
+``python -m tests.fleet_at_scale [N] [R] [ROUNDS] [ACTIVE]`` builds one (10,000 x 100, 2 of them in
+progress, by default), folds every worker's heartbeat every 3 s meanwhile, and prints what the
 summary, list and page endpoints cost through httpx's ASGI transport: p50 and p99 wall time and
 bytes of each (tests never assert on time; tests/component/test_api_scale.py asserts on sizes
 and pagination).
@@ -156,7 +157,7 @@ def dashboard_paths(selected: str) -> list[str]:
 # --------------------------------------------------------------------------- measuring
 
 
-async def _measure(workers: int, rollouts: int, rounds: int) -> None:
+async def _measure(workers: int, rollouts: int, rounds: int, active: int) -> None:
     import httpx
     from pydantic import SecretStr
 
@@ -175,8 +176,11 @@ async def _measure(workers: int, rollouts: int, rounds: int) -> None:
     coordinator = Coordinator(settings, clock=clock, current_as_of=clock)
     app = create_app(coordinator)
     started = time.perf_counter()
-    build(coordinator, workers=workers, rollouts=rollouts, replay=True)
-    print(f"built {workers} workers x {rollouts} rollouts in {time.perf_counter() - started:.1f} s")
+    build(coordinator, workers=workers, rollouts=rollouts, active=active, replay=True)
+    print(
+        f"built {workers} workers x {rollouts} rollouts ({active} in progress) "
+        f"in {time.perf_counter() - started:.1f} s"
+    )
     origin[0] = time.monotonic()
     coordinator.follower.caught_up.set()
     ids = worker_ids(workers)
@@ -256,6 +260,6 @@ async def _measure(workers: int, rollouts: int, rounds: int) -> None:
 
 
 if __name__ == "__main__":
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 10_000
-    r = int(sys.argv[2]) if len(sys.argv) > 2 else 100
-    asyncio.run(_measure(n, r, int(sys.argv[3]) if len(sys.argv) > 3 else 40))
+    args = [int(a) for a in sys.argv[1:]]
+    n, r, rounds, active = [*args, *(10_000, 100, 40, 2)[len(args) :]]
+    asyncio.run(_measure(n, r, rounds, active))

@@ -41,6 +41,7 @@ from controlplane.api.models import (
     RolloutWorker,
     WorkerOut,
     decode_cursor,
+    decode_time_cursor,
     encode_cursor,
     error_response,
     from_domain,
@@ -267,8 +268,7 @@ def create_app(
         keys = coordinator.fleet.rollout_keys()  # oldest first
         end = len(keys)
         if cursor is not None:
-            issued, rollout_id = decode_cursor(cursor, 2)
-            end = bisect.bisect_left(keys, (_parse_time(issued), rollout_id))
+            end = bisect.bisect_left(keys, decode_time_cursor(cursor))
         summaries.check_compaction()
         budget = Budget()
         out: list[RolloutOverview] = []
@@ -629,14 +629,6 @@ def _link_next(request: Request, response: Response, *key: str) -> None:
     """Say where the next page starts: after the item whose sort key is ``key``."""
     url = request.url.include_query_params(cursor=encode_cursor(*key))
     response.headers["Link"] = f'<{url.path}?{url.query}>; rel="next"'
-
-
-def _parse_time(value: str) -> datetime:
-    try:
-        return datetime.fromisoformat(value)
-    except ValueError:
-        decode_cursor("", 2)  # raises INVALID_REQUEST
-        raise
 
 
 def _worker_out(worker_id: str, levels: Levels, registry: Registry, now: datetime) -> WorkerOut:

@@ -10,6 +10,7 @@ import binascii
 import json
 import logging
 from collections.abc import Mapping
+from datetime import datetime
 from enum import StrEnum
 from types import MappingProxyType
 from typing import Annotated, Final, TypeVar
@@ -235,13 +236,29 @@ def decode_cursor(cursor: str, arity: int) -> tuple[str, ...]:
     except (binascii.Error, ValueError):
         key = None
     if not (isinstance(key, list) and len(key) == arity and all(isinstance(k, str) for k in key)):
-        raise ApiError(
-            422,
-            ApiErrorCode.INVALID_REQUEST,
-            "invalid cursor: pass the one a previous page's Link header (rel=next) gave",
-            details=[{"loc": ["query", "cursor"], "msg": "not a cursor of this list"}],
-        )
+        raise invalid_cursor()
     return tuple(key)
+
+
+def decode_time_cursor(cursor: str) -> tuple[datetime, str]:
+    """The (instant, id) key of a cursor of :func:`encode_cursor` over a time and an id."""
+    when, name = decode_cursor(cursor, 2)
+    try:
+        instant = datetime.fromisoformat(when)
+    except ValueError:
+        raise invalid_cursor() from None
+    if instant.tzinfo is None:
+        raise invalid_cursor()
+    return instant, name
+
+
+def invalid_cursor() -> ApiError:
+    return ApiError(
+        422,
+        ApiErrorCode.INVALID_REQUEST,
+        "invalid cursor: pass the one a previous page's Link header (rel=next) gave",
+        details=[{"loc": ["query", "cursor"], "msg": "not a cursor of this list"}],
+    )
 
 
 def parse_label_selector(selector: str | None) -> dict[str, str]:

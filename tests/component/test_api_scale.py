@@ -144,6 +144,7 @@ async def test_bad_cursor_and_selector_are_coded_422(
         "/api/v1/workers?selector=model",
         "/api/v1/workers?limit=1001",
         "/api/v1/rollouts?cursor=WyJ4Il0",  # a worker cursor is no rollout cursor
+        "/api/v1/rollouts?cursor=WyIyMDI1LTAxLTAxVDAwOjAwOjAwIiwiciJd",  # a time without offset
         "/api/v1/rollouts/r-new/workers?cursor=%%%",
     ):
         r = await client.get(path)
