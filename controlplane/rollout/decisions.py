@@ -14,7 +14,8 @@ from typing import Any, Final, Literal, TypeVar
 
 from controlplane.rollout.fleet import Fleet
 from controlplane.rollout.models import RolloutStatus, WorkerState
-from controlplane.rollout.targets import ControlState, Target
+from controlplane.rollout.targets import ControlState, Rollout, Target
+from controlplane.rollout.waves import batches
 from controlplane.wire.control import (
     ControlPhase,
     Desired,
@@ -121,6 +122,22 @@ class Context:
     digests: Digests = field(default_factory=dict)
     #: Batch statuses judged in this decision (the fleet does not change during one).
     _statuses: dict[str, RolloutStatus] = field(default_factory=dict)
+    #: rollout id -> worker -> the rollout id of its batch (waves never change once planned).
+    _batch_of: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def batch_of(self, rollout: Rollout, state: RolloutState) -> dict[str, str]:
+        """Each worker of the rollout's waves -> its batch's rollout id, once per decision."""
+        index = self._batch_of.get(state.rollout_id)
+        if index is None:
+            index = {}
+            for wave_index, wave in enumerate(state.waves):
+                plan = batches(wave, rollout.spec.strategy.max_unavailable)
+                for batch_index, members_ in enumerate(plan):
+                    batch_id = batch_rollout_id(state.rollout_id, wave_index, batch_index)
+                    index.update(dict.fromkeys(members_, batch_id))
+            if state.waves:  # not planned yet: nothing to keep
+                self._batch_of[state.rollout_id] = index
+        return index
 
     def known(self, rollout_id: str) -> bool:
         return rollout_id in self.published or rollout_id in self.fleet

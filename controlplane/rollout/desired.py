@@ -2,7 +2,7 @@
 
 Pure (no I/O, time comes in as ``now``). A worker of a target should run the target's stable
 state, or the rollout's new state once its wave has passed (:func:`~controlplane.rollout.
-progressive.should_run`); what it runs is what its latest heartbeat reports. Drift is shown,
+reconcile.ShouldRun`); what it runs is what its latest heartbeat reports. Drift is shown,
 never silently accepted: a live, idle worker that runs something else is ``drifting`` (the
 controller sends it a command for exactly what it should run), one whose heartbeats stopped is
 ``lost`` (whatever version it last reported), one matched by two targets is ``conflict``
@@ -17,7 +17,7 @@ from enum import StrEnum
 from pydantic import AwareDatetime, BaseModel, ConfigDict
 
 from controlplane.rollout.fleet import Fleet
-from controlplane.rollout.progressive import held, should_run
+from controlplane.rollout.reconcile import ShouldRun, held
 from controlplane.rollout.targets import ControlState, Target
 from controlplane.wire.control import ControlPhase, Desired, RolloutState
 from controlplane.wire.errors import LocalCode
@@ -104,10 +104,11 @@ def target_status(
         rollout = summary(shown.state, shown.rollout_id, new_version)
     members: list[WorkerAlignment] = []
     hold = held(control, target)
+    run = ShouldRun(target, active)
     for view in fleet.registry.matching(target.selector, now, alive_only=False):
         claims = tuple(sorted(t.name for t in control.targets_of(view.labels)))
         conflict = len(claims) > 1
-        desired = stable if view.worker_id in hold else should_run(control, target, view.worker_id)
+        desired = stable if view.worker_id in hold else run(view.worker_id)
         version = None if desired is None else desired.version
         if conflict:
             alignment = Alignment.CONFLICT

@@ -13,7 +13,6 @@ from controlplane.rollout.decisions import (
     Context,
     Gate,
     T,
-    batch_rollout_id,
     clip,
     named,
 )
@@ -67,7 +66,7 @@ def gate_failure(
     if earlier is not None:
         weights[earlier] = [EARLIER]
     for worker in fresh:
-        digest = batch_fact(ctx.digests, rollout_id, state, worker)
+        digest = batch_fact(ctx, ctx.digests, rollout, state, worker)
         if digest is not None:  # runners that cannot say (vLLM) are not judged on it
             weights.setdefault(digest, []).append(worker)
     if len(weights) > 1:
@@ -81,7 +80,7 @@ def gate_failure(
     if told is not None:
         answers[_tokens(told)] = [EARLIER]
     for worker in fresh:
-        answer = probe_of(ctx, rollout_id, state, worker)
+        answer = probe_of(ctx, rollout, state, worker)
         if answer is None:  # its reload succeeded, so its ack would carry the answer
             return "probe", f"{worker} applied the weights but sent no probe answer"
         if "unsupported" in answer:
@@ -117,7 +116,7 @@ def agreed(state: RolloutState, gate: Gate) -> str | None:
 
 
 def agreement_now(
-    ctx: Context, rollout_id: str, state: RolloutState, workers: list[str]
+    ctx: Context, rollout: Rollout, state: RolloutState, workers: list[str]
 ) -> dict[Gate, str]:
     """What a wave whose gates passed agreed on (with the earlier waves'), to record in its
     gate results: the weights digest and the probe's tokens, when any worker said them."""
@@ -128,11 +127,11 @@ def agreement_now(
             out[gate] = value
     for worker in workers:
         if "agreement" not in out:
-            digest = batch_fact(ctx.digests, rollout_id, state, worker)
+            digest = batch_fact(ctx, ctx.digests, rollout, state, worker)
             if digest is not None:
                 out["agreement"] = digest
         if "probe" not in out:
-            answer = probe_of(ctx, rollout_id, state, worker)
+            answer = probe_of(ctx, rollout, state, worker)
             reading = None if answer is None else _reading(answer)
             if reading is not None:
                 out["probe"] = json.dumps(list(reading[0]))
@@ -163,22 +162,21 @@ def _reading(answer: Mapping[str, Any]) -> tuple[tuple[int, ...], float] | None:
 
 
 def probe_of(
-    ctx: Context, rollout_id: str, state: RolloutState, worker: str
+    ctx: Context, rollout: Rollout, state: RolloutState, worker: str
 ) -> Mapping[str, Any] | None:
-    return batch_fact(ctx.probes, rollout_id, state, worker)
+    return batch_fact(ctx, ctx.probes, rollout, state, worker)
 
 
 def batch_fact(
-    facts: Mapping[tuple[str, str], T], rollout_id: str, state: RolloutState, worker: str
+    ctx: Context,
+    facts: Mapping[tuple[str, str], T],
+    rollout: Rollout,
+    state: RolloutState,
+    worker: str,
 ) -> T | None:
     """What ``worker``'s succeeded ack for its batch of this rollout said (a probe, a digest)."""
-    for wave, members_ in enumerate(state.waves[: state.wave + 1]):
-        if worker in members_:
-            for batch in range(len(members_)):
-                fact = facts.get((batch_rollout_id(rollout_id, wave, batch), worker))
-                if fact is not None:
-                    return fact
-    return None
+    batch_id = ctx.batch_of(rollout, state).get(worker)
+    return None if batch_id is None else facts.get((batch_id, worker))
 
 
 def not_healthy(ctx: Context, desired: Desired, updated: list[str]) -> str | None:

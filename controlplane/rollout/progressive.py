@@ -304,7 +304,7 @@ def _after_wave(ctx: Context, rollout: Rollout, state: RolloutState) -> RolloutS
             return state
         if waiting:  # a worker of an earlier wave, busy with a sync say: wait for it
             return progressing_state(state, f"wave {state.wave}: waiting for {waiting}")
-        values = agreement_now(ctx, spec.rollout_id, state, wave)
+        values = agreement_now(ctx, rollout, state, wave)
         results = [GateResult(wave=state.wave, gate="health", passed=True)]
         results.append(
             GateResult(

@@ -36,29 +36,46 @@ from controlplane.wire.messages import (
 
 def should_run(control: ControlState, target: Target, worker_id: str) -> Desired | None:
     """What a worker of ``target`` should run now (None: a rollout is handling it)."""
-    return _should_run(target, control.active(target.name), worker_id)
+    return ShouldRun(target, control.active(target.name))(worker_id)
 
 
-def _should_run(target: Target, active: Rollout | None, worker_id: str) -> Desired | None:
-    stable = target.stable
-    if active is None or active.state is None:
-        return stable
-    state = active.state
-    if state.phase is ControlPhase.ROLLING_BACK:
-        return None if any(worker_id in w for w in state.waves) else stable
-    for index, wave in enumerate(state.waves):
-        if worker_id in wave:
-            if index < state.wave:
-                return applied(stable, active.spec.desired)
-            if index > state.wave:
-                return stable
-            # The wave in progress: its batches are the rollout's to hand out; once every one
-            # is over, its workers run the change (one restarted from an old journal while its
-            # wave waits to be healthy gets it back, rather than hold the wave to its deadline).
-            if state.batch < len(batches(wave, active.spec.strategy.max_unavailable)):
-                return None
-            return applied(stable, active.spec.desired)
-    return stable
+class ShouldRun:
+    """What each worker of ``target`` should run now, given its rollout in progress (if any):
+    the stable state, the rollout's change once the worker's wave is past, or None while the
+    rollout handles it. Built once per target per decision: each worker is then a dict lookup."""
+
+    def __init__(self, target: Target, active: Rollout | None) -> None:
+        self.stable = target.stable
+        state = None if active is None else active.state
+        self.state = state
+        #: worker -> its wave, for a rollout in progress
+        self.wave_of: dict[str, int] = {}
+        self.change: Desired | None = None
+        self.current_over = False
+        if active is None or state is None:
+            return
+        for index, wave in enumerate(state.waves):
+            self.wave_of.update(dict.fromkeys(wave, index))
+        self.change = applied(self.stable, active.spec.desired)
+        if state.wave < len(state.waves):
+            plan = batches(state.waves[state.wave], active.spec.strategy.max_unavailable)
+            self.current_over = state.batch >= len(plan)
+
+    def __call__(self, worker_id: str) -> Desired | None:
+        state = self.state
+        index = self.wave_of.get(worker_id)
+        if state is None or index is None:
+            return self.stable
+        if state.phase is ControlPhase.ROLLING_BACK:
+            return None
+        if index < state.wave:
+            return self.change
+        if index > state.wave:
+            return self.stable
+        # The wave in progress: its batches are the rollout's to hand out; once every one is
+        # over, its workers run the change (one restarted from an old journal while its wave
+        # waits to be healthy gets it back, rather than hold the wave to its deadline).
+        return self.change if self.current_over else None
 
 
 def held(control: ControlState, target: Target) -> frozenset[str]:
@@ -101,6 +118,7 @@ def reconcile(
             continue
         hold = held(control, target)
         active = control.active(target.name)
+        run = ShouldRun(target, active)
         #: During a rollout, syncs share its max_unavailable with its batches.
         budget: int | None = None
         workers = members(control, fleet, target, now)
@@ -112,7 +130,7 @@ def reconcile(
         for worker_id in workers:
             if worker_id in hold:
                 continue
-            desired = _should_run(target, active, worker_id)
+            desired = run(worker_id)
             if desired is None:
                 continue
             view = fleet.registry.latest(worker_id)
