@@ -65,14 +65,14 @@ class _PreviousTopics(Topics):
 
 
 async def test_the_workers_topic_is_made_to_roll_and_be_cleaned_often(
-    kafka_bootstrap: str,
+    kafka: KafkaSettings,
 ) -> None:
-    settings = fresh_topics(kafka_bootstrap, "hb")
-    async with Admin(settings) as admin:
-        report = await admin.ensure_topics(settings.topics)
-    assert settings.topics.workers.name in report.created and report.altered == []
-    have = await topic_configs(kafka_bootstrap, settings.topics.workers.name)
+    """As ``topics ensure`` created it (the ``kafka`` fixture does), and checked again."""
+    have = await topic_configs(kafka.bootstrap_servers, kafka.topics.workers.name)
     assert {k: have[k] for k in ROLL_AND_CLEAN} == ROLL_AND_CLEAN
+    async with Admin(kafka) as admin:
+        report = await admin.ensure_topics(kafka.topics)
+    assert kafka.topics.workers.name in report.existing and report.altered == []
 
 
 async def test_an_existing_workers_topic_gets_them_in_place_and_keeps_its_records(
