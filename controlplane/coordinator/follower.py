@@ -27,7 +27,8 @@ it appends a small probe record to the workers topic every ``probe_interval_s`` 
 back. A record read from the workers partition with broker append time T proves that every
 heartbeat appended before T has been read too (one partition, read in order), so with probes
 the workers partition is current only by such T (and the send time of its own probes read
-back), never by an end offset: an end says nothing of writes Kafka holds back. When Kafka accepts
+back), not by a fetch's end: an end says nothing of writes Kafka holds back (before any such T
+is read, an empty or older topic, it is the offsets sampled at start). When Kafka accepts
 no writes, or holds them back (a broker died and the in-sync replicas still list it, until it
 is fenced: ``acks=all`` writes wait on every partition it replicated; or fewer in-sync
 replicas than ``min.insync.replicas``), heartbeats stop arriving though every fetch answers:
@@ -126,12 +127,18 @@ class PartitionClock:
 
     by_end: float | None = None
     by_append: float | None = None
+    #: The start sample's time once reached (also in ``by_end``).
+    by_start: float | None = None
 
-    def reached(self, at: float | None, end: int | None, position: int | None) -> None:
-        """Note that the partition ended at ``end`` at time ``at``; counts once ``position``
-        has reached it."""
+    def reached(
+        self, at: float | None, end: int | None, position: int | None, *, start: bool = False
+    ) -> None:
+        """Note that the partition ended at ``end`` at time ``at`` (``start``: the sample
+        taken when the reader started); counts once ``position`` has reached it."""
         if at is None or end is None or position is None or position < end:
             return
+        if start:
+            self.by_start = at
         if self.by_end is None or at > self.by_end:
             self.by_end = at
 
@@ -143,9 +150,10 @@ class PartitionClock:
     def as_of(self, *, ends_count: bool = True) -> float | None:
         """The latest evidence; ``ends_count=False``: appends only (a prober's workers
         partition, where an end says nothing of writes Kafka holds back), unless none is known
-        (a topic without append times whose probe has not come back): then the ends."""
-        if not ends_count and self.by_append is not None:
-            return self.by_append
+        yet (an empty topic, or one without append times, before its probe came back): then
+        the start sample, which any append read later (after the start) does not go back on."""
+        if not ends_count:
+            return self.by_append if self.by_append is not None else self.by_start
         known = [at for at in (self.by_end, self.by_append) if at is not None]
         return max(known) if known else None
 
@@ -500,7 +508,7 @@ class Follower(AsyncService):
             p = progress.get(key)
             if p is None:
                 continue
-            clock.reached(self._targets_at, target, p.position)
+            clock.reached(self._targets_at, target, p.position, start=True)
             clock.reached(p.fetched_at, p.end, p.position)
 
     def written_as_of(self) -> float | None:

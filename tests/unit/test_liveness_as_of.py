@@ -59,8 +59,11 @@ def test_a_lagging_reader_is_current_as_of_the_last_append_it_read() -> None:
 
 def test_a_probers_workers_partition_counts_appends_only_unless_it_knows_none() -> None:
     clock = PartitionClock()
-    clock.reached(T0 + 9, end=10, position=10)
-    assert clock.as_of(ends_count=False) == T0 + 9  # no append time known: the ends
+    clock.reached(T0, end=10, position=10, start=True)
+    clock.reached(T0 + 9, end=12, position=12)
+    # No append time known yet (an empty topic, or no LogAppendTime before its probe came
+    # back): the start sample, never a later fetch, which a later append would go back on.
+    assert clock.as_of(ends_count=False) == T0
     clock.appended(T0 + 2)
     assert clock.as_of(ends_count=False) == T0 + 2  # writes held back hide below no end
     assert clock.as_of() == T0 + 9
