@@ -178,6 +178,17 @@ class Fleet:
         assert response.status_code == 200, (path, response.status_code, response.text)
         return response.json()
 
+    def every(self, path: str) -> list[Any]:
+        """Every item of a paginated list: its pages, following ``Link: rel="next"``."""
+        items: list[Any] = []
+        url: str | None = path
+        while url is not None:
+            response = self.get(url)
+            assert response.status_code == 200, (url, response.status_code, response.text)
+            items.extend(response.json())
+            url = response.links.get("next", {}).get("url")
+        return items
+
     def start_coordinator(self) -> None:
         self.coordinator.start()
         self.until(self._coordinator_ready, 90, "the coordinator is ready")
@@ -334,7 +345,7 @@ def start_fleet(
             for proc in workers.values():
                 if not proc.running:
                     raise AssertionError(f"worker {proc.name} exited:\n{tail(proc.log, 25)}")
-            views = fleet.api("/api/v1/workers")
+            views = fleet.every("/api/v1/workers")
             ready = {
                 w["worker_id"]
                 for w in views

@@ -227,6 +227,10 @@ async def _measure(workers: int, rollouts: int, rounds: int, active: int) -> Non
             f"first /api/v1/summary after ready: {time.perf_counter() - t:.2f} s "
             f"({first.status_code}); /healthz meanwhile: max {1000 * max(health or [0]):.0f} ms"
         )
+        for path in paths:  # each path's first answer may judge what it shows: said apart
+            t = time.perf_counter()
+            response = await client.get(path)
+            print(f"first {path}: {1000 * (time.perf_counter() - t):.0f} ms")
         health.clear()
         times: dict[str, list[float]] = {p: [] for p in paths}
         sizes: dict[str, int] = {}

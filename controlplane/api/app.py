@@ -501,7 +501,7 @@ def create_app(
         registry = coordinator.fleet.registry
         statuses = set(status) if status else None
         versions = set(version) if version else None
-        ids = summaries.workers.ids
+        ids = summaries.workers.sorted_ids()
         if levels.never_seen:
             ids = sorted({*ids, *levels.never_seen})
 

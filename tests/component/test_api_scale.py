@@ -247,6 +247,8 @@ async def test_the_fleet_summary_counts_workers_and_rollouts(
     assert (workers["alive"], workers["lost"]) == (2, 2)
     coordinator.fleet.registry.forget("w4")  # a tombstone: the counts follow the registry
     assert (await client.get("/api/v1/summary")).json()["workers"]["known"] == 3
+    listed = (await client.get("/api/v1/workers")).json()
+    assert [w["worker_id"] for w in listed] == ["w1", "w2", "w3"]
 
 
 async def test_a_summary_judges_again_only_what_can_have_changed(big: Big) -> None:
