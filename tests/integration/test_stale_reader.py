@@ -157,6 +157,29 @@ async def test_reload_weights_with_a_selector_after_a_long_replay_publishes(
     assert command.selector.worker_ids == list(WORKERS)
 
 
+async def test_status_after_a_long_replay_shows_the_rollout_in_progress_with_none_lost(
+    kafka: KafkaSettings, slow_replay: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`status <id>` (a reader that probes), whose replay ended an hour after its offsets were
+    current (issue 18: failed, every worker lost, after a 23.6 s replay)."""
+    await beat(kafka, rounds=3)
+    rollout_id = await in_progress(kafka)
+    late = utcnow() + HOUR
+    monkeypatch.setattr(cli_follow, "utcnow", lambda: late)
+    start = Follower.start
+
+    async def start_then_beat(self: Follower) -> None:
+        await start(self)
+        await beat(kafka, rounds=10)
+
+    monkeypatch.setattr(Follower, "start", start_then_beat)
+    async with cli_follow.read_log(kafka) as (follower, as_of):
+        assert follower.probe and not follower.reached(await follower.end_offsets())
+        status = follower.fleet.status(rollout_id, as_of)
+    assert status.phase is RolloutPhase.PROGRESSING, status.message
+    assert status.counts.lost == 0 and status.counts.accepted == len(WORKERS)
+
+
 # --------------------------------------------------------------------------- a blocked coordinator
 
 
