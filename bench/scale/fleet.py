@@ -5,7 +5,8 @@ written with the project's own models, codec and producer.
 The generator (``--generator-child``) sends each worker's heartbeat (``Heartbeat``, labels
 ``model=big``) once per period, spread evenly over it, at that sustained rate until told to
 stop; a heartbeat it could not send on time is sent as soon as it can (``behind`` says how many
-were late, at most). Acks are rendered from templates of real encoded ``Ack`` messages
+were late, at most); one not confirmed within 3 periods is counted lost (``failed``) and the
+generator goes on, as an agent does. Acks are rendered from templates of real encoded ``Ack`` messages
 (``bench.aggregate.dataset``): producing 3N x R of them through pydantic one by one would cost
 more than the readers under test.
 """
@@ -47,6 +48,7 @@ async def generator_host(cfg: dict[str, Any]) -> None:
     ``ready`` once every worker has sent one, ``stats`` on request."""
     from controlplane.kafka.bus import Producer
     from controlplane.wire.channels import HEARTBEATS
+    from controlplane.wire.errors import BusError
     from controlplane.wire.protocol import Heartbeat, WorkerStatus, utcnow
 
     settings = kafka_settings(cfg["bootstrap"], cfg["prefix"], "bench-heartbeats")
@@ -71,7 +73,14 @@ async def generator_host(cfg: dict[str, Any]) -> None:
         for w in worker_ids(n)
     ]
     topics = settings.topics
-    stats: dict[str, Any] = {"sent": 0, "behind_max": 0, "sends": 0, "send_s_max": 0.0}
+    stats: dict[str, Any] = {
+        "sent": 0,
+        "behind_max": 0,
+        "sends": 0,
+        "send_s_max": 0.0,
+        "failed": 0,  # heartbeats not confirmed within 3 periods (lost, as an agent's are)
+        "failures": [],  # the first ten: [epoch, heartbeats, code]
+    }
     stopping = asyncio.Event()
 
     async def beat() -> None:
@@ -91,7 +100,12 @@ async def generator_host(cfg: dict[str, Any]) -> None:
                         _, key, value = HEARTBEATS.record(topics, hb)
                         items.append((key, value))
                     s0 = time.monotonic()
-                    await producer.send_many(topics.workers.name, items)
+                    try:  # an agent's limit: 3 periods at most; a lost beat is not resent
+                        await producer.send_many(topics.workers.name, items, timeout_s=3 * period)
+                    except BusError as exc:
+                        stats["failed"] += len(items)
+                        stats["failures"].append([round(time.time(), 3), len(items), exc.code])
+                        del stats["failures"][10:]
                     stats["send_s_max"] = max(stats["send_s_max"], time.monotonic() - s0)
                     stats["sent"] = due
                     stats["sends"] += 1

@@ -285,8 +285,9 @@ def count_of(body: Any) -> int | None:
 
 
 class Watcher:
-    """Polls the count of alive workers and an in-progress rollout's phase, one request at a
-    time, and records every false verdict: fewer than N alive, or that rollout shown ended."""
+    """Polls the count of alive workers (every page of ``/api/v1/workers?alive=true``) and an
+    in-progress rollout's phase, one request at a time, and records every false verdict: fewer
+    than N alive, or that rollout shown ended."""
 
     def __init__(self, client: httpx.AsyncClient, base: str, n: int, live_id: str) -> None:
         self.client, self.base, self.n, self.live_id = client, base, n, live_id
@@ -314,17 +315,46 @@ class Watcher:
             self.unanswered += 1
         return body
 
+    async def _count(self, path: str) -> int | None:
+        """Items of a list endpoint over all its pages (``Link: <...>; rel="next"``)."""
+        total, url = 0, self.base + path
+        t = time.perf_counter()
+        try:
+            for _ in range(10_000):
+                r = await self.client.get(url, timeout=120)
+                count = count_of(r.json()) if r.status_code == 200 else None
+                if count is None:
+                    self.unanswered += 1
+                    return None
+                total += count
+                nxt = re.search(r'<([^>]+)>\s*;\s*rel="?next"?', r.headers.get("link", ""))
+                if nxt is None:
+                    break
+                url = nxt.group(1) if "://" in nxt.group(1) else self.base + nxt.group(1)
+        except (httpx.HTTPError, ValueError):
+            self.unanswered += 1
+            return None
+        finally:
+            self.slowest_s = max(self.slowest_s, time.perf_counter() - t)
+        return total
+
     async def _run(self) -> None:
         while True:
             self.polls += 1
             at = round(time.perf_counter() - self._t0, 2)
-            alive = count_of(await self._get("/api/v1/workers?alive=true"))
+            epoch = round(time.time(), 3)
+            alive = await self._count("/api/v1/workers?alive=true")
             if alive is not None and alive < self.n:
-                self.alive_low.append({"t_s": at, "alive": alive})
+                self.alive_low.append({"t_s": at, "at": epoch, "alive": alive})
             status = await self._get(f"/api/v1/rollouts/{self.live_id}")
             if isinstance(status, dict) and status.get("phase") in FALSE_PHASES:
                 self.phase_false.append(
-                    {"t_s": at, "phase": status.get("phase"), "reason": status.get("reason")}
+                    {
+                        "t_s": at,
+                        "at": epoch,
+                        "phase": status.get("phase"),
+                        "reason": status.get("reason"),
+                    }
                 )
             await asyncio.sleep(1.0)
 

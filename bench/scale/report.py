@@ -98,7 +98,9 @@ def rows(levels: list[dict[str, Any]]) -> list[list[Any]]:
 
     def x_floor(lv: dict[str, Any], key: str) -> str:
         r = lv["derived"]["ratios"].get(key)
-        return f"; {r:.0f}x the floor" if r is not None else ""
+        run = lv.get("cli", {}).get(key, {})
+        more = ">" if run.get("killed_at_cap") else ""  # the cap, not the command, ended it
+        return f"; {more}{r:.1f}x the floor" if r is not None else ""
 
     def status_one(lv: dict[str, Any]) -> str:
         run = lv["cli"]["status_one"]
@@ -162,10 +164,13 @@ def rows(levels: list[dict[str, Any]]) -> list[list[Any]]:
 
     def generator(lv: dict[str, Any]) -> str:
         g = lv["generator"]
+        if "error" in g:
+            return f"**died**: {g['error'][:120]}"
         late_s = g["behind_max"] / lv["n"] * HEARTBEAT_PERIOD_S
+        lost = f", **{g['failed']} lost** (not confirmed in 3 periods)" if g.get("failed") else ""
         return (
-            f"{g['sent']} heartbeats, at most {g['behind_max']} late ({late_s:.1f} s behind), "
-            f"{g['cpu_s']:.0f} CPU s"
+            f"{g['sent']} heartbeats, at most {g['behind_max']} late ({late_s:.1f} s behind)"
+            f"{lost}, {g['cpu_s']:.0f} CPU s"
         )
 
     def floor(lv: dict[str, Any]) -> str:

@@ -141,3 +141,35 @@ def test_progressive_quick(tmp_path: Path, pytestconfig: pytest.Config) -> None:
     names = [t["name"] for t in data["targets"]]
     assert any(name.startswith("controller <= 1.2x") for name in names)
     assert "controller CPU per worker per wave" in names
+
+
+@pytest.mark.kafka
+def test_scale_quick(tmp_path: Path, pytestconfig: pytest.Config) -> None:
+    data = run_bench(pytestconfig, "scale", tmp_path)
+    params = data["parameters"]
+    assert [lv["rollouts"] for lv in data["levels"]] == params["rollouts"]
+    for level in data["levels"]:
+        assert "error" not in level, level.get("error")
+        assert level["n"] == params["n"]
+        assert level["floor"]["records"] > 0 and number(level["floor"]["elapsed_s"])
+        for name in ("publish", "status_one", "status_all"):
+            run = level["cli"][name]
+            assert isinstance(run["exit_code"], int) and number(run["wall_s"]), name
+            assert number(run["max_rss_mb"]) and run["stdout_bytes"] >= 0, name
+        api = level["api"]
+        assert api["start"]["ready"] and number(api["start"]["ready_s"])
+        for name in ("workers", "rollouts_limit_50", "metrics"):
+            assert {"p50", "p99"} <= api[name]["s"].keys(), name
+        assert isinstance(api["summary"], dict)  # empty: the API has none ("absent")
+        assert api["dashboard"]["urls"] and number(api["dashboard"]["bytes"])
+        assert api["healthz_under_load"]["healthz_s"]["n"] >= 1
+        assert number(api["burst"]["visible_s"]), api["burst"]
+        assert api["burst"]["acks"] == 3 * params["n"]
+        watcher = api["watcher"]
+        assert watcher["polls"] >= 1
+        assert {"alive_below_n_count", "in_progress_shown_ended_count"} <= watcher.keys()
+        assert level["generator"]["sent"] >= params["n"]
+        assert set(level["derived"]["ratios"]) == {"publish", "status_one", "status_all", "ready"}
+    per_level = 8
+    assert len(data["targets"]) == per_level * len(data["levels"])
+    assert {t["verdict"] for t in data["targets"]} <= {"met", "missed"}
