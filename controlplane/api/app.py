@@ -81,6 +81,15 @@ PageSize = Annotated[
         ge=1, le=PAGE_MAX, description=f"Page size (default {PAGE_DEFAULT}, at most {PAGE_MAX})."
     ),
 ]
+WorkersLimit = Annotated[
+    int,
+    Query(
+        ge=0,
+        le=PAGE_MAX,
+        description=f"How many of the rollout's workers to list, by id ({PAGE_MAX} unless told; "
+        "0: counts only); `workers_next` names the rest.",
+    ),
+]
 Cursor = Annotated[
     str | None,
     Query(
@@ -298,14 +307,7 @@ def create_app(
     )
     async def get_rollout(
         rollout_id: str,
-        workers_limit: Annotated[
-            int,
-            Query(
-                ge=0,
-                le=PAGE_MAX,
-                description="How many of its workers to list (by id); `workers_next` pages on.",
-            ),
-        ] = PAGE_MAX,
+        workers_limit: WorkersLimit = PAGE_MAX,
     ) -> Response:
         shown = rollout_out(await status_or_404(rollout_id, Want.BOUNDED), workers_limit)
         return Response(rollout_json(shown), media_type="application/json")
@@ -365,7 +367,8 @@ def create_app(
         f"{API}/rollouts/{{rollout_id}}/events",
         summary="Server-sent events: the rollout's status on every change, then `end` once terminal",
         description=(
-            "Each `status` event carries the RolloutStatus JSON; when the phase is terminal a "
+            "Each `status` event carries the RolloutStatus JSON (its first `workers_limit` "
+            "workers, as GET /rollouts/{id}); when the phase is terminal a "
             "final `end` event carries `{rollout_id, phase, reason, exit_code}` and the stream "
             "closes. A client too slow for the change feed gets a `resync` event, then the "
             "full status again. `wait_s` waits that long for a rollout just published to "
@@ -378,13 +381,14 @@ def create_app(
     async def rollout_events(
         rollout_id: str,
         wait_s: Annotated[float, Query(ge=0, le=60)] = 0.0,
+        workers_limit: WorkersLimit = PAGE_MAX,
     ) -> EventSourceResponse:
         if rollout_id not in coordinator.fleet and wait_s > 0:
             await _wait_for_rollout(coordinator, rollout_id, wait_s)
         if rollout_id not in coordinator.fleet:
             raise no_rollout(rollout_id)
         return EventSourceResponse(
-            _status_events(coordinator, summaries, rollout_id, closing, sse_tick_s),
+            _status_events(coordinator, summaries, rollout_id, closing, sse_tick_s, workers_limit),
             ping=sse_ping_s,
         )
 
@@ -738,6 +742,7 @@ async def _status_events(
     rollout_id: str,
     closing: asyncio.Event,
     tick_s: float,
+    workers_limit: int = PAGE_MAX,
 ) -> AsyncIterator[ServerSentEvent]:
     """The rollout's status whenever it differs (``as_of`` aside), judged again on every
     change or tick (one judgment shared by every stream and reader: :class:`Summaries`).
@@ -761,7 +766,7 @@ async def _status_events(
                 last = held = None
             if status is not held:  # the same judgment again: nothing to compare
                 held = status
-                shown = rollout_out(status, PAGE_MAX)
+                shown = rollout_out(status, workers_limit)
                 seen = rollout_json(shown, exclude={"as_of"})
                 if seen != last:
                     last = seen

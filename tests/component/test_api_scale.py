@@ -213,6 +213,9 @@ async def test_events_carry_the_first_page_of_workers(
     status = json.loads(events[0][1])
     assert status["phase"] == "succeeded" and len(status["workers"]) == 1000
     assert status["workers_next"].startswith("/api/v1/rollouts/r-big/workers?")
+    counts = sse_events((await client.get("/api/v1/rollouts/r-big/events?workers_limit=0")).text)
+    status = json.loads(counts[0][1])
+    assert status["workers"] == [] and status["counts"]["succeeded"] == 1001
 
 
 # --------------------------------------------------------------------------- summaries
