@@ -189,11 +189,11 @@ def members(control: ControlState, fleet: Fleet, target: Target, now: datetime) 
 def conflicts(control: ControlState, fleet: Fleet, now: datetime) -> dict[str, list[str]]:
     """Live workers matched by two targets or more (left alone: ``TARGET_CONFLICT``)."""
     out = {}
-    for view in fleet.registry.workers(now):
-        if view.alive:
-            names = [t.name for t in control.targets_of(view.labels)]
-            if len(names) > 1:
-                out[view.worker_id] = sorted(names)
+    registry = fleet.registry
+    for hb in registry.heartbeats():  # heartbeats, not views: this runs at every decision
+        names = [t.name for t in control.targets_of(hb.labels)]
+        if len(names) > 1 and registry.is_alive(hb.worker_id, now):
+            out[hb.worker_id] = sorted(names)
     return out
 
 
