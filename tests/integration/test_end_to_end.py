@@ -256,6 +256,8 @@ def test_coordinator_restarted_mid_rollout_reports_the_same_status(fleet: Fleet)
         if s["exit_code"] is not None
     }
     assert len(ended_before) >= 3, sorted(ended_before)
+    # (list items are summaries, counts only: the full statuses, workers included, too)
+    full_before = {rid: minus_as_of(fleet.api(f"/api/v1/rollouts/{rid}")) for rid in ended_before}
     rollout_id = f"r-restart-{uuid.uuid4().hex[:8]}"
     waiter = fleet.cli_background(
         "cli-wait-restart",
@@ -315,4 +317,6 @@ def test_coordinator_restarted_mid_rollout_reports_the_same_status(fleet: Fleet)
     }
     assert ended_after == ended_before
     for rid, before in ended_before.items():
+        assert minus_as_of(fleet.api(f"/api/v1/rollouts/{rid}/summary")) == before, rid
+    for rid, before in full_before.items():
         assert minus_as_of(fleet.api(f"/api/v1/rollouts/{rid}")) == before, rid
