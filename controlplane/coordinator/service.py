@@ -49,6 +49,8 @@ RESYNC: Final = "*resync"
 SUBSCRIBER_QUEUE: Final = 64
 #: How often ended rollouts beyond ``max_ended_rollouts`` are summarized.
 COMPACT_EVERY_S: Final = 10.0
+#: Compaction idles this many times what judging one rollout cost before the next.
+COMPACT_IDLE_PER_COST: Final = 1.0
 
 
 class CoordinatorSettings(BaseSettings):
@@ -134,6 +136,7 @@ class Coordinator(AsyncService):
         self._producer = Producer(settings.kafka)
         self._subscribers: set[asyncio.Queue[set[str] | None]] = set()
         self._task: asyncio.Task[None] | None = None
+        self._compaction: asyncio.Task[int] | None = None
         self._compacted_at = time.monotonic()
         self.started_at = clock()
 
@@ -163,6 +166,33 @@ class Coordinator(AsyncService):
         self._compacted_at = time.monotonic()
         return 0 if when is None else self.fleet.compact(when)
 
+    async def compact_stepwise(self) -> int:
+        """:meth:`compact`, one rollout judged at a time with the loop free between two (and
+        idle for as long as each judgment took: at most half the loop), so that the first
+        compaction after a restart with a long history never blocks the fold or the API.
+        Rollouts a reader's judgment already found ended are not judged again."""
+        self._compacted_at = time.monotonic()
+        fleet = self.fleet
+        if fleet.max_ended_rollouts is None:
+            return 0
+        for rollout_id in fleet.unended():
+            when = self.judge_time()
+            if when is None:
+                return 0
+            started = time.monotonic()
+            if rollout_id in fleet:
+                fleet.check_ended(rollout_id, when)
+            await asyncio.sleep(COMPACT_IDLE_PER_COST * (time.monotonic() - started))
+        when = self.judge_time()
+        summarized = 0 if when is None else fleet.summarize_excess(when)
+        if summarized:
+            log.info(
+                "summarized %d ended rollout(s) beyond the last %d",
+                summarized,
+                fleet.max_ended_rollouts,
+            )
+        return summarized
+
     async def start(self) -> None:
         await self.follower.start()
         await self._producer.start()
@@ -177,10 +207,11 @@ class Coordinator(AsyncService):
             self._controller_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._controller_task
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._compaction):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for queue in list(self._subscribers):
             _offer(queue, None)
         await self._producer.stop()
@@ -210,14 +241,17 @@ class Coordinator(AsyncService):
             except Exception as exc:  # Kafka away: keep serving what we have, retry
                 log.warning("follower poll failed: %s", exc)
                 await asyncio.sleep(1.0)
-            if time.monotonic() - self._compacted_at >= COMPACT_EVERY_S:
-                summarized = self.compact()
-                if summarized:
-                    log.info(
-                        "summarized %d ended rollout(s) beyond the last %d",
-                        summarized,
-                        self.settings.max_ended_rollouts,
-                    )
+            compaction = self._compaction
+            compacting = compaction is not None and not compaction.done()
+            if compaction is not None and compaction.done() and not compaction.cancelled():
+                self._compaction = None
+                if compaction.exception() is not None:
+                    log.warning("compaction failed: %r", compaction.exception())
+            if not compacting and time.monotonic() - self._compacted_at >= COMPACT_EVERY_S:
+                self._compacted_at = time.monotonic()
+                self._compaction = asyncio.create_task(
+                    self.compact_stepwise(), name="coordinator-compaction"
+                )
 
     # ------------------------------------------------------------------ write path
 

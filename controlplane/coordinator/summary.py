@@ -702,10 +702,14 @@ class Summaries:
     ) -> tuple[RolloutOverview, RolloutStatus]:
         """Judge the rollout now; ``reader``: for a reader (else for the background task)."""
         started = time.monotonic()
-        now = self.now()
+        current = self._coordinator.judge_time()
+        now = self.now() if current is None else current
+        fleet = self._coordinator.fleet
         with collector_paused():  # no cycles made; a collection now would scan the whole heap
-            status = self._coordinator.fleet.status(rollout_id, now)
+            status = fleet.status(rollout_id, now)
             overview = RolloutOverview.of(status)
+        if current is not None:  # judged at an instant known current: compaction may trust it
+            fleet.note_ended(status)
         judged = time.monotonic()
         self.judgments += 1
         cost = judged - started

@@ -325,16 +325,63 @@ class Fleet:
         """Keep the last ``max_ended_rollouts`` ended rollouts (by end, then id) in full; turn
         older ones into a final summary and drop their commands, acks and NACKs. Returns how
         many were summarized. Judges only rollouts not yet known to have ended; call it with a
-        ``now`` the reader knows to be current, every few seconds (the coordinator does)."""
+        ``now`` the reader knows to be current, every few seconds (the coordinator does, one
+        rollout at a time: :meth:`unended`, :meth:`check_ended`, :meth:`summarize_excess`)."""
+        if self.max_ended_rollouts is None:
+            return 0
+        for rollout_id in self.unended():
+            self.check_ended(rollout_id, now)
+        return self.summarize_excess(now)
+
+    def unended(self) -> list[str]:
+        """Rollouts held in full and not known to have ended (what :meth:`check_ended` judges)."""
+        ended = self._ended
+        return sorted(r for r in self._commands.keys() | self._unreadable.keys() if r not in ended)
+
+    def ended(self, rollout_id: str) -> datetime | None:
+        """When the rollout ended, if known (noted by :meth:`check_ended` or :meth:`note_ended`;
+        summarized rollouts ended at their summary's ``finished_at``); None: not known."""
+        at = self._ended.get(rollout_id)
+        if at is None and rollout_id in self._summaries:
+            at = self._summaries[rollout_id].status.finished_at
+        return at
+
+    def note_ended(self, status: RolloutStatus) -> None:
+        """Remember that a rollout ended, from a status judged of it at an instant the reader
+        knew to be current (the coordinator's cached judgments): :meth:`compact` need not
+        judge it again. An ended rollout stays ended, so one such judgment is enough."""
+        rollout_id = status.rollout_id
+        if (
+            status.terminal
+            and status.finished_at is not None
+            and not status.details_dropped
+            and rollout_id in self
+            and rollout_id not in self._summaries
+        ):
+            self._ended.setdefault(rollout_id, status.finished_at)
+
+    def check_ended(self, rollout_id: str, now: datetime) -> datetime | None:
+        """Judge whether the rollout has ended by ``now`` (cheaply: no per-worker details) and
+        remember it; when it ended, or None. Raises KeyError for an unknown rollout."""
+        held = self.ended(rollout_id)
+        if held is not None:
+            return held
+        commands = self._commands.get(rollout_id)
+        if commands is None:
+            status = self.status(rollout_id, now)  # known from NACKs only: small
+            at = status.finished_at if status.terminal else None
+        else:
+            end = self._evaluate(_primary(commands), now).end
+            at = None if end is None else end.at
+        if at is not None:
+            self._ended[rollout_id] = at
+        return at
+
+    def summarize_excess(self, now: datetime) -> int:
+        """Summarize the ended rollouts known beyond the last ``max_ended_rollouts``; how many."""
         keep = self.max_ended_rollouts
         if keep is None:
             return 0
-        for rollout_id in self._commands.keys() | self._unreadable.keys():
-            if rollout_id in self._ended:
-                continue
-            status = self.status(rollout_id, now)
-            if status.terminal and status.finished_at is not None:
-                self._ended[rollout_id] = status.finished_at
         excess = len(self._ended) - keep
         if excess <= 0:
             return 0

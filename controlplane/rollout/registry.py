@@ -5,6 +5,7 @@ Pure: no I/O, no asyncio, no clock; every answer that depends on time takes ``no
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -46,10 +47,16 @@ def seconds(value: float, *, limit: float = MAX_INTERVAL_S) -> timedelta:
 def silence_limit(hb: Heartbeat) -> timedelta:
     """How long after ``hb`` its worker still counts as alive without another heartbeat: the
     lease it asked for, else ``LIVENESS_PERIODS`` periods (docs/rollouts.md, Liveness)."""
+    return _silence_limit(hb.lease_s, hb.interval_s)
+
+
+@functools.lru_cache(maxsize=256)
+def _silence_limit(lease_s: float | None, interval_s: float) -> timedelta:
+    """:func:`silence_limit` of a heartbeat's two numbers (a fleet uses a few pairs: cached)."""
     limit = LIVENESS_PERIODS * MAX_INTERVAL_S
-    if hb.lease_s is not None:
-        return seconds(hb.lease_s, limit=limit)
-    return seconds(LIVENESS_PERIODS * hb.interval_s, limit=limit)
+    if lease_s is not None:
+        return seconds(lease_s, limit=limit)
+    return seconds(LIVENESS_PERIODS * interval_s, limit=limit)
 
 
 def seen_at(hb: Heartbeat, received_at: datetime | None = None) -> datetime:
@@ -201,6 +208,8 @@ class Registry:
         #: worker id -> the latest heartbeat (and receive time) of its incarnation before the
         #: latest one: whether the worker was alive at an instant before it restarted.
         self._previous: dict[str, tuple[Heartbeat, datetime | None]] = {}
+        #: worker id -> :meth:`lost_times` of its latest heartbeat, computed when first asked.
+        self._lost: dict[str, tuple[datetime, datetime]] = {}
 
     def observe(self, hb: Heartbeat, received_at: datetime | None = None) -> bool:
         """Fold in one heartbeat; True when it became the worker's latest.
@@ -217,6 +226,7 @@ class Registry:
         if held is not None and not same_incarnation(hb, held):
             self._keep_previous(held, self._received.get(worker_id))
         self._latest[worker_id] = hb
+        self._lost.pop(worker_id, None)
         if received_at is None:
             self._received.pop(worker_id, None)
         else:
@@ -248,6 +258,7 @@ class Registry:
         """Drop a worker (a tombstone on the compacted topic); True when it was known."""
         self._received.pop(worker_id, None)
         self._previous.pop(worker_id, None)
+        self._lost.pop(worker_id, None)
         return self._latest.pop(worker_id, None) is not None
 
     def latest(self, worker_id: str) -> Heartbeat | None:
@@ -263,6 +274,19 @@ class Registry:
         """The latest heartbeat and its receive time (None: not given), or None when never seen."""
         hb = self._latest.get(worker_id)
         return None if hb is None else (hb, self._received.get(worker_id))
+
+    def lost_times(self, worker_id: str) -> tuple[datetime, datetime] | None:
+        """When the worker's latest heartbeat stops proving it alive (:func:`lost_at`): on the
+        reader's clock, and on the worker's own; None when never seen. Cached per heartbeat
+        (judging a rollout asks it of every worker)."""
+        held = self._lost.get(worker_id)
+        if held is not None:
+            return held
+        hb = self._latest.get(worker_id)
+        if hb is None:
+            return None
+        held = self._lost[worker_id] = (lost_at(hb, self._received.get(worker_id)), lost_at(hb))
+        return held
 
     def heartbeats(self) -> Iterator[Heartbeat]:
         """Every worker's latest heartbeat, in no particular order."""

@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 
 from controlplane.rollout.ledger import Report, WorkerLedger
 from controlplane.rollout.models import RolloutPhase, RolloutReason, WorkerDetail, WorkerState
-from controlplane.rollout.registry import Registry, lost_at, shift
+from controlplane.rollout.registry import Registry, shift
 from controlplane.wire.protocol import AckState, Command, Heartbeat
 
 _TERMINAL_STATES = {
@@ -92,9 +92,11 @@ class Track:
                 self.lost_from = self.silent_from = command.issued_at
             return
         self.entry = entry
-        hb, received = entry
-        self.lost_from = max(lost_at(hb, received), command.issued_at)
-        self.silent_from = max(lost_at(hb), command.issued_at)
+        hb = entry[0]
+        times = registry.lost_times(worker_id)
+        assert times is not None  # it has an entry
+        self.lost_from = max(times[0], command.issued_at)
+        self.silent_from = max(times[1], command.issued_at)
         self.flights.extend(flights)
         flight = hb.in_flight
         if (
