@@ -233,6 +233,8 @@ def topics_ensure(
             typer.echo(f"created  {name}")
         for name in report.existing:
             typer.echo(f"ok       {name}")
+        for line in report.altered:
+            typer.echo(f"altered  {line}")
         typer.echo(
             f"replication factor {report.replication_factor}, "
             f"min.insync.replicas {report.min_insync_replicas}"

@@ -1,5 +1,14 @@
 """How the CLI reads the log: catch up, wait for an unconfirmed publish, follow a rollout.
 
+A command about one rollout reads only what that rollout needs, never the fleet's history
+(:func:`read_rollout`): the workers topic (compacted: about one record per worker), the
+commands topic (one small record per rollout; only records whose bytes name the rollout are
+decoded), and the acks from the offsets at the rollout's first command record, less
+:data:`ACKS_CLOCK_MARGIN_S`. A publish reads the workers topic and only what is appended
+after it started (see ``rollout._publish_and_maybe_wait``). ``status`` (all) and ``workers``
+still fold the whole log (:func:`read_log`): every rollout's verdict and every worker's
+desired version need it.
+
 ``--wait``, ``status``, ``workers`` and a publish resolving its selector judge at the follower's
 ``current_as_of()``: the time up to which it has read everything, never the clock at the end of
 a long replay. During a Kafka outage that time stands still, so no worker is judged lost for a
@@ -20,6 +29,7 @@ from controlplane.coordinator.publisher import PublishUnconfirmed
 from controlplane.kafka.bus import health
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.rollout.models import RolloutStatus
+from controlplane.wire.channels import ACKS, COMMANDS
 from controlplane.wire.errors import BusError, LocalCode
 from controlplane.wire.protocol import Command, utcnow
 
@@ -120,6 +130,55 @@ async def read_log(settings: KafkaSettings) -> AsyncIterator[tuple[Follower, dat
     """A probing reader that has read the whole log (:func:`catch_up`), and the time to judge
     at (:func:`judge_time`); it stops reading when the block ends."""
     async with Follower(settings, probe=True) as follower:
+        await catch_up(follower, settings)
+        yield follower, judge_time(follower)
+
+
+#: How far before its first command record a rollout's acks are read from (seconds). An ack's
+#: record timestamp is its agent's clock when it sent it (the acks topic is CreateTime), after
+#: the agent read the command; the command's is its publisher's clock (and its ``issued_at``,
+#: taken just before): an ack falls before it only when the agent's clock is behind the
+#: publisher's by more than the time from publish to ack. Kafka answers a time with the first
+#: offset at or after it, so an ack stamped earlier is still read unless every record before it
+#: in its partition is older too. Two minutes covers any host whose clock is kept by NTP (skew
+#: of milliseconds) and an unsynchronized one by far; each second of it costs only the acks
+#: appended in that second before the rollout.
+ACKS_CLOCK_MARGIN_S = 120.0
+
+
+async def acks_start(
+    settings: KafkaSettings, rollout_id: str, *, margin_s: float = ACKS_CLOCK_MARGIN_S
+) -> dict[tuple[str, int], int] | None:
+    """Where the acks of ``rollout_id`` begin: per acks partition, the first offset at or
+    after its first command record (the earliest record timestamp or ``issued_at`` of any
+    command record naming it, decoded or not), less ``margin_s``. None: no command record
+    names it (not on the commands topic, or gone by retention)."""
+    issued: list[datetime] = []
+    # The acks topic is followed from its end (nothing before is read): assigned, so that
+    # its partitions are known to be asked for by time.
+    async with Follower(
+        settings, channels=(COMMANDS, ACKS), rollouts=(rollout_id,), tail=(ACKS,)
+    ) as follower:
+        follower.listeners.append(lambda batch: issued.extend(c.issued_at for c in batch.commands))
+        await catch_up(follower, settings)
+        first = follower.command_times.get(rollout_id)
+        if first is None:
+            return None
+        since = min([first / 1000, *(at.timestamp() for at in issued)]) - margin_s
+        return await follower.offsets_for_times(ACKS, max(0, int(since * 1000)))
+
+
+@asynccontextmanager
+async def read_rollout(
+    settings: KafkaSettings, rollout_id: str, *, margin_s: float = ACKS_CLOCK_MARGIN_S
+) -> AsyncIterator[tuple[Follower, datetime]]:
+    """:func:`read_log` for one rollout: a probing reader that folds only ``rollout_id``'s
+    commands and acks, its acks read from :func:`acks_start` on (from the beginning, every
+    ack undecoded unless its bytes name the rollout, when no command record names it: a
+    rollout known only from NACKs, or none), and the whole workers topic; judged exactly as
+    a full replay judges it."""
+    start = await acks_start(settings, rollout_id, margin_s=margin_s)
+    async with Follower(settings, probe=True, rollouts=(rollout_id,), start_at=start) as follower:
         await catch_up(follower, settings)
         yield follower, judge_time(follower)
 

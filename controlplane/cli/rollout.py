@@ -20,6 +20,7 @@ waiting, and exits 4 only when ``--wait-timeout`` passes with Kafka still unreac
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import getpass
 import inspect
@@ -47,6 +48,7 @@ from controlplane.cli.follow import (
     follow,
     judge_time,
     read_log,
+    read_rollout,
     wait_deadline,
 )
 from controlplane.cli.render import (
@@ -59,13 +61,16 @@ from controlplane.coordinator.follower import Follower
 from controlplane.coordinator.publisher import (
     PublishUnconfirmed,
     RolloutRequest,
+    check_new_rollout,
     check_ttl,
+    new_id,
     prepare_rollout,
     publish,
 )
 from controlplane.kafka.bus import Producer
 from controlplane.kafka.settings import DEFAULT_BOOTSTRAP, KafkaSettings
 from controlplane.rollout.models import RolloutStatus
+from controlplane.wire.channels import ACKS, COMMANDS
 from controlplane.wire.errors import (
     BusError,
     CommandRejected,
@@ -147,11 +152,26 @@ async def _publish_and_maybe_wait(
     as_json: bool,
 ) -> int:
     out = console()
-    async with Follower(settings, probe=wait) as follower:
+    # Only what this publish needs: the workers topic (the selector), and what is appended
+    # after the start (its own command and acks, to read it back and follow it). A rollout id
+    # of the user's is looked for on the commands topic, in records that name it.
+    chosen = request.rollout_id is not None
+    request = dataclasses.replace(request, rollout_id=request.rollout_id or new_id("r"))
+    assert request.rollout_id is not None
+    async with Follower(
+        settings,
+        probe=wait,
+        rollouts=(request.rollout_id,),
+        tail=(ACKS,) if chosen else (ACKS, COMMANDS),
+    ) as follower:
         await catch_up(follower, settings)
         now = utcnow()
         # The log is read: a rollout id in it is not new. Liveness as of what the reader
         # knows (see Follower.current_as_of), not the coordinator's clock.
+        if chosen:
+            check_new_rollout(
+                request.rollout_id, {*follower.fleet.rollout_ids(), *follower.unreadable_commands}
+            )
         command = prepare_rollout(
             request,
             follower.fleet,
@@ -365,7 +385,9 @@ def status(
     """Rollout status computed from the log (no coordinator needed). Exits with the rollout's code."""
 
     async def go() -> int:
-        async with read_log(kafka_settings(bootstrap, prefix)) as (follower, now):
+        settings = kafka_settings(bootstrap, prefix)
+        reading = read_log(settings) if rollout is None else read_rollout(settings, rollout)
+        async with reading as (follower, now):
             if rollout is None:
                 statuses = follower.fleet.rollouts(now)
                 if as_json:

@@ -2,6 +2,8 @@
 
 The log is the source of truth: the coordinator and ``controlplane ... --wait`` both rebuild
 their state with this, then follow live. No HTTP, no printing; listeners get each folded batch.
+A reader of one rollout (the CLI) narrows it: fewer topics, only some rollouts' commands and
+acks, partitions started at given offsets or at their end (see :class:`Follower`).
 
 While the log is replayed, Python's cyclic garbage collector is off (reference counting still
 frees every record and ack as soon as it is folded). A replay allocates millions of short-lived
@@ -54,7 +56,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from operator import attrgetter
@@ -183,6 +185,10 @@ class Follower(AsyncService):
         probe_interval_s: float = 1.0,
         control: ControlState | None = None,
         control_optional: bool = False,
+        channels: Collection[Channel[Any]] = CHANNELS,
+        rollouts: Collection[str] | None = None,
+        start_at: Mapping[tuple[str, int], int] | None = None,
+        tail: Collection[Channel[Any]] = (),
     ) -> None:
         """``decode_ack``: None, the acks channel's compiled decoder; ``protocol.decode_ack``
         gives the same acks as pydantic models, several times slower. ``probe``: write a probe record to
@@ -190,7 +196,17 @@ class Follower(AsyncService):
         (see the module's docstring). ``control``: also fold the controller topic into it
         (targets and progressive rollouts); ``control_optional``: when that topic does not
         exist (a fleet whose topics were made before it), follow the rest and say so, instead
-        of failing (:attr:`control_missing`)."""
+        of failing (:attr:`control_missing`).
+
+        A reader of one rollout (the CLI's ``status <id>``, ``--wait``, a publish) need not
+        fold the fleet's history: ``channels``, the topics to read (default: commands, acks
+        and workers); ``rollouts``, fold only the commands and acks of these rollout ids (the
+        others are counted in :attr:`skipped`, and not even decoded when their bytes cannot
+        name one of them); ``start_at``, (topic, partition) -> the offset to start reading that
+        partition at instead of its beginning; ``tail``, channels read from the end they had at
+        start (only what is appended later: a publish's own command and acks). Caught up
+        still means: at the end each partition had at start. The coordinator reads
+        everything: the defaults."""
         self.settings = settings
         self.probe = probe
         self.probe_interval_s = probe_interval_s
@@ -204,7 +220,25 @@ class Follower(AsyncService):
         self.caught_up = asyncio.Event()
         self.listeners: list[Listener] = []
         self.records = 0
+        #: Records fetched, per topic (every record, folded or skipped).
+        self.records_read: dict[str, int] = {}
         self.undecodable = 0
+        self.rollouts = frozenset(rollouts) if rollouts is not None else None
+        #: What a record's bytes must contain to be decoded under ``rollouts``: one of the
+        #: ids, or a JSON escape (``\\u``: an id may be written escaped).
+        self._needles = (
+            (*(r.encode() for r in self.rollouts), b"\\u") if self.rollouts is not None else ()
+        )
+        #: Commands and acks not folded: of a rollout outside ``rollouts``.
+        self.skipped = 0
+        #: Rollout id -> the earliest record timestamp (Unix ms, the writer's clock) of a
+        #: command record folded for it, or one that did not decode but names it.
+        self.command_times: dict[str, int] = {}
+        #: Rollout ids named by command records that did not decode (the workers NACK them
+        #: under those ids: such a rollout id is taken).
+        self.unreadable_commands: set[str] = set()
+        self._start_at = dict(start_at or {})
+        self._tail = {channel.topic(self.topics) for channel in tail}
         #: Records whose fold raised something unexpected (logged with topic/partition/offset;
         #: the rest of their fetch is folded all the same).
         self.fold_errors = 0
@@ -233,7 +267,9 @@ class Follower(AsyncService):
                 channel.name,
             )
             for channel in CHANNELS
+            if channel in channels
         }
+        self._commands_topic = COMMANDS.topic(self.topics)
         self.control = control
         self.control_optional = control_optional
         #: The controller topic was asked for, optional, and not there at start.
@@ -254,11 +290,17 @@ class Follower(AsyncService):
         names = list(self._decoders)
         await self._consumer.assign_many(names)
         await self._consumer.seek_to_beginning()
+        for (topic, partition), offset in self._start_at.items():
+            if topic in self._decoders:
+                self._consumer.seek(topic, partition, offset)
         self._targets_at = time.time()
         for name in names:
             for partition, end in (await self._consumer.end_offsets(name)).items():
                 self._targets[(name, partition)] = end
-        if all(end == 0 for end in self._targets.values()):
+                if name in self._tail:
+                    self._start_at[(name, partition)] = end
+                    self._consumer.seek(name, partition, end)
+        if all(end <= self._start_at.get(key, 0) for key, end in self._targets.items()):
             self.caught_up.set()
         elif gc.isenabled():  # (someone else's pause is theirs to end)
             gc.disable()
@@ -411,6 +453,7 @@ class Follower(AsyncService):
         if not records:
             return
         self.records += len(records)
+        self.records_read[topic] = self.records_read.get(topic, 0) + len(records)
         self._positions[(topic, partition)] = records[-1].offset + 1
         decode, observe, kind = self._decoders[topic]
         folded: list[Any] = getattr(batch, kind)
@@ -418,15 +461,23 @@ class Follower(AsyncService):
         heartbeats = kind == "heartbeats"
         if heartbeats:
             self._note_written(records, now)
+        scope = None if heartbeats or kind == "control" else self.rollouts
+        needles = self._needles
         for record in records:
             value = record.value
             if value is None:  # a tombstone on the compacted workers topic
                 continue
             if heartbeats and record.key == PROBE_KEY:
                 continue
+            if scope is not None and not any(needle in value for needle in needles):
+                self.skipped += 1
+                continue
             try:
                 message = decode(value)
             except ProtocolError as exc:
+                if topic == self._commands_topic and exc.rollout_id is not None:
+                    self.unreadable_commands.add(exc.rollout_id)
+                    self._note_command(exc.rollout_id, record.timestamp_ms)
                 self.undecodable += 1
                 batch.undecodable += 1
                 log.debug(
@@ -436,6 +487,11 @@ class Follower(AsyncService):
             except Exception as exc:
                 self._fold_failed(topic, partition, record.offset, "decoding", exc)
                 continue
+            if scope is not None and message.rollout_id not in scope:
+                self.skipped += 1
+                continue
+            if topic == self._commands_topic:
+                self._note_command(message.rollout_id, record.timestamp_ms)
             try:
                 if heartbeats:
                     observe(message, self._received_at(record, now, batch.replay))
@@ -445,6 +501,20 @@ class Follower(AsyncService):
                 self._fold_failed(topic, partition, record.offset, "folding", exc)
                 continue
             append(message)
+
+    def _note_command(self, rollout_id: str, timestamp_ms: int) -> None:
+        held = self.command_times.get(rollout_id)
+        if held is None or timestamp_ms < held:
+            self.command_times[rollout_id] = timestamp_ms
+
+    async def offsets_for_times(
+        self, channel: Channel[Any], at_ms: int
+    ) -> dict[tuple[str, int], int]:
+        """Per partition of ``channel``'s topic, the earliest offset whose record timestamp is
+        at or after ``at_ms`` (its end when none is): a ``start_at`` for another reader."""
+        topic = channel.topic(self.topics)
+        found = await self._consumer.offsets_for_times(topic, at_ms)
+        return {(topic, partition): offset for partition, offset in found.items()}
 
     def _fold_failed(
         self, topic: str, partition: int, offset: int, doing: str, exc: Exception

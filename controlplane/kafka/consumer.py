@@ -203,6 +203,21 @@ class Consumer(ClientLifecycle):
             res = await self._consumer.beginning_offsets([TopicPartition(topic, p) for p in parts])
         return {tp.partition: off for tp, off in res.items()}
 
+    async def offsets_for_times(self, topic: str, at_ms: int) -> dict[int, int]:
+        """Per partition of ``topic``, the earliest offset whose record timestamp is at or
+        after ``at_ms`` (Unix milliseconds); a partition with none: its end offset (every
+        record it holds is older)."""
+        parts = await self.partitions(topic)
+        tps = [TopicPartition(topic, p) for p in parts]
+        with translate(f"reading offsets of {topic} by time"):
+            found = await self._consumer.offsets_for_times(dict.fromkeys(tps, at_ms))
+            ends = await self._consumer.end_offsets(tps)
+        out: dict[int, int] = {}
+        for tp in tps:
+            hit = found.get(tp)
+            out[tp.partition] = hit.offset if hit is not None else ends[tp]
+        return out
+
     async def fetch(
         self, *, timeout_s: float = 1.0, max_records: int | None = None
     ) -> list[Record]:
