@@ -45,6 +45,7 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, com
 from controlplane.coordinator.follower import Batch
 from controlplane.kafka.client import collector_paused
 from controlplane.rollout.desired import Alignment, targets_status
+from controlplane.rollout.judge import Tally
 from controlplane.rollout.models import (
     Anomaly,
     RolloutPhase,
@@ -207,15 +208,12 @@ class RolloutOverview(_Out):
 
     @classmethod
     def of(cls, status: RolloutStatus) -> RolloutOverview:
-        errors: collections.Counter[str] = collections.Counter()
-        versions: collections.Counter[str] = collections.Counter()
-        late = 0
-        for detail in status.workers:
-            if detail.error is not None:
-                errors[detail.error.code] += 1
-            if detail.weights_version is not None:
-                versions[detail.weights_version] += 1
-            late += detail.late_state is not None
+        return cls.of_tally(Tally.of(status))
+
+    @classmethod
+    def of_tally(cls, tally: Tally) -> RolloutOverview:
+        """The overview of a rollout judged in counts (``Fleet.tally``: no detail per worker)."""
+        status = tally.status
         ids = status.selector.worker_ids
         return cls(
             rollout_id=status.rollout_id,
@@ -234,10 +232,10 @@ class RolloutOverview(_Out):
             message=status.message,
             expected=status.expected,
             counts=status.counts,
-            errors=dict(sorted(errors.items())),
-            versions=dict(sorted(versions.items())),
-            late=late,
-            unexpected_workers=len(status.unexpected),
+            errors=dict(sorted(tally.errors.items())),
+            versions=dict(sorted(tally.versions.items())),
+            late=tally.late,
+            unexpected_workers=tally.unexpected,
             anomalies=status.anomalies[:MAX_ANOMALIES],
             anomalies_total=len(status.anomalies),
             started_at=status.started_at,
@@ -700,14 +698,22 @@ class Summaries:
         budget: Budget | None = None,
         reader: bool = True,
     ) -> tuple[RolloutOverview, RolloutStatus]:
-        """Judge the rollout now; ``reader``: for a reader (else for the background task)."""
+        """Judge the rollout now; ``reader``: for a reader (else for the background task).
+        The status returned has its per-worker lists only when ``full`` (or when its full status
+        is kept): an overview is judged in counts (``Fleet.tally``)."""
         started = time.monotonic()
         current = self._coordinator.judge_time()
         now = self.now() if current is None else current
         fleet = self._coordinator.fleet
+        full = full or rollout_id in self._full
         with collector_paused():  # no cycles made; a collection now would scan the whole heap
-            status = fleet.status(rollout_id, now)
-            overview = RolloutOverview.of(status)
+            if full:
+                status = fleet.status(rollout_id, now)
+                overview = RolloutOverview.of(status)
+            else:  # in counts: no detail per worker made
+                counted = fleet.tally(rollout_id, now)
+                status = counted.status
+                overview = RolloutOverview.of_tally(counted)
         if current is not None:  # judged at an instant known current: compaction may trust it
             fleet.note_ended(status)
         judged = time.monotonic()
@@ -720,7 +726,7 @@ class Summaries:
         self._rollouts[rollout_id] = _Entry(
             overview, now, cost, judged, overview.settled, read=read
         )
-        if full or rollout_id in self._full:
+        if full:
             self._full[rollout_id] = _Entry(status, now, cost, judged, overview.settled, read=read)
             self._full.move_to_end(rollout_id)
             while len(self._full) > self._keep_full:

@@ -22,7 +22,7 @@ from datetime import datetime
 from typing import Final
 
 from controlplane.rollout.anomalies import rejected, unreadable_anomalies
-from controlplane.rollout.judge import Verdict, evaluate, judge
+from controlplane.rollout.judge import Tally, Verdict, evaluate, judge, tally
 from controlplane.rollout.ledger import CommandLedger, Report
 from controlplane.rollout.models import (
     Anomaly,
@@ -214,6 +214,19 @@ class Fleet:
         if nacks:
             anomalies += unreadable_anomalies(rollout_id, nacks)
         return judge(self._evaluate(command, now), anomalies)
+
+    def tally(self, rollout_id: str, now: datetime) -> Tally:
+        """:meth:`status` in counts, equal to ``Tally.of(self.status(rollout_id, now))`` but
+        without a detail per worker (what a summary needs). Raises KeyError as status does."""
+        commands = self._commands.get(rollout_id)
+        if commands is None:
+            return Tally.of(self.status(rollout_id, now))  # summarized, or NACKs only: small
+        command = _primary(commands)
+        anomalies = self._command_anomalies(command, commands)
+        nacks = self._unreadable.get(rollout_id)
+        if nacks:
+            anomalies += unreadable_anomalies(rollout_id, nacks)
+        return tally(self._evaluate(command, now), anomalies)
 
     def _evaluate(self, command: Command, now: datetime) -> Verdict:
         """Judge ``command``'s rollout at ``now`` on everything folded so far."""

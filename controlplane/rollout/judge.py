@@ -8,6 +8,7 @@ is in :mod:`controlplane.rollout.anomalies`.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -20,6 +21,8 @@ from controlplane.rollout.models import (
     RolloutReason,
     RolloutStatus,
     StateCounts,
+    WorkerDetail,
+    WorkerState,
 )
 from controlplane.rollout.registry import Registry
 from controlplane.rollout.track import Abort, End, Flights, Track, ending
@@ -147,17 +150,106 @@ def evaluate(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Tally:
+    """A rollout judged in counts: its status without per-worker lists (``workers`` and
+    ``unexpected`` empty), and what those lists would have said, counted. :func:`tally` makes
+    it without building a detail per worker (a 10,000-worker rollout judged for a summary)."""
+
+    status: RolloutStatus
+    #: Expected workers with a terminal report, by its error code and by its weights version.
+    errors: dict[str, int]
+    versions: dict[str, int]
+    #: Expected workers that reported a different state after the end.
+    late: int
+    unexpected: int
+
+    @classmethod
+    def of(cls, status: RolloutStatus) -> Tally:
+        """The tally of a status judged in full (its lists counted, then left out)."""
+        errors: collections.Counter[str] = collections.Counter()
+        versions: collections.Counter[str] = collections.Counter()
+        late = 0
+        for detail in status.workers:
+            if detail.error is not None:
+                errors[detail.error.code] += 1
+            if detail.weights_version is not None:
+                versions[detail.weights_version] += 1
+            late += detail.late_state is not None
+        bare = status.model_copy(update={"workers": (), "unexpected": ()})
+        return cls(bare, dict(errors), dict(versions), late, len(status.unexpected))
+
+
 def judge(verdict: Verdict, anomalies: Iterable[Anomaly] = ()) -> RolloutStatus:
     """The status of the rollout :func:`evaluate` judged, dressed for the API, dashboard and
     CLI; ``anomalies`` are the fleet's own about it (duplicate commands, unreadable NACKs)."""
-    command, registry, now, abort = verdict.command, verdict.registry, verdict.now, verdict.abort
+    ordered, extra = _ordered(verdict)
+    details = tuple(t.detail(_shown_cut(verdict)) for t in ordered)
+    return _dress(
+        verdict,
+        anomalies,
+        ordered,
+        extra,
+        [d.state for d in details],
+        details,
+        tuple(t.detail(None) for t in extra),
+    )
+
+
+def tally(verdict: Verdict, anomalies: Iterable[Anomaly] = ()) -> Tally:
+    """:func:`judge` in counts: equal to ``Tally.of(judge(verdict, anomalies))``, cheaper."""
+    ordered, extra = _ordered(verdict)
+    cut = _shown_cut(verdict)
+    errors: collections.Counter[str] = collections.Counter()
+    versions: collections.Counter[str] = collections.Counter()
+    states = []
+    late = 0
+    for track in ordered:
+        state, late_state = track.states(cut)
+        states.append(state)
+        late += late_state is not None
+        t = track.terminal
+        if t is not None:
+            if t.error is not None:
+                errors[t.error.code] += 1
+            if t.weights_version is not None:
+                versions[t.weights_version] += 1
+    status = _dress(verdict, anomalies, ordered, extra, states, (), ())
+    return Tally(status, dict(errors), dict(versions), late, len(extra))
+
+
+def _shown_cut(verdict: Verdict) -> datetime | None:
+    """The instant workers' states are shown at: the end (a command that expired before anyone
+    read it: None, all of what the workers said)."""
+    end = verdict.end
+    return None if end is None or verdict.expired_unread else end.at
+
+
+def _ordered(verdict: Verdict) -> tuple[list[Track], list[Track]]:
+    """The expected workers' tracks by worker id, and the unexpected workers' (never lost)."""
+    tracks, command = verdict.tracks, verdict.command
+    workers = verdict.ledger.workers
+    extra = [
+        Track(w, workers[w], verdict.registry, command, verdict.now, expected=False)
+        for w in sorted(verdict.unexpected)
+    ]
+    return [tracks[w] for w in sorted(tracks)], extra
+
+
+def _dress(
+    verdict: Verdict,
+    anomalies: Iterable[Anomaly],
+    ordered: list[Track],
+    extra: list[Track],
+    states: list[WorkerState],
+    details: tuple[WorkerDetail, ...],
+    unexpected: tuple[WorkerDetail, ...],
+) -> RolloutStatus:
+    command, now, abort = verdict.command, verdict.now, verdict.abort
     progress_deadline = verdict.progress_deadline
-    tracks, end, issued = verdict.tracks, verdict.end, command.issued_at
+    end, issued = verdict.end, command.issued_at
     cut = end.at if end is not None else None
-    ordered = [tracks[w] for w in sorted(tracks)]
-    # A command that expired before anyone read it: show what the workers said (all of it).
-    details = tuple(t.detail(None if verdict.expired_unread else cut) for t in ordered)
-    counts = StateCounts.of(d.state for d in details)
+    counts = StateCounts.of(states)
     firsts = [
         t.ledger.first_sent
         for t in ordered
@@ -171,11 +263,6 @@ def judge(verdict: Verdict, anomalies: Iterable[Anomaly] = ()) -> RolloutStatus:
         phase = RolloutPhase.PROGRESSING if firsts else RolloutPhase.PENDING
         reason = None
     spec = command.spec
-    workers = verdict.ledger.workers
-    extra = [
-        Track(w, workers[w], registry, command, now, expected=False)
-        for w in sorted(verdict.unexpected)
-    ]
     return RolloutStatus(
         rollout_id=command.rollout_id,
         command_id=command.command_id,
@@ -189,13 +276,11 @@ def judge(verdict: Verdict, anomalies: Iterable[Anomaly] = ()) -> RolloutStatus:
         as_of=now,
         phase=phase,
         reason=reason,
-        message=message(
-            phase, reason, counts, len(details), end, progress_deadline, abort, command
-        ),
-        expected=len(details),
+        message=message(phase, reason, counts, len(states), end, progress_deadline, abort, command),
+        expected=len(states),
         counts=counts,
         workers=details,
-        unexpected=tuple(t.detail(None) for t in extra),
+        unexpected=unexpected,
         anomalies=tuple(
             sorted(
                 [*anomalies, *ack_anomalies(command, ordered, extra)],

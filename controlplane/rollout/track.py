@@ -154,9 +154,16 @@ class Track:
                 out.append((t.sent_at, t.sent_at))
         out.extend(self.flights)
 
-    def detail(self, cut: datetime | None) -> WorkerDetail:
+    def states(self, cut: datetime | None) -> tuple[WorkerState, WorkerState | None]:
+        """The state at ``cut`` (None: now), and the state now when it differs (a late state)."""
         state = self.state_at(cut)
-        now_state = self.state_at(None) if cut is not None else state
+        if cut is None:
+            return state, None
+        now_state = self.state_at(None)
+        return state, (now_state if now_state != state else None)
+
+    def detail(self, cut: datetime | None) -> WorkerDetail:
+        state, late_state = self.states(cut)
         ledger, t = self.ledger, self.terminal
         lost: datetime | None = None
         if state is WorkerState.LOST and self.lost_from is not None:
@@ -165,7 +172,7 @@ class Track:
         return WorkerDetail(
             worker_id=self.worker_id,
             state=state,
-            late_state=now_state if cut is not None and now_state != state else None,
+            late_state=late_state,
             error=t.error if t is not None else None,
             weights_version=t.weights_version if t is not None else None,
             config_digest=t.config_digest if t is not None else None,

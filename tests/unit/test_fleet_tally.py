@@ -1,0 +1,77 @@
+"""A rollout judged in counts (``Fleet.tally``, what the coordinator's summaries read) says
+exactly what its full status counted says, and the cheap end check compaction makes
+(``Fleet.check_ended``) agrees with the full status: generated scenarios (heartbeats, deaths,
+restarts, conflicting acks, strangers, aborts) fed in any order and judged at every instant,
+as liveness changes (tests/unit/test_rollout_replay.py's scenarios).
+"""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from controlplane.rollout.fleet import Fleet
+from controlplane.rollout.judge import Tally
+from tests.factories import Event, at, command, event_time, feed, fleet, full, heartbeat, nack
+from tests.unit.test_rollout_replay import DEADLINE, HORIZON, scenarios
+
+
+def assert_tally_is_status(f: Fleet, rollout_id: str, now: int) -> None:
+    when = at(now)
+    assert f.tally(rollout_id, when) == Tally.of(f.status(rollout_id, when))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.lists(st.integers(0, HORIZON + 100), min_size=1, max_size=6))
+def test_a_tally_is_the_full_status_counted_at_any_instant(
+    events: list[Event], instants: list[int]
+) -> None:
+    f = fleet(*events, deadline=DEADLINE)
+    for now in instants:
+        assert_tally_is_status(f, "r1", now)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.randoms(use_true_random=False))
+def test_fed_live_the_tally_and_the_end_check_agree_with_the_status_at_every_instant(
+    events: list[Event], rnd: random.Random
+) -> None:
+    """Fed as it happens and judged after each instant's events (liveness moving with time);
+    then a reader fed the same log in another order."""
+    live = Fleet(progress_deadline_s=DEADLINE)
+    for i, event in enumerate(events):
+        feed(live, [event])
+        instant = event_time(event)[0]
+        if "r1" not in live or (i + 1 < len(events) and event_time(events[i + 1])[0] == instant):
+            continue
+        status = live.status("r1", instant)
+        assert live.tally("r1", instant) == Tally.of(status)
+        ended = live.check_ended("r1", instant)
+        assert ended == (status.finished_at if status.terminal else None)
+    shuffled = list(events)
+    rnd.shuffle(shuffled)
+    assert_tally_is_status(fleet(*shuffled, deadline=DEADLINE), "r1", HORIZON + 100)
+
+
+def test_a_tally_of_a_summarized_rollout_and_of_one_known_only_from_nacks() -> None:
+    f = Fleet(progress_deadline_s=DEADLINE, max_ended_rollouts=0)
+    feed(
+        f,
+        [
+            command(workers=["w1", "w2"]),
+            heartbeat("w1", 0.0),
+            heartbeat("w2", 0.0),
+            *full("w1", 1.0, 3.0),
+            *full("w2", 1.0, 4.0),
+        ],
+    )
+    bad = nack("w1", 5.0, "SCHEMA_INVALID").model_copy(
+        update={"rollout_id": "r9", "command_id": "c9"}
+    )
+    feed(f, [bad])
+    assert f.compact(at(10.0)) == 2  # r1 summarized; r9 (refused by all) ended too
+    for rollout_id in ("r1", "r9"):
+        assert_tally_is_status(f, rollout_id, 10)
+        assert f.ended(rollout_id) == f.status(rollout_id, at(10.0)).finished_at
