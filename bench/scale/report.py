@@ -102,6 +102,12 @@ def rows(levels: list[dict[str, Any]]) -> list[list[Any]]:
         more = ">" if run.get("killed_at_cap") else ""  # the cap, not the command, ended it
         return f"; {more}{r:.1f}x the floor" if r is not None else ""
 
+    def publish(lv: dict[str, Any]) -> str:
+        run = lv["cli"]["publish"]
+        pinned = run.get("pinned")
+        extra = f", pinned {pinned} of {lv['n']}" if pinned is not None else ""
+        return _cli_cell(run, extra) + x_floor(lv, "publish")
+
     def status_one(lv: dict[str, Any]) -> str:
         run = lv["cli"]["status_one"]
         return _cli_cell(run, f", shown {run.get('phase')}") + x_floor(lv, "status_one")
@@ -182,7 +188,7 @@ def rows(levels: list[dict[str, Any]]) -> list[list[Any]]:
         ["bare consumer to the end (the floor)", *each(floor), "-"],
         [
             "`reload-weights --selector model=big` (publish)",
-            *each(lambda lv: _cli_cell(lv["cli"]["publish"]) + x_floor(lv, "publish")),
+            *each(publish),
             f"< {PUBLISH_S:g} s",
         ],
         ["`status <id> --json` (in progress)", *each(status_one), f"< {STATUS_ONE_S:g} s"],
@@ -230,6 +236,9 @@ def targets(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
         false = (d["false_alive"] or 0) + (d["false_phase"] or 0)
         if d["status_one_phase"] in ("failed", "timed_out", "aborted"):
             false += 1
+        pinned = publish.get("pinned")
+        if pinned is not None and pinned < lv["n"]:
+            false += 1  # live workers left out of the publish: judged lost
         out += [
             {
                 "name": f"publish with a selector < {PUBLISH_S:g} s {at}",
@@ -281,7 +290,8 @@ def targets(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "value": false,
                 "verdict": "met" if false == 0 and lv.get("api", {}).get("watcher") else "missed",
                 "detail": f"{d['false_alive']} polls with alive < N, {d['false_phase']} with the "
-                f"in-progress rollout shown ended, status <id> said {d['status_one_phase']}",
+                f"in-progress rollout shown ended, status <id> said {d['status_one_phase']}, "
+                f"the publish pinned {pinned} of {lv['n']}",
             },
         ]
     return out

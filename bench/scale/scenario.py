@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -117,7 +118,8 @@ class Scenario:
             self.tmp,
             "publish",
         )
-        self.log(_said("publish", cli["publish"]))
+        cli["publish"]["pinned"] = _pinned_of(Path(cli["publish"]["stdout_path"]))
+        self.log(_said("publish", cli["publish"]) + f", pinned {cli['publish']['pinned']}")
         cli["status_one"] = await run_cli(
             ["status", self.rollouts.live, "--json", *self.kafka_args()], cap, self.tmp, "status1"
         )
@@ -247,14 +249,30 @@ class Scenario:
         }
 
 
-def _phase_of(path: Path) -> str | None:
-    import json
-
+def _json_of(path: Path) -> Any:
     try:
-        body = json.loads(path.read_text() or "null")
-    except ValueError:
+        return json.loads(path.read_text() or "null")
+    except (OSError, ValueError):
         return None
+
+
+def _phase_of(path: Path) -> str | None:
+    body = _json_of(path)
     return body.get("phase") if isinstance(body, dict) else None
+
+
+def _pinned_of(path: Path) -> int | None:
+    """How many workers the published command was pinned to (a list, or a packed one)."""
+    body = _json_of(path)
+    if not isinstance(body, dict):
+        return None
+    selector = body.get("selector") or body.get("command", {}).get("selector") or {}
+    ids = selector.get("worker_ids")
+    if isinstance(ids, list):
+        return len(ids)
+    if isinstance(ids, dict) and isinstance(ids.get("count"), int):
+        return int(ids["count"])
+    return None
 
 
 def _said(what: str, run: dict[str, Any]) -> str:
