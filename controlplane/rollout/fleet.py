@@ -22,7 +22,15 @@ from datetime import datetime
 from typing import Final
 
 from controlplane.rollout.anomalies import rejected, unreadable_anomalies
-from controlplane.rollout.judge import Tally, Verdict, evaluate, judge, tally
+from controlplane.rollout.judge import (
+    Tally,
+    Verdict,
+    evaluate,
+    judge,
+    settled_end,
+    tally,
+    tally_settled,
+)
 from controlplane.rollout.ledger import CommandLedger, Report
 from controlplane.rollout.models import (
     Anomaly,
@@ -33,7 +41,7 @@ from controlplane.rollout.models import (
     WorkerLevel,
 )
 from controlplane.rollout.registry import Registry, is_alive, seconds
-from controlplane.rollout.track import Abort
+from controlplane.rollout.track import Abort, End
 from controlplane.wire.ack_codec import AckLike
 from controlplane.wire.protocol import Command, Heartbeat, ReloadWeightsSpec
 
@@ -226,7 +234,31 @@ class Fleet:
         nacks = self._unreadable.get(rollout_id)
         if nacks:
             anomalies += unreadable_anomalies(rollout_id, nacks)
+        ledger = self._ledgers.get((rollout_id, command.command_id))
+        end = self._settled_end(command, now)
+        if end is not None and ledger is not None:
+            return tally_settled(
+                command,
+                ledger,
+                end,
+                self._registry,
+                now=now,
+                progress_deadline=self._deadline,
+                abort=self._aborts.get(rollout_id),
+                anomalies=anomalies,
+            )
         return tally(self._evaluate(command, now), anomalies)
+
+    def _settled_end(self, command: Command, now: datetime) -> End | None:
+        """:func:`settled_end` of the command's rollout: its end from the acks alone, or None."""
+        rid = command.rollout_id
+        return settled_end(
+            command,
+            self._ledgers.get((rid, command.command_id)),
+            now=now,
+            progress_deadline=self._deadline,
+            abort=self._aborts.get(rid),
+        )
 
     def _evaluate(self, command: Command, now: datetime) -> Verdict:
         """Judge ``command``'s rollout at ``now`` on everything folded so far."""
@@ -384,7 +416,8 @@ class Fleet:
             status = self.status(rollout_id, now)  # known from NACKs only: small
             at = status.finished_at if status.terminal else None
         else:
-            end = self._evaluate(_primary(commands), now).end
+            command = _primary(commands)
+            end = self._settled_end(command, now) or self._evaluate(command, now).end
             at = None if end is None else end.at
         if at is not None:
             self._ended[rollout_id] = at

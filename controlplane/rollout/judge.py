@@ -25,7 +25,15 @@ from controlplane.rollout.models import (
     WorkerState,
 )
 from controlplane.rollout.registry import Registry
-from controlplane.rollout.track import Abort, End, Flights, Track, ending
+from controlplane.rollout.track import (
+    TERMINAL_STATES,
+    Abort,
+    End,
+    Flights,
+    Track,
+    ending,
+    first_stall,
+)
 from controlplane.wire.errors import WireCode
 from controlplane.wire.protocol import AckState, Command, ReloadWeightsSpec, UpdateConfigSpec
 
@@ -245,22 +253,49 @@ def _dress(
     details: tuple[WorkerDetail, ...],
     unexpected: tuple[WorkerDetail, ...],
 ) -> RolloutStatus:
-    command, now, abort = verdict.command, verdict.now, verdict.abort
-    progress_deadline = verdict.progress_deadline
-    end, issued = verdict.end, command.issued_at
-    cut = end.at if end is not None else None
-    counts = StateCounts.of(states)
+    cut = verdict.end.at if verdict.end is not None else None
     firsts = [
         t.ledger.first_sent
         for t in ordered
         if t.ledger is not None and (cut is None or t.ledger.first_sent <= cut)
     ]
+    return _status(
+        verdict.command,
+        verdict.now,
+        verdict.end,
+        verdict.progress_deadline,
+        verdict.abort,
+        [*anomalies, *ack_anomalies(verdict.command, ordered, extra)],
+        states,
+        min(firsts, default=None),
+        details,
+        unexpected,
+    )
+
+
+def _status(
+    command: Command,
+    now: datetime,
+    end: End | None,
+    progress_deadline: timedelta,
+    abort: Abort | None,
+    anomalies: list[Anomaly],
+    states: list[WorkerState],
+    started: datetime | None,
+    details: tuple[WorkerDetail, ...],
+    unexpected: tuple[WorkerDetail, ...],
+) -> RolloutStatus:
+    """The status of a rollout judged: ``started`` is the first ack sent by the end (of an
+    expected worker), ``anomalies`` all of them (the fleet's and the acks')."""
+    issued = command.issued_at
+    cut = end.at if end is not None else None
+    counts = StateCounts.of(states)
     if end is not None:
         phase, reason = end.phase, end.reason
         if phase is RolloutPhase.FAILED and reason is None:
             reason = RolloutReason.WORKERS_FAILED
     else:
-        phase = RolloutPhase.PROGRESSING if firsts else RolloutPhase.PENDING
+        phase = RolloutPhase.PROGRESSING if started is not None else RolloutPhase.PENDING
         reason = None
     spec = command.spec
     return RolloutStatus(
@@ -283,11 +318,117 @@ def _dress(
         unexpected=unexpected,
         anomalies=tuple(
             sorted(
-                [*anomalies, *ack_anomalies(command, ordered, extra)],
+                anomalies,
                 key=lambda a: (a.code.value, a.worker_id or "", a.command_id or "", a.message),
             )
         ),
-        started_at=min(firsts, default=None),
+        started_at=started,
         finished_at=cut,
         duration_s=(cut - issued).total_seconds() if cut is not None else None,
     )
+
+
+# --------------------------------------------------------------------------- settled by acks
+
+
+def settled_end(
+    command: Command,
+    ledger: CommandLedger | None,
+    *,
+    now: datetime,
+    progress_deadline: timedelta,
+    abort: Abort | None,
+) -> End | None:
+    """The end :func:`evaluate` finds, from the acks alone, for a rollout pinned to workers
+    that all reported a terminal state before its expiry, any abort and any stall: the last
+    terminal report ends it, whatever the heartbeats say (they only decide who is lost, and a
+    terminal worker is not; their in-flight spans only add progress). None when that does not
+    hold: judge it in full. O(its workers), no :class:`Track` made.
+
+    Progress is judged on the acks' instants alone (accepted, running, terminal sent): fewer
+    spans than the full judgment's, so a stall found later than the end (or none) is later
+    (or none) there too."""
+    ids = command.selector.worker_ids
+    if not ids or ledger is None:
+        return None
+    workers = ledger.workers
+    issued = command.issued_at
+    at = issued
+    ok = True
+    points: list[tuple[datetime, datetime]] = []
+    for worker_id in set(ids):
+        held = workers.get(worker_id)
+        if held is None:
+            return None
+        t = held.terminal()
+        if t is None:
+            return None
+        at = max(at, t.sent_at)
+        ok = ok and t.state is AckState.SUCCEEDED
+        points.append((t.sent_at, t.sent_at))
+        if held.accepted_sent is not None:
+            points.append((held.accepted_sent, held.accepted_sent))
+        if held.running_sent is not None:
+            points.append((held.running_sent, held.running_sent))
+    if command.expires_at <= at or (abort is not None and max(abort.at, issued) <= at):
+        return None
+    stall = first_stall(points, issued, now, progress_deadline)
+    if stall is not None and stall < at:
+        return None
+    return End(at, RolloutPhase.SUCCEEDED if ok else RolloutPhase.FAILED, None)
+
+
+def tally_settled(
+    command: Command,
+    ledger: CommandLedger,
+    end: End,
+    registry: Registry,
+    *,
+    now: datetime,
+    progress_deadline: timedelta,
+    abort: Abort | None,
+    anomalies: Iterable[Anomaly] = (),
+) -> Tally:
+    """:func:`tally` of a rollout :func:`settled_end` found ended (pass its end), without a
+    :class:`Track` per worker: every expected worker is in the terminal state it reported."""
+    base = set(command.selector.worker_ids or ())
+    workers = ledger.workers
+    spec = command.spec
+    target = spec.version if isinstance(spec, ReloadWeightsSpec) else None
+    errors: collections.Counter[str] = collections.Counter()
+    versions: collections.Counter[str] = collections.Counter()
+    states = []
+    odd: list[Track] = []  # the workers an ack anomaly may be about
+    started: datetime | None = None
+    for worker_id in sorted(base):
+        held = workers[worker_id]
+        t = held.terminal()
+        assert t is not None  # settled_end checked
+        states.append(TERMINAL_STATES[t.state])
+        if t.error is not None:
+            errors[t.error.code] += 1
+        if t.weights_version is not None:
+            versions[t.weights_version] += 1
+        if started is None or held.first_sent < started:
+            started = held.first_sent
+        if held.other_terminals or (
+            target is not None and t.state is AckState.SUCCEEDED and t.weights_version != target
+        ):
+            odd.append(Track(worker_id, held, registry, command, now))
+    extra = [
+        Track(w, workers[w], registry, command, now, expected=False)
+        for w in sorted(w for w in workers if w not in base)
+    ]
+    status = _status(
+        command,
+        now,
+        end,
+        progress_deadline,
+        abort,
+        [*anomalies, *ack_anomalies(command, odd, extra)],
+        states,
+        started,
+        (),
+        (),
+    )
+    return Tally(status, dict(errors), dict(versions), 0, len(extra))

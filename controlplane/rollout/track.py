@@ -8,13 +8,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Final
 
 from controlplane.rollout.ledger import Report, WorkerLedger
 from controlplane.rollout.models import RolloutPhase, RolloutReason, WorkerDetail, WorkerState
 from controlplane.rollout.registry import Registry, shift
 from controlplane.wire.protocol import AckState, Command, Heartbeat
 
-_TERMINAL_STATES = {
+#: The worker state a terminal ack reports.
+TERMINAL_STATES: Final = {
     AckState.SUCCEEDED: WorkerState.SUCCEEDED,
     AckState.FAILED: WorkerState.FAILED,
     AckState.REJECTED: WorkerState.REJECTED,
@@ -122,7 +124,7 @@ class Track:
         """The state on the evidence sent up to ``cut`` (None: all evidence, liveness at now)."""
         t = self.terminal
         if t is not None and (cut is None or t.sent_at <= cut):
-            return _TERMINAL_STATES[t.state]
+            return TERMINAL_STATES[t.state]
         if self.lost(self.now if cut is None else cut):
             return WorkerState.LOST
         ledger = self.ledger

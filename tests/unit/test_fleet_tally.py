@@ -9,12 +9,30 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane.rollout.fleet import Fleet
 from controlplane.rollout.judge import Tally
-from tests.factories import Event, at, command, event_time, feed, fleet, full, heartbeat, nack
+from tests.factories import (
+    A,
+    Event,
+    F,
+    R,
+    S,
+    X,
+    abort_event,
+    ack,
+    at,
+    command,
+    event_time,
+    feed,
+    fleet,
+    full,
+    heartbeat,
+    nack,
+)
 from tests.unit.test_rollout_replay import DEADLINE, HORIZON, scenarios
 
 
@@ -53,6 +71,75 @@ def test_fed_live_the_tally_and_the_end_check_agree_with_the_status_at_every_ins
     shuffled = list(events)
     rnd.shuffle(shuffled)
     assert_tally_is_status(fleet(*shuffled, deadline=DEADLINE), "r1", HORIZON + 100)
+
+
+@st.composite
+def settled(draw: st.DrawFn) -> list[Event]:
+    """A rollout pinned to workers that all report a terminal state (what the summaries judge
+    from the acks alone), at any times: before or after expiry, an abort or a long silence;
+    with redeliveries, conflicting terminals, a wrong version, workers that died or stopped,
+    a stranger's acks and in-flight heartbeats."""
+    ids = [f"w{i}" for i in range(draw(st.integers(1, 4)))]
+    events: list[Event] = [command(workers=ids, expires=draw(st.sampled_from([150.0, 3600.0])))]
+    for w in ids:
+        times = sorted(draw(st.lists(st.integers(0, 500), min_size=1, max_size=3)))
+        kinds = draw(st.lists(st.sampled_from([A, R]), max_size=len(times) - 1))
+        terminal = draw(st.sampled_from([S, S, F, X]))
+        version = draw(st.sampled_from(["v2", "v2", "v1"]))
+        acks = [ack(w, k, t) for k, t in zip(kinds, times, strict=False)]
+        acks.append(ack(w, terminal, times[-1], version=version if terminal is S else None))
+        if draw(st.booleans()):
+            other = draw(st.sampled_from([S, F]))
+            acks.append(ack(w, other, draw(st.integers(0, 500))))  # a conflict (or a repeat)
+        if draw(st.booleans()):
+            acks.append(draw(st.sampled_from(acks)))  # a redelivery
+        events += acks
+        death = draw(st.one_of(st.none(), st.integers(0, 500)))
+        t = -100.0
+        while t <= 600 and (death is None or t <= death):
+            flight = ("c1", times[0]) if kinds and times[0] <= t < times[-1] else None
+            events.append(heartbeat(w, t, started=-100.0, interval=20.0, flight=flight))
+            t += 20.0
+    if draw(st.booleans()):
+        events += full("x9", 5, 50)
+    if draw(st.booleans()):
+        events.append(abort_event("operator", draw(st.integers(0, 500))))
+    return sorted(events, key=event_time)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(settled(), st.lists(st.integers(0, 700), min_size=1, max_size=6))
+def test_a_rollout_settled_by_its_acks_is_tallied_and_ended_as_its_full_status_says(
+    events: list[Event], instants: list[int]
+) -> None:
+    f = fleet(*events, deadline=DEADLINE)
+    for now in instants:
+        assert_tally_is_status(f, "r1", now)
+    for now in sorted(instants):
+        status = f.status("r1", at(now))
+        assert fleet(*events, deadline=DEADLINE).check_ended("r1", at(now)) == (
+            status.finished_at if status.terminal else None
+        )
+
+
+def test_a_rollout_settled_by_its_acks_is_tallied_without_judging_each_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    f = fleet(
+        command(workers=["w1", "w2"]),
+        heartbeat("w1", 0.0),
+        *full("w1", 1.0, 3.0),
+        *full("w2", 1.0, 4.0, F),
+    )
+    expected = Tally.of(f.status("r1", at(10.0)))
+
+    def judged_in_full(*args: object, **kwargs: object) -> None:
+        raise AssertionError("judged worker by worker")
+
+    monkeypatch.setattr(Fleet, "_evaluate", judged_in_full)
+    assert f.tally("r1", at(10.0)) == expected
+    assert f.check_ended("r1", at(10.0)) == at(4.0)
+    assert expected.status.phase.value == "failed"
 
 
 def test_a_tally_of_a_summarized_rollout_and_of_one_known_only_from_nacks() -> None:
