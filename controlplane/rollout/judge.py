@@ -356,6 +356,7 @@ def settled_end(
     at = issued
     ok = True
     points: list[tuple[datetime, datetime]] = []
+    succeeded = AckState.SUCCEEDED
     for worker_id in set(ids):
         held = workers.get(worker_id)
         if held is None:
@@ -363,8 +364,9 @@ def settled_end(
         t = held.terminal()
         if t is None:
             return None
-        at = max(at, t.sent_at)
-        ok = ok and t.state is AckState.SUCCEEDED
+        if t.sent_at > at:
+            at = t.sent_at
+        ok = ok and t.state is succeeded
         points.append((t.sent_at, t.sent_at))
         if held.accepted_sent is not None:
             points.append((held.accepted_sent, held.accepted_sent))
@@ -395,24 +397,26 @@ def tally_settled(
     workers = ledger.workers
     spec = command.spec
     target = spec.version if isinstance(spec, ReloadWeightsSpec) else None
-    errors: collections.Counter[str] = collections.Counter()
-    versions: collections.Counter[str] = collections.Counter()
+    errors: dict[str, int] = {}
+    versions: dict[str, int] = {}
     states = []
     odd: list[Track] = []  # the workers an ack anomaly may be about
     started: datetime | None = None
+    succeeded, state_of = AckState.SUCCEEDED, TERMINAL_STATES  # locals: 10,000 turns
     for worker_id in sorted(base):
         held = workers[worker_id]
         t = held.terminal()
         assert t is not None  # settled_end checked
-        states.append(TERMINAL_STATES[t.state])
+        states.append(state_of[t.state])
         if t.error is not None:
-            errors[t.error.code] += 1
-        if t.weights_version is not None:
-            versions[t.weights_version] += 1
+            errors[t.error.code] = errors.get(t.error.code, 0) + 1
+        version = t.weights_version
+        if version is not None:
+            versions[version] = versions.get(version, 0) + 1
         if started is None or held.first_sent < started:
             started = held.first_sent
         if held.other_terminals or (
-            target is not None and t.state is AckState.SUCCEEDED and t.weights_version != target
+            target is not None and t.state is succeeded and version != target
         ):
             odd.append(Track(worker_id, held, registry, command, now))
     extra = [
@@ -431,4 +435,4 @@ def tally_settled(
         (),
         (),
     )
-    return Tally(status, dict(errors), dict(versions), 0, len(extra))
+    return Tally(status, errors, versions, 0, len(extra))
