@@ -31,6 +31,7 @@ from controlplane.kafka.lifecycle import AsyncService
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.rollout.fleet import (
     DEFAULT_MAX_ENDED_ROLLOUTS,
+    DEFAULT_MAX_ENDED_WORKERS,
     DEFAULT_PROGRESS_DEADLINE_S,
     Fleet,
 )
@@ -74,6 +75,13 @@ class CoordinatorSettings(BaseSettings):
         description="Ended rollouts kept in full; older ones are kept as a final summary "
         "(phase, reason, counts, times), their per-worker details dropped.",
     )
+    max_ended_workers: int = Field(
+        default=DEFAULT_MAX_ENDED_WORKERS,
+        ge=0,
+        description="And at most the newest ended rollouts that hold this many workers' reports "
+        "together (about 0.5 KB each) in full: memory bounded whatever the fleet's size (the "
+        "newest ended rollout is always kept in full).",
+    )
     issuer: str = "coordinator"
     probe_interval_s: float = Field(
         default=1.0,
@@ -111,6 +119,7 @@ class Coordinator(AsyncService):
         self.fleet = Fleet(
             progress_deadline_s=settings.progress_deadline_s,
             max_ended_rollouts=settings.max_ended_rollouts,
+            max_ended_workers=settings.max_ended_workers,
         )
         self.control = ControlState()
         self.follower = Follower(
@@ -183,8 +192,16 @@ class Coordinator(AsyncService):
             if rollout_id in fleet:
                 fleet.check_ended(rollout_id, when)
             await asyncio.sleep(COMPACT_IDLE_PER_COST * (time.monotonic() - started))
-        when = self.judge_time()
-        summarized = 0 if when is None else fleet.summarize_excess(when)
+        summarized = 0
+        for rollout_id in fleet.excess():
+            when = self.judge_time()
+            if when is None:
+                break
+            started = time.monotonic()
+            if fleet.ended(rollout_id) is not None and not fleet.is_summarized(rollout_id):
+                fleet.summarize(rollout_id, when)
+                summarized += 1
+            await asyncio.sleep(COMPACT_IDLE_PER_COST * (time.monotonic() - started))
         if summarized:
             log.info(
                 "summarized %d ended rollout(s) beyond the last %d",

@@ -17,6 +17,7 @@ rely on them, and tests/unit/test_rollout*.py check them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Final
@@ -49,6 +50,9 @@ from controlplane.wire.protocol import Command, Heartbeat, ReloadWeightsSpec
 DEFAULT_PROGRESS_DEADLINE_S: Final = 600.0
 #: Ended rollouts kept in full by :meth:`Fleet.compact`; older ones become a summary.
 DEFAULT_MAX_ENDED_ROLLOUTS: Final = 1000
+#: And at most the newest ended rollouts holding this many workers' reports together (about
+#: 0.5 KB each: 100 MB; 20 rollouts of 10,000 workers).
+DEFAULT_MAX_ENDED_WORKERS: Final = 200_000
 
 _DESIRING = frozenset({RolloutPhase.PENDING, RolloutPhase.PROGRESSING, RolloutPhase.SUCCEEDED})
 
@@ -82,16 +86,22 @@ class Fleet:
         progress_deadline_s: float = DEFAULT_PROGRESS_DEADLINE_S,
         registry: Registry | None = None,
         max_ended_rollouts: int | None = None,
+        max_ended_workers: int | None = None,
     ) -> None:
         """``max_ended_rollouts``: how many ended rollouts :meth:`compact` keeps in full
-        (None: all; the coordinator sets it)."""
+        (None: all; the coordinator sets it); ``max_ended_workers``: and at most the newest
+        that hold this many workers' reports together (None: no such bound; the newest ended
+        rollout is kept in full whatever its size)."""
         if not progress_deadline_s > 0:
             raise ValueError(f"progress_deadline_s must be positive, got {progress_deadline_s!r}")
         if max_ended_rollouts is not None and max_ended_rollouts < 0:
             raise ValueError(f"max_ended_rollouts must be >= 0, got {max_ended_rollouts!r}")
         self._deadline = seconds(progress_deadline_s, limit=10 * 365 * 86400.0)
         self._registry = registry if registry is not None else Registry()
+        if max_ended_workers is not None and max_ended_workers < 0:
+            raise ValueError(f"max_ended_workers must be >= 0, got {max_ended_workers!r}")
         self.max_ended_rollouts = max_ended_rollouts
+        self.max_ended_workers = max_ended_workers
         #: rollout id -> its distinct commands, usually one.
         self._commands: dict[str, list[Command]] = {}
         self._ledgers: dict[tuple[str, str], CommandLedger] = {}
@@ -378,6 +388,10 @@ class Fleet:
             self.check_ended(rollout_id, now)
         return self.summarize_excess(now)
 
+    def is_summarized(self, rollout_id: str) -> bool:
+        """Whether the rollout is kept only as a final summary."""
+        return rollout_id in self._summaries
+
     def unended(self) -> list[str]:
         """Rollouts held in full and not known to have ended (what :meth:`check_ended` judges)."""
         ended = self._ended
@@ -424,20 +438,52 @@ class Fleet:
         return at
 
     def summarize_excess(self, now: datetime) -> int:
-        """Summarize the ended rollouts known beyond the last ``max_ended_rollouts``; how many."""
+        """Summarize the ended rollouts known beyond the bounds (:meth:`excess`); how many."""
+        excess = self.excess()
+        for rollout_id in excess:
+            self.summarize(rollout_id, now)
+        return len(excess)
+
+    def excess(self) -> list[str]:
+        """The ended rollouts held in full beyond the last ``max_ended_rollouts``, or beyond
+        the newest that together hold ``max_ended_workers`` workers' reports (always at least
+        the newest one): oldest end first, what compaction summarizes."""
         keep = self.max_ended_rollouts
         if keep is None:
-            return 0
-        excess = len(self._ended) - keep
-        if excess <= 0:
-            return 0
-        oldest = sorted(self._ended.items(), key=lambda kv: (kv[1], kv[0]))[:excess]
-        for rollout_id, _ in oldest:
-            self._summarize(rollout_id, now)
-        return len(oldest)
+            return []
+        newest_first = sorted(self._ended.items(), key=lambda kv: (kv[1], kv[0]), reverse=True)
+        kept = min(keep, len(newest_first))
+        budget = self.max_ended_workers
+        if budget is not None:
+            held = 0
+            for i, (rollout_id, _) in enumerate(newest_first[:kept]):
+                held += self._workers_held(rollout_id)
+                if held > budget and i > 0:
+                    kept = i
+                    break
+        return [rollout_id for rollout_id, _ in reversed(newest_first[kept:])]
 
-    def _summarize(self, rollout_id: str, now: datetime) -> None:
-        status = self.status(rollout_id, now)
+    def _workers_held(self, rollout_id: str) -> int:
+        """How many workers' reports the fold holds for a rollout (its ledgers and NACKs)."""
+        count = len(self._unreadable.get(rollout_id, ()))
+        for command in self._commands.get(rollout_id, ()):
+            ledger = self._ledgers.get((rollout_id, command.command_id))
+            count += 0 if ledger is None else len(ledger.workers)
+        return count
+
+    def summarize(self, rollout_id: str, now: datetime) -> None:
+        """Keep an ended rollout only as its final summary (see :meth:`compact`); judged in
+        counts (:meth:`tally`), so one of 10,000 workers costs little."""
+        status = self.tally(rollout_id, now).status
+        expected: Iterable[str] = ()
+        commands = self._commands.get(rollout_id, [])
+        if commands and status.phase in _DESIRING and status.target_version is not None:
+            primary = _primary(commands)
+            ids = primary.selector.worker_ids
+            if ids is not None and self._settled_end(primary, now) is not None:
+                expected = set(ids)
+            else:
+                expected = self._evaluate(primary, now).tracks.keys()
         commands = self._commands.pop(rollout_id, [])
         command_ids = frozenset(c.command_id for c in commands)
         nacks = self._unreadable.pop(rollout_id, {})
@@ -448,11 +494,11 @@ class Fleet:
         del self._ended[rollout_id]
         if commands and status.phase in _DESIRING and status.target_version is not None:
             primary = _primary(commands)
-            for detail in status.workers:
-                held = self._summary_desired.get(detail.worker_id)
-                mine = (primary.issued_at, rollout_id, status.target_version)
+            mine = (primary.issued_at, rollout_id, status.target_version)
+            for worker_id in expected:
+                held = self._summary_desired.get(worker_id)
                 if held is None or mine[:2] > held[:2]:
-                    self._summary_desired[detail.worker_id] = mine
+                    self._summary_desired[worker_id] = mine
         summary = status.model_copy(
             update={
                 # The expected ids are per-worker detail too (a CLI-pinned command names them all).
