@@ -331,9 +331,14 @@ class Fleet:
             ids = command.selector.worker_ids
             if ids is not None and all(w in desired for w in ids):
                 continue  # a newer rollout already decides for all of its workers
-            verdict = self._evaluate(command, now)
-            if verdict.phase in _DESIRING:
-                for worker_id in verdict.tracks:
+            end = self._settled_end(command, now)
+            if end is not None and ids is not None:  # settled by its acks: its pinned workers
+                phase, expected = end.phase, set(ids)
+            else:
+                verdict = self._evaluate(command, now)
+                phase, expected = verdict.phase, set(verdict.tracks)
+            if phase in _DESIRING:
+                for worker_id in expected:
                     desired.setdefault(
                         worker_id, (spec.version, command.rollout_id, command.issued_at)
                     )

@@ -8,6 +8,7 @@ as liveness changes (tests/unit/test_rollout_replay.py's scenarios).
 from __future__ import annotations
 
 import random
+from datetime import timedelta
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from controlplane.rollout.fleet import Fleet
 from controlplane.rollout.judge import Tally
+from controlplane.wire.protocol import Ack, Command, Heartbeat
 from tests.factories import (
     A,
     Event,
@@ -120,6 +122,35 @@ def test_a_rollout_settled_by_its_acks_is_tallied_and_ended_as_its_full_status_s
         assert fleet(*events, deadline=DEADLINE).check_ended("r1", at(now)) == (
             status.finished_at if status.terminal else None
         )
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(settled(), min_size=1, max_size=3), st.integers(0, 700))
+def test_desired_versions_from_rollouts_settled_by_their_acks_are_those_judged_in_full(
+    rollouts: list[list[Event]], now: int
+) -> None:
+    events: list[Event] = []
+    for i, rollout in enumerate(rollouts):  # r0, r1, ..: the same workers, later and later
+        for event in rollout:
+            if isinstance(event, Command):
+                event = event.model_copy(
+                    update={
+                        "rollout_id": f"r{i}",
+                        "command_id": f"c{i}",
+                        "issued_at": event.issued_at + timedelta(seconds=i),
+                        "spec": event.spec.model_copy(update={"version": f"v{i}"}),
+                    }
+                )
+            elif isinstance(event, Ack) and event.rollout_id == "r1" and event.command_id == "c1":
+                event = event.model_copy(update={"rollout_id": f"r{i}", "command_id": f"c{i}"})
+            elif not isinstance(event, (Command, Ack, Heartbeat)):
+                event = (f"r{i}", *event[1:])
+            events.append(event)
+    f = fleet(*events, deadline=DEADLINE)
+    fast = f.worker_levels(at(now))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Fleet, "_settled_end", lambda *args, **kwargs: None)
+        assert f.worker_levels(at(now)) == fast
 
 
 def test_a_rollout_settled_by_its_acks_is_tallied_without_judging_each_worker(
