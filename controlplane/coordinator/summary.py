@@ -7,9 +7,12 @@ What the API's summary and list endpoints, the dashboard and ``/metrics`` read (
   follower's batches in O(1) per heartbeat. Counts by status, version and digest are kept as
   they change; each group keeps its workers' deadlines sorted, so how many of them are alive at
   any instant is one bisection. Worker ids are kept sorted for keyset pagination.
-- :class:`Summaries`: each rollout judged (``Fleet.status``, O(its workers)) at most once per
-  change, cached as a :class:`RolloutOverview` (counts, no per-worker list), and the full status
-  of the few rollouts whose workers are being read. A judgment is reused while it is *fresh*:
+- :class:`Summaries`: each rollout judged in counts (``Fleet.tally``, O(its workers) but no
+  detail per worker made; one pinned to workers that all reported a terminal state is judged
+  from its acks alone) at most once per change, cached as a :class:`RolloutOverview` (counts, no
+  per-worker list), and the full status (``Fleet.status``) of the few rollouts whose workers are
+  being read. A judgment that finds a rollout ended, at an instant the coordinator knows to be
+  current, tells the fleet (``Fleet.note_ended``): compaction does not judge it again. A judgment is reused while it is *fresh*:
   nothing was folded for the rollout since, and it is settled (ended, every worker terminal:
   only acks can change it) or younger than ``max_age_s``. A stale one is served as it is (its
   ``as_of`` says when it was judged) while a background task judges it again, unless it is
