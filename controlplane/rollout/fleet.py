@@ -382,8 +382,8 @@ class Fleet:
     # ------------------------------------------------------------------ memory
 
     def compact(self, now: datetime) -> int:
-        """Keep the last ``max_ended_rollouts`` ended rollouts (by end, then id) in full; turn
-        older ones into a final summary and drop their commands, acks and NACKs. Returns how
+        """Keep the last ``max_ended_rollouts`` ended rollouts (by end, then id) in full, within
+        ``max_ended_workers`` (:meth:`excess`); turn older ones into a final summary and drop their commands, acks and NACKs. Returns how
         many were summarized. Judges only rollouts not yet known to have ended; call it with a
         ``now`` the reader knows to be current, every few seconds (the coordinator does, one
         rollout at a time: :meth:`unended`, :meth:`check_ended`, :meth:`summarize_excess`)."""
