@@ -225,9 +225,9 @@ class Follower(AsyncService):
         self.undecodable = 0
         self.rollouts = frozenset(rollouts) if rollouts is not None else None
         #: What a record's bytes must contain to be decoded under ``rollouts``: one of the
-        #: ids, or a JSON escape (``\\u``: an id may be written escaped).
+        #: ids, or a backslash (a JSON escape: an id may be written ``r\/1`` or ``\u0072-1``).
         self._needles = (
-            (*(r.encode() for r in self.rollouts), b"\\u") if self.rollouts is not None else ()
+            (*(r.encode() for r in self.rollouts), b"\\") if self.rollouts is not None else ()
         )
         #: Commands and acks not folded: of a rollout outside ``rollouts``.
         self.skipped = 0

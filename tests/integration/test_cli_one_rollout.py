@@ -172,6 +172,29 @@ async def test_status_never_reads_the_acks_before_its_command(kafka: KafkaSettin
     assert json.loads(proc.stdout)["phase"] == "succeeded"
 
 
+async def test_a_rollout_id_written_with_json_escapes_is_found(kafka: KafkaSettings) -> None:
+    """The bytes of a record need not contain the id as such (``r\\/esc`` is ``r/esc`` in
+    JSON): such a command is still decoded and folded, and its rollout id is taken."""
+    await beat(kafka, WORKERS)
+    command = make_command(
+        UpdateConfigSpec(overrides={"t": 1}),
+        rollout_id="r/esc",
+        selector=Selector(worker_ids=WORKERS),
+    )
+    value = encode(command)
+    assert value.count(b"r/esc") == 1
+    await publish(kafka, value.replace(b"r/esc", b"r\\/esc"))
+    await send_acks(
+        kafka, [a for w in WORKERS for a in succeeded_acks(w, "r/esc", command.command_id)]
+    )
+    async with read_rollout(kafka, "r/esc") as (one, at):
+        assert one.fleet.status("r/esc", at).phase is RolloutPhase.SUCCEEDED
+    proc = await asyncio.to_thread(
+        cli, kafka, "update-config", "--set", "a=1", "--all", "--rollout-id", "r/esc"
+    )
+    assert proc.returncode == 3 and "ROLLOUT_EXISTS" in proc.stderr, proc.stderr
+
+
 async def test_status_of_a_rollout_not_on_the_commands_topic(kafka: KafkaSettings) -> None:
     """No command record names it: the acks are read from the beginning (only those naming
     it decoded), so a rollout known from acks alone is found as a full replay finds it, and
