@@ -79,7 +79,7 @@ async def generator_host(cfg: dict[str, Any]) -> None:
         "sends": 0,
         "send_s_max": 0.0,
         "failed": 0,  # heartbeats not confirmed within 3 periods (lost, as an agent's are)
-        "failures": [],  # the first ten: [epoch, heartbeats, code]
+        "failures": [],  # the first nine and the last: [epoch, heartbeats, code]
     }
     stopping = asyncio.Event()
 
@@ -104,8 +104,8 @@ async def generator_host(cfg: dict[str, Any]) -> None:
                         await producer.send_many(topics.workers.name, items, timeout_s=3 * period)
                     except BusError as exc:
                         stats["failed"] += len(items)
-                        stats["failures"].append([round(time.time(), 3), len(items), exc.code])
-                        del stats["failures"][10:]
+                        failure = [round(time.time(), 3), len(items), exc.code]
+                        stats["failures"][min(len(stats["failures"]), 9) :] = [failure]
                     stats["send_s_max"] = max(stats["send_s_max"], time.monotonic() - s0)
                     stats["sent"] = due
                     stats["sends"] += 1
@@ -145,6 +145,8 @@ class Rollouts:
         self.past = [f"r-20250101-{r:06d}-past" for r in range(rollouts)]
         self.live = "r-20250101-live-in-progress"
         self.burst = "r-20250101-burst"
+        #: When the in-progress rollout's last ack was written (epoch seconds).
+        self.live_acked_at = time.time()
 
     def command(self, rollout_id: str, issued: datetime) -> tuple[bytes, bytes]:
         """A reload pinned to every worker (the CLI's selector after resolving)."""
@@ -211,6 +213,7 @@ async def produce_history(settings: Any, rollouts: Rollouts) -> dict[str, Any]:
         await producer.send_many(topics.commands.name, [rollouts.command(rollouts.live, now)])
         live = rollouts.acks(rollouts.live, now, ("accepted", "running"))
         await producer.send_many(topics.acks.name, live)
+        rollouts.live_acked_at = time.time()
         records += len(live)
     elapsed = time.perf_counter() - started
     return {

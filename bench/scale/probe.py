@@ -289,8 +289,16 @@ class Watcher:
     in-progress rollout's phase, one request at a time, and records every false verdict: fewer
     than N alive, or that rollout shown ended."""
 
-    def __init__(self, client: httpx.AsyncClient, base: str, n: int, live_id: str) -> None:
+    def __init__(
+        self, client: httpx.AsyncClient, base: str, n: int, live_id: str, acked_at: float
+    ) -> None:
+        from controlplane.rollout.fleet import DEFAULT_PROGRESS_DEADLINE_S
+
         self.client, self.base, self.n, self.live_id = client, base, n, live_id
+        #: A rollout without an ack for the progress deadline times out by the product's rule:
+        #: from then on ``timed_out / PROGRESS_DEADLINE_EXCEEDED`` is no false verdict.
+        self.deadline_at = acked_at + DEFAULT_PROGRESS_DEADLINE_S
+        self.past_deadline = 0
         self.polls = 0
         self.unanswered = 0
         self.alive_low: list[dict[str, Any]] = []
@@ -347,7 +355,13 @@ class Watcher:
             if alive is not None and alive < self.n:
                 self.alive_low.append({"t_s": at, "at": epoch, "alive": alive})
             status = await self._get(f"/api/v1/rollouts/{self.live_id}")
-            if isinstance(status, dict) and status.get("phase") in FALSE_PHASES:
+            deadline = (
+                isinstance(status, dict)
+                and status.get("reason") == "PROGRESS_DEADLINE_EXCEEDED"
+                and epoch >= self.deadline_at
+            )
+            self.past_deadline += bool(deadline)
+            if isinstance(status, dict) and status.get("phase") in FALSE_PHASES and not deadline:
                 self.phase_false.append(
                     {
                         "t_s": at,
@@ -371,6 +385,7 @@ class Watcher:
             "alive_below_n_count": len(self.alive_low),
             "in_progress_shown_ended": self.phase_false[:20],
             "in_progress_shown_ended_count": len(self.phase_false),
+            "timed_out_past_progress_deadline": self.past_deadline,
         }
 
 

@@ -164,6 +164,11 @@ def rows(levels: list[dict[str, Any]]) -> list[list[Any]]:
             + (f" (min {min(x['alive'] for x in low)})" if low else ""),
             f"in-progress shown ended {w['in_progress_shown_ended_count']}",
         ]
+        if w.get("timed_out_past_progress_deadline"):
+            parts.append(
+                f"(not counted: {w['timed_out_past_progress_deadline']} polls showing it timed "
+                "out by the progress deadline, its last ack older than 600 s)"
+            )
         if lv["derived"]["status_one_phase"] in ("failed", "timed_out", "aborted"):
             parts.append(f"`status <id>` said {lv['derived']['status_one_phase']}")
         return "; ".join(parts)

@@ -143,7 +143,7 @@ class Scenario:
             if not api["start"].get("ready"):
                 return
             base = coordinator.url
-            watcher = Watcher(client, base, self.n, self.rollouts.live)
+            watcher = Watcher(client, base, self.n, self.rollouts.live, self.rollouts.live_acked_at)
             watcher.start(time.perf_counter())
             try:
                 api["paths"] = await api_paths(client, base)
