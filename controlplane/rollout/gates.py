@@ -91,6 +91,10 @@ def gate_failure(
         if reading is None:
             return "probe", f"{worker}'s probe answer is malformed: {str(dict(answer))[:200]}"
         tokens, logprob = reading
+        if len(tokens) > probe.max_tokens:  # not what was asked: the runner ignored max_tokens
+            return "probe", (
+                f"{worker} answered {len(tokens)} tokens, more than max_tokens {probe.max_tokens}"
+            )
         if probe.expect_tokens is not None and list(tokens) != probe.expect_tokens:
             return "probe", clip(
                 f"{worker} answered {list(tokens)}, expected {probe.expect_tokens}", 500

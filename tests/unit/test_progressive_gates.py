@@ -163,6 +163,18 @@ def test_later_waves_are_judged_against_what_earlier_waves_agreed_on_without_the
             assert "earlier waves" in state.message and "w02" in state.message, state.message
 
 
+def test_a_probe_answer_longer_than_asked_fails_the_gate_and_never_the_decision() -> None:
+    """Every worker answered the same 600 tokens to a probe asking for 3: the runner ignored
+    max_tokens. The gate fails with that said (a passed gate would record the answer, bounded
+    on the wire: recording 600 tokens made the decision raise, aborting as INTERNAL)."""
+    sim = Sim(2, probe=lambda c, w: {"tokens": list(range(600)), "mean_logprob": -1.0})
+    sim.start(Strategy(probe=ProbeGate(prompt="p", max_tokens=3)))
+    sim.run(sim.ended())
+    state = sim.current()
+    assert state.code == "GATE_FAILED", state.message
+    assert "answered 600 tokens, more than max_tokens 3" in state.message
+
+
 def test_a_runner_that_cannot_probe_fails_the_probe_gate() -> None:
     sim = Sim(2, probe=lambda c, w: {"unsupported": True})
     sim.start(Strategy(probe=ProbeGate(prompt="p")))
