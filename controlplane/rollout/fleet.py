@@ -31,6 +31,7 @@ from controlplane.rollout.judge import (
     settled_end,
     tally,
     tally_settled,
+    unended_by_acks,
 )
 from controlplane.rollout.ledger import CommandLedger, Report
 from controlplane.rollout.models import (
@@ -436,7 +437,15 @@ class Fleet:
             at = status.finished_at if status.terminal else None
         else:
             command = _primary(commands)
-            end = self._settled_end(command, now) or self._evaluate(command, now).end
+            end = self._settled_end(command, now)
+            if end is None and not unended_by_acks(
+                command,
+                self._ledgers.get((rollout_id, command.command_id)),
+                now=now,
+                progress_deadline=self._deadline,
+                abort=self._aborts.get(rollout_id),
+            ):
+                end = self._evaluate(command, now).end
             at = None if end is None else end.at
         if at is not None:
             self._ended[rollout_id] = at

@@ -380,6 +380,41 @@ def settled_end(
     return End(at, RolloutPhase.SUCCEEDED if ok else RolloutPhase.FAILED, None)
 
 
+def unended_by_acks(
+    command: Command,
+    ledger: CommandLedger | None,
+    *,
+    now: datetime,
+    progress_deadline: timedelta,
+    abort: Abort | None,
+) -> bool:
+    """Whether :func:`evaluate` finds no end by ``now``, known from the acks alone (True), or
+    not known (False: judge it in full). True for a rollout pinned to workers not all terminal,
+    not expired, not aborted by ``now``, whose acks' instants alone show no stall: the full
+    judgment has more progress spans, so no stall either. O(its workers), no :class:`Track`."""
+    ids = command.selector.worker_ids
+    if not ids or now >= command.expires_at or (abort is not None and abort.at <= now):
+        return False
+    workers = ledger.workers if ledger is not None else {}
+    unresolved = False
+    points: list[tuple[datetime, datetime]] = []
+    for worker_id in set(ids):
+        held = workers.get(worker_id)
+        if held is None:
+            unresolved = True
+            continue
+        t = held.terminal()
+        if t is None:
+            unresolved = True
+        else:
+            points.append((t.sent_at, t.sent_at))
+        if held.accepted_sent is not None:
+            points.append((held.accepted_sent, held.accepted_sent))
+        if held.running_sent is not None:
+            points.append((held.running_sent, held.running_sent))
+    return unresolved and first_stall(points, command.issued_at, now, progress_deadline) is None
+
+
 def tally_settled(
     command: Command,
     ledger: CommandLedger,

@@ -193,3 +193,23 @@ def test_a_tally_of_a_summarized_rollout_and_of_one_known_only_from_nacks() -> N
     for rollout_id in ("r1", "r9"):
         assert_tally_is_status(f, rollout_id, 10)
         assert f.ended(rollout_id) == f.status(rollout_id, at(10.0)).finished_at
+
+
+def test_a_rollout_in_progress_is_found_unended_without_judging_each_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What compaction asks of every rollout in progress every 10 s: from the acks alone."""
+    f = fleet(
+        command(workers=["w1", "w2"]),
+        heartbeat("w1", 0.0),
+        heartbeat("w2", 0.0),
+        *full("w1", 1.0, 3.0),
+        ack("w2", R, 2.0),
+    )
+    assert f.status("r1", at(10.0)).phase.value == "progressing"
+
+    def judged_in_full(*args: object, **kwargs: object) -> None:
+        raise AssertionError("judged worker by worker")
+
+    monkeypatch.setattr(Fleet, "_evaluate", judged_in_full)
+    assert f.check_ended("r1", at(10.0)) is None
