@@ -27,6 +27,7 @@ from controlplane.coordinator.publisher import (
     publish_control,
 )
 from controlplane.kafka.bus import Producer
+from controlplane.kafka.client import collector_paused
 from controlplane.kafka.lifecycle import AsyncService
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.rollout.fleet import (
@@ -190,7 +191,8 @@ class Coordinator(AsyncService):
                 return 0
             started = time.monotonic()
             if rollout_id in fleet:
-                fleet.check_ended(rollout_id, when)
+                with collector_paused():  # makes no cycles; see collector_paused
+                    fleet.check_ended(rollout_id, when)
             await asyncio.sleep(COMPACT_IDLE_PER_COST * (time.monotonic() - started))
         summarized = 0
         for rollout_id in fleet.excess():
@@ -199,7 +201,8 @@ class Coordinator(AsyncService):
                 break
             started = time.monotonic()
             if fleet.ended(rollout_id) is not None and not fleet.is_summarized(rollout_id):
-                fleet.summarize(rollout_id, when)
+                with collector_paused():
+                    fleet.summarize(rollout_id, when)
                 summarized += 1
             await asyncio.sleep(COMPACT_IDLE_PER_COST * (time.monotonic() - started))
         if summarized:
