@@ -30,7 +30,7 @@ from controlplane.rollout.judge import (
     judge,
     settled_end,
     tally,
-    tally_settled,
+    tally_by_acks,
     unended_by_acks,
 )
 from controlplane.rollout.ledger import CommandLedger, Report
@@ -246,16 +246,19 @@ class Fleet:
         if nacks:
             anomalies += unreadable_anomalies(rollout_id, nacks)
         ledger = self._ledgers.get((rollout_id, command.command_id))
+        abort = self._aborts.get(rollout_id)
         end = self._settled_end(command, now)
-        if end is not None and ledger is not None:
-            return tally_settled(
+        if end is not None or unended_by_acks(
+            command, ledger, now=now, progress_deadline=self._deadline, abort=abort
+        ):
+            return tally_by_acks(
                 command,
                 ledger,
                 end,
                 self._registry,
                 now=now,
                 progress_deadline=self._deadline,
-                abort=self._aborts.get(rollout_id),
+                abort=abort,
                 anomalies=anomalies,
             )
         return tally(self._evaluate(command, now), anomalies)

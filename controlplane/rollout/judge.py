@@ -26,13 +26,13 @@ from controlplane.rollout.models import (
 )
 from controlplane.rollout.registry import Registry
 from controlplane.rollout.track import (
-    TERMINAL_STATES,
     Abort,
     End,
     Flights,
     Track,
     ending,
     first_stall,
+    state_now,
 )
 from controlplane.wire.errors import WireCode
 from controlplane.wire.protocol import AckState, Command, ReloadWeightsSpec, UpdateConfigSpec
@@ -415,10 +415,10 @@ def unended_by_acks(
     return unresolved and first_stall(points, command.issued_at, now, progress_deadline) is None
 
 
-def tally_settled(
+def tally_by_acks(
     command: Command,
-    ledger: CommandLedger,
-    end: End,
+    ledger: CommandLedger | None,
+    end: End | None,
     registry: Registry,
     *,
     now: datetime,
@@ -426,10 +426,12 @@ def tally_settled(
     abort: Abort | None,
     anomalies: Iterable[Anomaly] = (),
 ) -> Tally:
-    """:func:`tally` of a rollout :func:`settled_end` found ended (pass its end), without a
-    :class:`Track` per worker: every expected worker is in the terminal state it reported."""
+    """:func:`tally` of a pinned rollout whose end the acks alone decide: the one
+    :func:`settled_end` found (every expected worker in the terminal state it reported), or
+    None when :func:`unended_by_acks` found none (each worker's state as of ``now``). No
+    :class:`Track` per worker: only for those an ack anomaly may be about."""
     base = set(command.selector.worker_ids or ())
-    workers = ledger.workers
+    workers = ledger.workers if ledger is not None else {}
     spec = command.spec
     target = spec.version if isinstance(spec, ReloadWeightsSpec) else None
     errors: dict[str, int] = {}
@@ -437,19 +439,23 @@ def tally_settled(
     states = []
     odd: list[Track] = []  # the workers an ack anomaly may be about
     started: datetime | None = None
-    succeeded, state_of = AckState.SUCCEEDED, TERMINAL_STATES  # locals: 10,000 turns
+    succeeded = AckState.SUCCEEDED  # a local: 10,000 turns
     for worker_id in sorted(base):
-        held = workers[worker_id]
+        held = workers.get(worker_id)
+        # Settled, every worker is terminal, sent by the end: its state then is its state now.
+        states.append(state_now(worker_id, held, registry, now))
+        if held is None:
+            continue
+        if started is None or held.first_sent < started:
+            started = held.first_sent
         t = held.terminal()
-        assert t is not None  # settled_end checked
-        states.append(state_of[t.state])
+        if t is None:
+            continue
         if t.error is not None:
             errors[t.error.code] = errors.get(t.error.code, 0) + 1
         version = t.weights_version
         if version is not None:
             versions[version] = versions.get(version, 0) + 1
-        if started is None or held.first_sent < started:
-            started = held.first_sent
         if held.other_terminals or (
             target is not None and t.state is succeeded and version != target
         ):

@@ -189,6 +189,27 @@ class Track:
         )
 
 
+def state_now(
+    worker_id: str, ledger: WorkerLedger | None, registry: Registry, now: datetime
+) -> WorkerState:
+    """``Track(worker_id, ledger, registry, command, now).state_at(None)`` of an expected
+    worker, without making the :class:`Track` (a tally of 10,000 workers)."""
+    terminal = ledger.terminal() if ledger is not None else None
+    if terminal is not None:
+        return TERMINAL_STATES[terminal.state]
+    if worker_id not in registry:  # never seen: lost unless known from its acks
+        if ledger is None:
+            return WorkerState.LOST
+    elif not registry.was_alive_at(worker_id, now):
+        return WorkerState.LOST
+    if ledger is not None:
+        if ledger.running_sent is not None:
+            return WorkerState.RUNNING
+        if ledger.accepted_sent is not None:
+            return WorkerState.ACCEPTED
+    return WorkerState.PENDING
+
+
 def first_stall(
     intervals: Iterable[tuple[datetime, datetime]],
     start: datetime,

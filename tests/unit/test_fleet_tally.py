@@ -198,7 +198,8 @@ def test_a_tally_of_a_summarized_rollout_and_of_one_known_only_from_nacks() -> N
 def test_a_rollout_in_progress_is_found_unended_without_judging_each_worker(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """What compaction asks of every rollout in progress every 10 s: from the acks alone."""
+    """What compaction asks of every rollout in progress every 10 s, and what its summary
+    counts, from the acks alone (and the heartbeats of the workers not terminal)."""
     f = fleet(
         command(workers=["w1", "w2"]),
         heartbeat("w1", 0.0),
@@ -207,9 +208,12 @@ def test_a_rollout_in_progress_is_found_unended_without_judging_each_worker(
         ack("w2", R, 2.0),
     )
     assert f.status("r1", at(10.0)).phase.value == "progressing"
+    expected = [Tally.of(f.status("r1", at(t))) for t in (10.0, 100.0)]  # w2 lost at 100 s
 
     def judged_in_full(*args: object, **kwargs: object) -> None:
         raise AssertionError("judged worker by worker")
 
     monkeypatch.setattr(Fleet, "_evaluate", judged_in_full)
     assert f.check_ended("r1", at(10.0)) is None
+    assert [f.tally("r1", at(t)) for t in (10.0, 100.0)] == expected
+    assert expected[1].status.counts.lost == 1
