@@ -632,6 +632,9 @@ class Summaries:
         if held is not None and self._servable(held, _LEVELS, Want.BOUNDED, budget):
             return held.value
         await asyncio.sleep(self._turn(held))
+        held = self._levels  # the background task may have judged them meanwhile
+        if held is not None and self._servable(held, _LEVELS, Want.BOUNDED, budget):
+            return held.value
         return self._judge_levels(budget)
 
     def levels_cached(self) -> Levels:
