@@ -11,7 +11,9 @@ workers running) and every 50th worker failed the oldest one. Acks are the fast 
 progress, by default), folds every worker's heartbeat every 3 s meanwhile, and prints what the
 summary, list and page endpoints cost through httpx's ASGI transport: p50 and p99 wall time and
 bytes of each (tests never assert on time; tests/component/test_api_scale.py asserts on sizes
-and pagination).
+and pagination). ``python -m tests.fleet_at_scale --restart [N] [R]``: a coordinator caught up on
+that history: its first summary, its first compaction (and the longest the event loop waited
+meanwhile), its memory, and how soon a new rollout's 3 N acks show it succeeded.
 """
 
 from __future__ import annotations
@@ -263,7 +265,91 @@ async def _measure(workers: int, rollouts: int, rounds: int, active: int) -> Non
     await coordinator.stop()
 
 
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096 / 1e6
+
+
+async def _restart(workers: int, rollouts: int) -> None:
+    """A coordinator caught up on a long history: what its first reader waits for, what its
+    first compaction costs the event loop, its memory, and how soon a new rollout's acks show."""
+    import httpx
+    from pydantic import SecretStr
+
+    from controlplane.api.app import create_app
+    from controlplane.coordinator.service import CoordinatorSettings
+    from controlplane.kafka.settings import KafkaSettings
+
+    origin = [time.monotonic()]
+
+    def clock() -> datetime:
+        return NOW + timedelta(seconds=time.monotonic() - origin[0])
+
+    settings = CoordinatorSettings(
+        kafka=KafkaSettings(bootstrap_servers="127.0.0.1:9"), api_token=SecretStr("x")
+    )
+    coordinator = Coordinator(settings, clock=clock, current_as_of=clock)
+    app = create_app(coordinator)
+    started = time.perf_counter()
+    build(coordinator, workers=workers, rollouts=rollouts, replay=True)
+    print(
+        f"folded {workers} x {rollouts} in {time.perf_counter() - started:.1f} s; "
+        f"RSS {_rss_mb():.0f} MB"
+    )
+    origin[0] = time.monotonic()
+    coordinator.follower.caught_up.set()
+    stalls: list[float] = []
+
+    async def probe() -> None:  # how late a 10 ms sleep wakes: the loop busy elsewhere
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.01)
+            stalls.append(time.perf_counter() - t - 0.01)
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://c", timeout=600) as client:
+        prober = asyncio.create_task(probe())
+        t = time.perf_counter()
+        await client.get("/api/v1/summary")
+        print(f"first /api/v1/summary: {time.perf_counter() - t:.2f} s; RSS {_rss_mb():.0f} MB")
+        stalls.clear()
+        t = time.perf_counter()
+        summarized = await coordinator.compact_stepwise()
+        print(
+            f"first compaction: {time.perf_counter() - t:.2f} s, {summarized} summarized, "
+            f"longest loop stall {max(stalls, default=0.0):.2f} s; RSS {_rss_mb():.0f} MB"
+        )
+        ids = worker_ids(workers)
+        command = rollout_command(rollouts, rollouts + 1, ids).model_copy(
+            update={"issued_at": clock() - timedelta(seconds=5)}
+        )
+        _fold(coordinator, Batch(commands=[command]))
+        path = f"/api/v1/rollouts/{command.rollout_id}/summary"
+        await client.get(path)
+        batch = Batch()
+        done = (AckState.ACCEPTED, AckState.RUNNING, AckState.SUCCEEDED)
+        for worker_id in ids:
+            batch.acks.extend(_acks(command, worker_id, done, failed=False))
+            if len(batch.acks) >= BATCH:
+                _fold(coordinator, batch)
+                batch = Batch()
+                await asyncio.sleep(0)
+        _fold(coordinator, batch)
+        last = time.perf_counter()
+        polls = 0
+        while (await client.get(path)).json()["phase"] != "succeeded":
+            polls += 1  # as a dashboard polls, every 50 ms
+            await asyncio.sleep(0.05)
+        print(
+            f"{3 * workers} acks shown succeeded {time.perf_counter() - last:.2f} s after the last"
+            f" ({polls} polls)"
+        )
+        prober.cancel()
+    app.state.summaries.close()
+
+
 if __name__ == "__main__":
-    args = [int(a) for a in sys.argv[1:]]
+    restart = "--restart" in sys.argv
+    args = [int(a) for a in sys.argv[1:] if a != "--restart"]
     n, r, rounds, active = [*args, *(10_000, 100, 40, 2)[len(args) :]]
-    asyncio.run(_measure(n, r, rounds, active))
+    asyncio.run(_restart(n, r) if restart else _measure(n, r, rounds, active))
