@@ -69,6 +69,7 @@ from controlplane.coordinator.publisher import (
 )
 from controlplane.kafka.bus import Producer
 from controlplane.kafka.settings import DEFAULT_BOOTSTRAP, KafkaSettings
+from controlplane.rollout.decisions import named
 from controlplane.rollout.models import RolloutStatus
 from controlplane.wire.channels import ACKS, COMMANDS
 from controlplane.wire.errors import (
@@ -160,7 +161,10 @@ async def _publish_and_maybe_wait(
     assert request.rollout_id is not None
     async with Follower(
         settings,
-        probe=wait,
+        # Probing, so the workers partition is current only once a record of its own was
+        # appended and read back: a fetch's end says nothing of heartbeats Kafka holds back
+        # (a broker slow to replicate), and the selector must not leave live workers out.
+        probe=True,
         rollouts=(request.rollout_id,),
         tail=(ACKS,) if chosen else (ACKS, COMMANDS),
     ) as follower:
@@ -201,7 +205,7 @@ async def _publish_and_maybe_wait(
                 out.print(
                     f"published rollout {command.rollout_id} (command {command.command_id}, "
                     f"{where}){late} to {len(pinned.worker_ids or [])} worker(s): "
-                    f"{', '.join(pinned.worker_ids or [])}"
+                    f"{named(pinned.worker_ids or [])}"
                 )
             if not wait:
                 if as_json:

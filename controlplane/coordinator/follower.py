@@ -465,7 +465,9 @@ class Follower(AsyncService):
         needles = self._needles
         for record in records:
             value = record.value
-            if value is None:  # a tombstone on the compacted workers topic
+            if value is None:  # a tombstone on the compacted workers topic: a worker gone
+                if heartbeats and record.key is not None:  # for good; a fresh reader (once
+                    self._forget(record.key)  # compaction ran) never sees it either
                 continue
             if heartbeats and record.key == PROBE_KEY:
                 continue
@@ -475,7 +477,11 @@ class Follower(AsyncService):
             try:
                 message = decode(value)
             except ProtocolError as exc:
-                if topic == self._commands_topic and exc.rollout_id is not None:
+                if (
+                    self.rollouts is not None  # a reader of a few rollouts (the CLI's) only
+                    and topic == self._commands_topic
+                    and exc.rollout_id is not None
+                ):
                     self.unreadable_commands.add(exc.rollout_id)
                     self._note_command(exc.rollout_id, record.timestamp_ms)
                 self.undecodable += 1
@@ -490,7 +496,7 @@ class Follower(AsyncService):
             if scope is not None and message.rollout_id not in scope:
                 self.skipped += 1
                 continue
-            if topic == self._commands_topic:
+            if self.rollouts is not None and topic == self._commands_topic:
                 self._note_command(message.rollout_id, record.timestamp_ms)
             try:
                 if heartbeats:
@@ -501,6 +507,14 @@ class Follower(AsyncService):
                 self._fold_failed(topic, partition, record.offset, "folding", exc)
                 continue
             append(message)
+
+    def _forget(self, key: bytes) -> None:
+        try:
+            worker_id = key.decode("utf-8")
+        except UnicodeDecodeError:
+            return  # no worker's key (worker_key is the id in UTF-8)
+        if self.fleet.registry.forget(worker_id):
+            log.info("worker %s removed by a tombstone on the workers topic", worker_id)
 
     def _note_command(self, rollout_id: str, timestamp_ms: int) -> None:
         held = self.command_times.get(rollout_id)

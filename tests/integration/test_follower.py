@@ -281,3 +281,26 @@ async def _workers_end(settings: KafkaSettings) -> int:
     async with Consumer(settings) as consumer:
         ends = await consumer.end_offsets(settings.topics.workers.name)
     return sum(ends.values())
+
+
+async def test_a_tombstone_removes_the_worker_from_a_running_reader_as_from_a_fresh_one(
+    kafka: KafkaSettings,
+) -> None:
+    """A worker gone for good is removed with a tombstone (``kcat -K: -Z``, key = its id): a
+    reader following the log drops it, as a fresh reader of the compacted topic never sees it."""
+    await _send_heartbeat(kafka, _heartbeat("w-gone", utcnow()))
+    await _send_heartbeat(kafka, _heartbeat("w-stays", utcnow()))
+    fleet = Fleet()
+    async with Follower(kafka, fleet) as follower:
+        await follower.catch_up()
+        assert "w-gone" in fleet.registry and "w-stays" in fleet.registry
+        async with Producer(kafka) as producer:
+            await producer.send(kafka.topics.workers.name, None, key=worker_key("w-gone"))
+        async with asyncio.timeout(30):
+            while "w-gone" in fleet.registry:
+                await follower.poll(timeout_s=0.2)
+    assert "w-stays" in fleet.registry
+    fresh = Fleet()
+    async with Follower(kafka, fresh) as reader:
+        await reader.catch_up()
+    assert "w-gone" not in fresh.registry and "w-stays" in fresh.registry
