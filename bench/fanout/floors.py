@@ -8,9 +8,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.common import ensure_topics, summary
+from bench.common import Child, ensure_topics, summary
 from bench.fanout import OVERRIDE_KEY
-from bench.fanout.hosts import Child
 
 
 async def measure_floor(bootstrap: str, repeats: int, n_workers: int) -> dict[str, Any]:
@@ -90,7 +89,7 @@ async def measure_http(n: int, repeats: int, tmp: Path) -> dict[str, Any]:
     """Sequential and concurrent httpx fan-outs to N endpoints of one uvicorn process."""
     import httpx
 
-    server = await Child.spawn("http-child", {"n": n}, tmp / f"http-{n}.log")
+    server = await Child.start("bench.fanout", "http-child", {"n": n}, tmp / f"http-{n}.log")
     try:
         ports: list[int] = (await server.read(120))["ports"]
         urls = [f"http://127.0.0.1:{p}/config" for p in ports]

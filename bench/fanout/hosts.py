@@ -8,13 +8,10 @@ import asyncio
 import contextlib
 import cProfile
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
-
-from bench.common import REPO_ROOT, cpu_seconds
 
 
 async def agent_host(cfg: dict[str, Any]) -> None:
@@ -137,58 +134,3 @@ async def http_host(cfg: dict[str, Any]) -> None:
     await loop.run_in_executor(None, sys.stdin.readline)
     server.should_exit = True
     await server_task
-
-
-class Child:
-    """A child process of this module speaking JSON lines on stdout, commands on stdin."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, name: str) -> None:
-        self.proc = proc
-        self.name = name
-
-    @classmethod
-    async def spawn(cls, role: str, cfg: dict[str, Any], log_file: Path) -> Child:
-        with open(log_file, "ab") as err:  # noqa: ASYNC230 - a local log file
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "bench.fanout",
-                f"--{role}",
-                json.dumps(cfg),
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=err,
-                cwd=REPO_ROOT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        return cls(proc, f"{role}:{log_file.name}")
-
-    async def read(self, timeout: float = 300.0) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
-        if not line:
-            code = await self.proc.wait()
-            raise RuntimeError(f"{self.name} exited with status {code} (see its log)")
-        message: dict[str, Any] = json.loads(line)
-        return message
-
-    async def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line.encode() + b"\n")
-        await self.proc.stdin.drain()
-
-    async def stop(self, timeout: float = 90.0) -> None:
-        if self.proc.returncode is not None:
-            return
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            await self.send("stop")
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-        try:
-            await asyncio.wait_for(self.proc.wait(), timeout)
-        except TimeoutError:
-            self.proc.kill()
-            await self.proc.wait()
-
-    def cpu(self) -> float:
-        return cpu_seconds(self.proc.pid)

@@ -14,10 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import cpu_seconds, ensure_topics, loadavg, ratio, summary
+from bench.common import Child, cpu_seconds, ensure_topics, loadavg, ratio, summary
 from bench.fanout import JUDGE_INTERVAL_S, OVERRIDE_KEY
 from bench.fanout.floors import measure_floor, measure_http
-from bench.fanout.hosts import Child
 
 
 class Fanout:
@@ -74,7 +73,9 @@ class Fanout:
                 "fetch_wait_ms": self.fetch_wait_ms,
             }
             self.children.append(
-                await Child.spawn("agents-child", cfg, self.log_dir / f"agents-n{self.n}-p{p}.log")
+                await Child.start(
+                    "bench.fanout", "agents-child", cfg, self.log_dir / f"agents-n{self.n}-p{p}.log"
+                )
             )
         hellos = [await c.read(600) for c in self.children]
         children_ready_s = time.perf_counter() - started

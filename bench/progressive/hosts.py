@@ -19,14 +19,9 @@ from __future__ import annotations
 import asyncio
 import cProfile
 import json
-import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
-
-from bench.common import REPO_ROOT
-from bench.fanout.hosts import Child
 
 
 async def coordinator_host(cfg: dict[str, Any]) -> None:
@@ -154,21 +149,3 @@ async def _until(condition: Any, timeout: float, what: str) -> None:
 def _say(message: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(message) + "\n")
     sys.stdout.flush()
-
-
-async def spawn_coordinator(cfg: dict[str, Any], log_file: Path) -> Child:
-    """A coordinator child of this package, behind bench.fanout's JSON-lines handle."""
-    with open(log_file, "ab") as err:  # noqa: ASYNC230 - a local log file
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "bench.progressive",
-            "--coordinator-child",
-            json.dumps(cfg),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=err,
-            cwd=REPO_ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    return Child(proc, f"coordinator:{log_file.name}")

@@ -10,11 +10,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from bench.common import loadavg
-from bench.fanout.hosts import Child
+from bench.common import Child, loadavg
 from bench.fanout.scenario import Fanout, profile_summary
 from bench.progressive import AGENT_LABELS, RETIRED, TARGET
-from bench.progressive.hosts import spawn_coordinator
 
 
 class Reader:
@@ -92,7 +90,9 @@ class Bench:
             "profile": str(self.profile_path) if self.args.profile else None,
         }
         started = time.perf_counter()
-        self.coordinator = await spawn_coordinator(cfg, self.tmp / "coordinator.log")
+        self.coordinator = await Child.start(
+            "bench.progressive", "coordinator-child", cfg, self.tmp / "coordinator.log"
+        )
         hello = await self.coordinator.read(300)
         self.producer = Producer(self.fan.settings)
         await self.producer.start()
