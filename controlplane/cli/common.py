@@ -34,6 +34,14 @@ BootstrapOpt = Annotated[
 PrefixOpt = Annotated[
     str, typer.Option("--topic-prefix", envvar="FLEET_TOPIC_PREFIX", help="Topic name prefix.")
 ]
+ApiOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--api",
+        envvar="FLEET_API_URL",
+        help="A coordinator's URL (e.g. http://coordinator:8080): ask it instead of reading the log.",
+    ),
+]
 
 
 def fail(error: ControlPlaneError) -> typer.Exit:

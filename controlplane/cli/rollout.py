@@ -34,6 +34,7 @@ import typer
 from pydantic import JsonValue
 
 from controlplane.cli.common import (
+    ApiOpt,
     BootstrapOpt,
     Exit,
     PrefixOpt,
@@ -53,6 +54,7 @@ from controlplane.cli.follow import (
 )
 from controlplane.cli.render import (
     console,
+    progress_line,
     rollout_table,
     rollouts_table,
     workers_table,
@@ -385,8 +387,16 @@ def status(
     as_json: JsonOpt = False,
     bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
     prefix: PrefixOpt = "fleet",
+    api: ApiOpt = None,
 ) -> None:
-    """Rollout status computed from the log (no coordinator needed). Exits with the rollout's code."""
+    """Rollout status computed from the log (no coordinator needed), or asked of a coordinator
+    (--api). Exits with the rollout's code."""
+    if api:
+        if rollout is None:
+            raise typer.BadParameter(
+                "--api shows one rollout: give its id (the status of every rollout reads the log)"
+            )
+        _run_exit(_status_from_api(api, rollout, watch=watch, as_json=as_json))
 
     async def go() -> int:
         settings = kafka_settings(bootstrap, prefix)
@@ -414,6 +424,35 @@ def status(
         return Exit.OK  # a rollout still in progress is not an error for `status`
 
     _run_exit(go())
+
+
+async def _status_from_api(api: str, rollout_id: str, *, watch: bool, as_json: bool) -> int:
+    """``status <id>`` as the coordinator at ``api`` judges it (controlplane/cli/remote.py)."""
+    from controlplane.cli.remote import Remote, RolloutNotFound
+
+    out = console(stderr=True)
+    last = ""
+
+    def progress(status: RolloutStatus) -> None:
+        nonlocal last
+        line = progress_line(status)
+        if line != last and not as_json:
+            out.print(f"[{utcnow().strftime('%H:%M:%S')}] {line}")
+        last = line
+
+    async with Remote(api) as remote:
+        try:
+            if watch:
+                result = await remote.watch(rollout_id, progress, json_out=as_json)
+            else:
+                result = await remote.status(rollout_id)
+        except RolloutNotFound:
+            typer.echo(f"error: no rollout {rollout_id!r} at {remote.url}", err=True)
+            return Exit.INVALID
+    if result.terminal:
+        return _finish(result, as_json)
+    _finish(result, as_json)
+    return Exit.OK
 
 
 @app.command("workers")

@@ -23,7 +23,7 @@ class CliExit(IntEnum):
     FAILED = 1
     TIMED_OUT = 2
     INVALID = 3
-    UNREACHABLE = 4  # Kafka unreachable; a publish that fails so was certainly not published
+    UNREACHABLE = 4  # Kafka (or --api's coordinator) unreachable; a publish failing so was not published
     INTERNAL = 5
     UNKNOWN = 6  # a publish not confirmed in time: it may be in the log (check status)
     ABORTED = 7  # a progressive rollout aborted (without rollback, or its rollback failed)
@@ -46,6 +46,7 @@ class WorkerExit(IntEnum):
 CLI_EXITS: Mapping[WireCode | LocalCode, CliExit] = MappingProxyType(
     {
         LocalCode.BROKER_UNAVAILABLE: CliExit.UNREACHABLE,
+        LocalCode.COORDINATOR_UNAVAILABLE: CliExit.UNREACHABLE,
         LocalCode.PUBLISH_OUTCOME_UNKNOWN: CliExit.UNKNOWN,
         WireCode.SCHEMA_INVALID: CliExit.INVALID,
         WireCode.PATH_NOT_ALLOWED: CliExit.INVALID,
