@@ -103,6 +103,9 @@ class LocalCode(StrEnum):
     ROLLBACK_UNAVAILABLE = "ROLLBACK_UNAVAILABLE"
     #: Another coordinator took over the controller's transactional id: this one stopped writing.
     CONTROLLER_FENCED = "CONTROLLER_FENCED"
+    #: The CLI's ``--api``: the coordinator's API did not answer as one does (unreachable,
+    #: not ready, not the API).
+    COORDINATOR_UNAVAILABLE = "COORDINATOR_UNAVAILABLE"
 
 
 #: Codes for which the same command may succeed later without being changed.
