@@ -308,6 +308,27 @@ class Follower(AsyncService):
         if self.probe:
             self._probe_task = asyncio.create_task(self._probe_loop(), name="follower-probe")
 
+    def resume_at(self, offsets: Mapping[tuple[str, int], int]) -> None:
+        """Before :meth:`start`: read these partitions from these offsets (a snapshot's: what
+        was folded before them is in the fleet already) instead of their beginning."""
+        if self._targets:
+            raise RuntimeError("resume_at() is for a follower that has not started")
+        self._start_at.update(offsets)
+
+    def positions(self, topics: Collection[str]) -> dict[tuple[str, int], int]:
+        """The next offset to fold of every partition of ``topics`` this reader follows: at a
+        batch boundary (between two polls), everything before it is folded. A partition
+        without a position yet (nothing fetched) is left out."""
+        return {
+            key: p.position
+            for key, p in self._consumer.progress().items()
+            if key[0] in topics and p.position is not None
+        }
+
+    def follows(self, topic: str) -> bool:
+        """Whether this reader folds ``topic`` (the controller topic may be missing)."""
+        return topic in self._decoders
+
     async def _drop_missing_control_topic(self) -> None:
         topic = CONTROL.topic(self.topics)
         try:

@@ -70,6 +70,28 @@ class FleetStats:
     dropped_acks: int = 0
 
 
+@dataclass(slots=True)
+class FoldState:
+    """What a :class:`Fleet` folded from commands and acks, for a snapshot (and back).
+
+    Not the workers' heartbeats: the registry and the in-flight spans are rebuilt by reading the
+    workers topic whole (compacted: about one record per worker), so liveness is judged exactly
+    as after a full replay. :meth:`Fleet.fold_state` hands out the fleet's own containers (no
+    copy): read them while nothing folds."""
+
+    commands: dict[str, list[Command]]
+    ledgers: dict[tuple[str, str], CommandLedger]
+    unreadable: dict[str, dict[tuple[str, str], Report]]
+    aborts: dict[str, Abort]
+    ended: dict[str, datetime]
+    #: rollout id -> (its final status, details dropped; the ids of its commands and NACKs)
+    summaries: dict[str, tuple[RolloutStatus, frozenset[str]]]
+    summary_desired: dict[str, tuple[datetime, str, str]]
+    commands_seen: int = 0
+    acks_seen: int = 0
+    dropped_acks: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class _Summary:
     """An ended rollout beyond the last ``max_ended_rollouts``: its final status, details dropped."""
@@ -528,6 +550,39 @@ class Fleet:
             }
         )
         self._summaries[rollout_id] = _Summary(summary, command_ids | {c for c, _ in nacks})
+
+    # ------------------------------------------------------------------ snapshots
+
+    def fold_state(self) -> FoldState:
+        """What this fleet folded from commands and acks (its own containers: no copy)."""
+        return FoldState(
+            commands=self._commands,
+            ledgers=self._ledgers,
+            unreadable=self._unreadable,
+            aborts=self._aborts,
+            ended=self._ended,
+            summaries={r: (s.status, s.command_ids) for r, s in self._summaries.items()},
+            summary_desired=self._summary_desired,
+            commands_seen=self._n_commands,
+            acks_seen=self._n_acks,
+            dropped_acks=self._n_dropped_acks,
+        )
+
+    def restore(self, state: FoldState) -> None:
+        """Take ``state`` (a snapshot's) as what was folded so far from commands and acks; only
+        on a fleet that has folded none (ValueError otherwise). Heartbeats are folded as usual."""
+        if self._commands or self._ledgers or self._unreadable or self._summaries:
+            raise ValueError("a snapshot is restored only into a fleet that folded no command")
+        self._commands = state.commands
+        self._ledgers = state.ledgers
+        self._unreadable = state.unreadable
+        self._aborts = state.aborts
+        self._ended = state.ended
+        self._summaries = {r: _Summary(s, ids) for r, (s, ids) in state.summaries.items()}
+        self._summary_desired = state.summary_desired
+        self._n_commands = state.commands_seen
+        self._n_acks = state.acks_seen
+        self._n_dropped_acks = state.dropped_acks
 
     # ------------------------------------------------------------------ internals
 

@@ -103,6 +103,18 @@ class LocalCode(StrEnum):
     ROLLBACK_UNAVAILABLE = "ROLLBACK_UNAVAILABLE"
     #: Another coordinator took over the controller's transactional id: this one stopped writing.
     CONTROLLER_FENCED = "CONTROLLER_FENCED"
+    # A coordinator's snapshot of its fold, not used at start (it replays the log in full).
+    #: A manifest or chunk that does not decode, or a chunk whose sha256 differs.
+    SNAPSHOT_CORRUPT = "SNAPSHOT_CORRUPT"
+    #: A chunk the manifest names is not on the snapshots topic.
+    SNAPSHOT_INCOMPLETE = "SNAPSHOT_INCOMPLETE"
+    #: Written in a format this version does not know.
+    SNAPSHOT_VERSION_UNKNOWN = "SNAPSHOT_VERSION_UNKNOWN"
+    #: Its offsets are not in the log any more (below a partition's log start: retention
+    #: deleted records after them) or not yet (past its end: the topic was recreated).
+    SNAPSHOT_OFFSETS_GONE = "SNAPSHOT_OFFSETS_GONE"
+    #: Made of other partitions, or with other fold settings, than this coordinator's.
+    SNAPSHOT_MISMATCH = "SNAPSHOT_MISMATCH"
     #: The CLI's ``--api``: the coordinator's API did not answer as one does (unreachable,
     #: not ready, not the API).
     COORDINATOR_UNAVAILABLE = "COORDINATOR_UNAVAILABLE"

@@ -178,6 +178,38 @@ class Topics:
         )
 
     @property
+    def snapshots(self) -> TopicSpec:
+        """The coordinators' snapshots of their fold (docs/architecture.md, "Snapshots"):
+        compacted, one partition; each snapshot is a few chunks of at most ~900 KB and a
+        manifest, keyed so that compaction keeps every writer's latest. The active segment rolls
+        every 10 minutes or 64 MiB and is cleaned at a dirty ratio of 0.1, so a starting
+        coordinator reads about the latest snapshots, not every one ever written."""
+        return TopicSpec(
+            f"{self.prefix}.snapshots",
+            1,
+            {
+                "cleanup.policy": "compact",
+                "min.cleanable.dirty.ratio": "0.1",
+                "segment.ms": str(10 * MINUTE_MS),
+                "segment.bytes": str(64 * MIB),
+                "delete.retention.ms": str(HOUR_MS),
+                **self._durability(no_unclean_election=True),
+            },
+            self.replication_factor,
+        )
+
+    def snapshots_only(self) -> SnapshotTopic:
+        """These topics' settings, ensuring only :attr:`snapshots` (see :class:`SnapshotTopic`)."""
+        return SnapshotTopic(
+            prefix=self.prefix,
+            replication_factor=self.replication_factor,
+            min_insync_replicas=self.min_insync_replicas,
+            retention_ms=self.retention_ms,
+            workers_segment_ms=self.workers_segment_ms,
+            workers_segment_bytes=self.workers_segment_bytes,
+        )
+
+    @property
     def controller_transactional_id(self) -> str:
         """The one ``transactional.id`` every controller writes with: each new leader's init
         fences the ones before (a per-host id would silently disable that)."""
@@ -199,6 +231,21 @@ class Topics:
     def worker_group(self, worker_id: str) -> str:
         """Each worker is its own consumer group on the commands topic (broadcast)."""
         return f"{self.prefix}.worker.{worker_id}"
+
+
+@dataclass(frozen=True)
+class SnapshotTopic(Topics):
+    """The snapshots topic alone, for ``Admin.ensure_topics`` (which ensures :meth:`ensured`):
+    ``topics ensure`` ensures it after the others. It is not in :meth:`Topics.ensured`, so a
+    fleet whose topics were made without it still works (its coordinators replay in full)."""
+
+    def ensured(self) -> list[TopicSpec]:
+        return [self.snapshots]
+
+
+def snapshot_key(kind: str, writer: str, *parts: str) -> bytes:
+    """A key on the snapshots topic: ``kind/writer[/part...]`` in UTF-8."""
+    return "/".join((kind, writer, *parts)).encode("utf-8")
 
 
 def worker_key(worker_id: str) -> bytes:
