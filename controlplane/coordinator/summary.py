@@ -517,16 +517,20 @@ class Summaries:
 
     def on_batch(self, batch: Batch) -> None:
         """A follower listener: what changed, in O(batch)."""
+        levels = self._levels
         if batch.heartbeats:
-            self.workers.update({hb.worker_id for hb in batch.heartbeats})
+            seen = {hb.worker_id for hb in batch.heartbeats}
+            self.workers.update(seen)
+            if levels is not None and _any_in(seen, levels.value.never_seen):
+                levels.dirty = True  # a worker heard from for the first time: never_seen falls
         changed = batch.rollout_ids
         for rollout_id in changed:
             for cache in (self._rollouts, self._full):
                 held = cache.get(rollout_id)
                 if held is not None:
                     held.dirty = True
-        if (changed or batch.control) and self._levels is not None:
-            self._levels.dirty = True
+        if (changed or batch.control) and levels is not None:
+            levels.dirty = True
         if not self._warmed and not batch.replay and self._coordinator.ready:
             # Caught up: judge every rollout once in the background, so that the first
             # readers find them judged (a restart with a long history pays it here, one
@@ -852,6 +856,17 @@ class Summaries:
             except Exception:  # a reader judging it itself meets the same error
                 log.exception("judging %s in the background failed", key)
             await asyncio.sleep(IDLE_PER_COST * (time.monotonic() - started))
+
+
+def _any_in(ids: Iterable[str], sorted_ids: list[str]) -> bool:
+    """Whether any of ``ids`` is in ``sorted_ids`` (O(len(ids) log n))."""
+    if not sorted_ids:
+        return False
+    for worker_id in ids:
+        i = bisect.bisect_left(sorted_ids, worker_id)
+        if i < len(sorted_ids) and sorted_ids[i] == worker_id:
+            return True
+    return False
 
 
 def in_sync_with(want: Desire, hb: Heartbeat | None) -> bool:
