@@ -112,6 +112,10 @@ def rows(levels: list[dict[str, Any]]) -> list[list[Any]]:
         run = lv["cli"]["status_one"]
         return _cli_cell(run, f", shown {run.get('phase')}") + x_floor(lv, "status_one")
 
+    def status_one_api(lv: dict[str, Any]) -> str:
+        run = lv["api"]["status_one_api"]
+        return _cli_cell(run, f", shown {run.get('phase')}")
+
     def status_all(lv: dict[str, Any]) -> str:
         run = lv["cli"]["status_all"]
         out = f", {run['stdout_bytes'] / MB:.1f} MB output"
@@ -197,6 +201,11 @@ def rows(levels: list[dict[str, Any]]) -> list[list[Any]]:
             f"< {PUBLISH_S:g} s",
         ],
         ["`status <id> --json` (in progress)", *each(status_one), f"< {STATUS_ONE_S:g} s"],
+        [
+            "`status <id> --json --api URL` (asks the coordinator)",
+            *each(status_one_api),
+            f"< {STATUS_ONE_S:g} s",
+        ],
         ["`status --json` (all)", *each(status_all), "-"],
         [
             "coordinator start to ready",
@@ -236,11 +245,14 @@ def targets(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
         pub_s = publish.get("wall_s") if publish.get("exit_code") == 0 else None
         one = cli.get("status_one", {})
         one_s = one.get("wall_s") if one.get("exit_code") == 0 else None
+        by_api = api.get("status_one_api", {})
+        by_api_s = by_api.get("wall_s") if by_api.get("exit_code") == 0 else None
         start = api.get("start", {})
         summaries = api.get("summary")
         false = (d["false_alive"] or 0) + (d["false_phase"] or 0)
-        if d["status_one_phase"] in ("failed", "timed_out", "aborted"):
-            false += 1
+        for said in (d["status_one_phase"], by_api.get("phase")):
+            if said in ("failed", "timed_out", "aborted"):
+                false += 1
         pinned = publish.get("pinned")
         if pinned is not None and pinned < lv["n"]:
             false += 1  # live workers left out of the publish: judged lost
@@ -256,6 +268,12 @@ def targets(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "value": one_s,
                 "verdict": _verdict(one_s, STATUS_ONE_S),
                 "detail": _cli_cell(one) if one else "not run",
+            },
+            {
+                "name": f"status <id> --api < {STATUS_ONE_S:g} s {at}",
+                "value": by_api_s,
+                "verdict": _verdict(by_api_s, STATUS_ONE_S),
+                "detail": _cli_cell(by_api) if by_api else "not run",
             },
             {
                 "name": f"coordinator ready < {READY_S:g} s {at}",

@@ -146,6 +146,16 @@ class Scenario:
             watcher = Watcher(client, base, self.n, self.rollouts.live, self.rollouts.live_acked_at)
             watcher.start(time.perf_counter())
             try:
+                api["status_one_api"] = await run_cli(
+                    ["status", self.rollouts.live, "--json", "--api", base, *self.kafka_args()],
+                    cap,
+                    self.tmp,
+                    "status1-api",
+                )
+                api["status_one_api"]["phase"] = _phase_of(
+                    Path(api["status_one_api"]["stdout_path"])
+                )
+                self.log(_said("status <id> --api", api["status_one_api"]))
                 api["paths"] = await api_paths(client, base)
                 endpoints = {
                     "workers": "/api/v1/workers",

@@ -25,11 +25,8 @@ from controlplane.wire.protocol import (
     Ack,
     AckError,
     AckState,
-    CommandKind,
     Selector,
-    Timings,
     UpdateConfigSpec,
-    utcnow,
 )
 from tests.factories import free_port, succeeded_acks
 from tests.fleet import make_command, publish, wait_for
@@ -52,17 +49,9 @@ async def serving(kafka: KafkaSettings) -> AsyncIterator[tuple[Coordinator, str]
 
 
 def failed_ack(worker_id: str, rollout_id: str, command_id: str) -> Ack:
-    now = utcnow()
-    return Ack(
-        command_id=command_id,
-        rollout_id=rollout_id,
-        worker_id=worker_id,
-        kind=CommandKind.UPDATE_CONFIG,
-        state=AckState.FAILED,
-        timings=Timings(received_at=now, started_at=now, finished_at=now),
-        error=AckError(code="CONFIG_INVALID", message="no such key"),
-        sent_at=now,
-    )
+    done = succeeded_acks(worker_id, rollout_id, command_id)[-1]
+    error = AckError(code="CONFIG_INVALID", message="no such key")
+    return done.model_copy(update={"state": AckState.FAILED, "error": error})
 
 
 async def rollout(kafka: KafkaSettings, rollout_id: str, workers: list[str], *, fail: int) -> None:

@@ -98,35 +98,32 @@ def _caught_up(
     f.caught_up.set()
 
 
-async def test_a_reader_at_the_ends_it_sampled_is_current_as_of_the_sample_while_it_lags(
-    follower: Follower,
-) -> None:
-    # It started at T0 (workers ended at 100), replayed for a minute while workers kept
-    # beating: the last fetch, sent at T0 + 60, says the partition ends at 5000 now.
+def _replaying(f: Follower, position: int) -> None:
+    """Started at T0 (the workers partition then ended at 100); the last fetch, sent at
+    T0 + 60, says it ends at 5000 now, and the reader is at ``position``."""
     _caught_up(
-        follower,
+        f,
         T0,
         {(WORKERS, 0): 100, (ACKS, 0): 0},
         {
-            (WORKERS, 0): PartitionProgress(position=100, end=5000, fetched_at=T0 + 60),
+            (WORKERS, 0): PartitionProgress(position=position, end=5000, fetched_at=T0 + 60),
             (ACKS, 0): PartitionProgress(position=0, end=0, fetched_at=T0 + 60),
         },
     )
+
+
+async def test_a_reader_at_the_ends_it_sampled_is_current_as_of_the_sample_while_it_lags(
+    follower: Follower,
+) -> None:
+    # It replayed for a minute while workers kept beating, and has not read past the start.
+    _replaying(follower, position=100)
     assert follower.current_as_of() == _when(T0)  # not None: no caller falls back to a clock
 
 
 async def test_a_lagging_reader_advances_through_its_backlog_by_append_times(
     follower: Follower,
 ) -> None:
-    _caught_up(
-        follower,
-        T0,
-        {(WORKERS, 0): 100, (ACKS, 0): 0},
-        {
-            (WORKERS, 0): PartitionProgress(position=300, end=5000, fetched_at=T0 + 60),
-            (ACKS, 0): PartitionProgress(position=0, end=0, fetched_at=T0 + 60),
-        },
-    )
+    _replaying(follower, position=300)
     appended = Record(WORKERS, 0, 299, b"w1", b"{}", int((T0 + 4) * 1000), LOG_APPEND_TIME)
     follower._note_written([appended], now=T0 + 61)
     assert follower.current_as_of() == _when(T0 + 4)
