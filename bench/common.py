@@ -392,3 +392,20 @@ def say(message: dict[str, Any]) -> None:
     """A child's answer to its parent: one JSON line on stdout."""
     sys.stdout.write(json.dumps(message) + "\n")
     sys.stdout.flush()
+
+
+def bare_consumer(settings: Any) -> Any:
+    """An ``AIOKafkaConsumer`` with the Follower's client and fetch settings (read_committed,
+    4 MiB a partition): the floor of any replay, counting records and nothing else."""
+    from aiokafka import AIOKafkaConsumer
+
+    from controlplane.kafka.bus import client_options
+
+    return AIOKafkaConsumer(
+        **client_options(settings),
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        max_partition_fetch_bytes=4 * 1024 * 1024,
+        fetch_max_wait_ms=100,
+        isolation_level="read_committed",
+    )

@@ -101,6 +101,25 @@ def _ts(dt: datetime) -> str:
     return dt.isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
+def ack_times(
+    rollout_id: str, worker_id: str, w: int, issued: datetime
+) -> tuple[dict[str, str], list[str]]:
+    """The template values of worker number ``w``'s acks of a rollout issued at ``issued``
+    (received 3 ms + 40 us a worker later, ran 2 s), and the ``t3`` (sent at) of its accepted,
+    running and terminal acks, in that order."""
+    received = issued + timedelta(microseconds=40 * w + 3000)
+    started = received + timedelta(milliseconds=1)
+    finished = started + timedelta(seconds=2)
+    values = {
+        "rollout": rollout_id,
+        "worker": worker_id,
+        "t0": _ts(received),
+        "t1": _ts(started),
+        "t2": _ts(finished),
+    }
+    return values, [_ts(received), _ts(started), _ts(finished + timedelta(milliseconds=1))]
+
+
 class DataSet:
     """The commands, heartbeats and acks of ``rollouts`` rollouts over ``workers`` workers."""
 
@@ -173,31 +192,19 @@ class DataSet:
         """(key, value) pairs in log order: per rollout, every worker's three acks."""
         templates = _ack_templates()
         batch: list[tuple[bytes, bytes]] = []
-        ms, two_s = timedelta(milliseconds=1), timedelta(seconds=2)
         for r, rid in enumerate(self.rollout_ids):
             kind = self.kind(r)
             issued = self.base + timedelta(seconds=10 * r)
             accepted = templates[(kind, "accepted")]
             running = templates[(kind, "running")]
             for w, wid in enumerate(self.worker_ids):
-                received = issued + timedelta(microseconds=40 * w + 3000)
-                started = received + ms
-                finished = started + two_s
-                values = {
-                    "rollout": rid,
-                    "worker": wid,
-                    "t0": _ts(received),
-                    "t1": _ts(started),
-                    "t2": _ts(finished),
-                    "t3": _ts(received),
-                }
+                values, sent = ack_times(rid, wid, w, issued)
                 key = wid.encode()
-                batch.append((key, accepted.render(values)))
-                values["t3"] = _ts(started)
-                batch.append((key, running.render(values)))
+                batch.append((key, accepted.render({**values, "t3": sent[0]})))
+                batch.append((key, running.render({**values, "t3": sent[1]})))
                 failed = r % 10 == 3 and w == r % self.workers  # one rollout in ten fails
                 self.failures += failed
-                values["t3"] = _ts(finished + ms)
+                values["t3"] = sent[2]
                 batch.append(
                     (key, templates[(kind, "failed" if failed else "succeeded")].render(values))
                 )

@@ -13,27 +13,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    rss,
-)
+from bench.common import bare_consumer, rss
 
 # --------------------------------------------------------------------------- readers
 
 
 async def read_bare(settings: Any, total: int) -> dict[str, Any]:
     """aiokafka alone, with the Follower's consumer settings; counts records, nothing else."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka import TopicPartition
 
-    from controlplane.kafka.bus import client_options
-
-    consumer = AIOKafkaConsumer(
-        **client_options(settings),
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        max_partition_fetch_bytes=4 * 1024 * 1024,
-        fetch_max_wait_ms=100,
-        isolation_level="read_committed",
-    )
+    consumer = bare_consumer(settings)
     await consumer.start()
     try:
         tps = [

@@ -20,7 +20,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from bench.aggregate.dataset import Template, _ack_templates, _ts
+from bench.aggregate.dataset import Template, _ack_templates, ack_times
 from bench.common import cpu_seconds, say
 
 #: The label every synthetic worker carries: the selector of the publish under test.
@@ -170,21 +170,11 @@ class Rollouts:
         """Each worker's acks of ``rollout_id`` in ``states`` order, keyed by worker id."""
         templates = [self.templates[("reload_weights", s)] for s in states]
         out: list[tuple[bytes, bytes]] = []
-        ms, two_s = timedelta(milliseconds=1), timedelta(seconds=2)
         for w, wid in enumerate(self.ids):
-            received = issued + timedelta(microseconds=40 * w + 3000)
-            started = received + ms
-            finished = started + two_s
-            values = {
-                "rollout": rollout_id,
-                "worker": wid,
-                "t0": _ts(received),
-                "t1": _ts(started),
-                "t2": _ts(finished),
-            }
+            values, sent = ack_times(rollout_id, wid, w, issued)
             key = wid.encode()
-            for template, sent in zip(templates, (received, started, finished + ms), strict=False):
-                out.append((key, template.render({**values, "t3": _ts(sent)})))
+            for template, t3 in zip(templates, sent, strict=False):
+                out.append((key, template.render({**values, "t3": t3})))
         return out
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import REPO_ROOT, summary
+from bench.common import REPO_ROOT, bare_consumer, summary
 
 #: Phases a rollout still in progress must never be shown in (its workers are alive).
 FALSE_PHASES = {"failed", "timed_out", "aborted"}
@@ -411,18 +411,9 @@ async def healthz_during(
 async def read_bare(settings: Any, cap_s: float) -> dict[str, Any]:
     """A bare ``AIOKafkaConsumer`` (the product's client options, read_committed) reading every
     topic from the beginning to the end offsets it saw at start: the floor of any replay."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka import TopicPartition
 
-    from controlplane.kafka.bus import client_options
-
-    consumer = AIOKafkaConsumer(
-        **client_options(settings),
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        max_partition_fetch_bytes=4 * 1024 * 1024,
-        fetch_max_wait_ms=100,
-        isolation_level="read_committed",
-    )
+    consumer = bare_consumer(settings)
     started = time.perf_counter()
     await consumer.start()
     try:
