@@ -134,6 +134,39 @@ async def generator_host(cfg: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- rollouts (parent)
 
 
+class _StampingProducer:
+    """aiokafka's producer with the product's client options, for records stamped with a
+    time of their own (the product's ``Producer`` stamps every record now)."""
+
+    def __init__(self, settings: Any) -> None:
+        from aiokafka import AIOKafkaProducer
+
+        from controlplane.kafka.bus import client_options
+
+        self._producer = AIOKafkaProducer(
+            **client_options(settings), acks="all", linger_ms=20, max_batch_size=1 << 20
+        )
+
+    async def __aenter__(self) -> _StampingProducer:
+        await self._producer.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._producer.stop()
+
+    async def send_many(
+        self, topic: str, items: list[tuple[bytes, bytes]], at_ms: int | None = None
+    ) -> None:
+        """Send ``items`` in chunks of :data:`CHUNK`, each record stamped ``at_ms`` (None:
+        now), and wait until all are written."""
+        for i in range(0, len(items), CHUNK):
+            sent = [
+                await self._producer.send(topic, value, key=key, timestamp_ms=at_ms)
+                for key, value in items[i : i + CHUNK]
+            ]
+            await asyncio.gather(*sent)
+
+
 class Rollouts:
     """R past rollouts over N workers, an in-progress one and a burst one, as records."""
 
@@ -180,25 +213,25 @@ class Rollouts:
 
 async def produce_history(settings: Any, rollouts: Rollouts) -> dict[str, Any]:
     """The R past rollouts (all succeeded), then the in-progress one (accepted and running acks,
-    issued now): what the readers under test replay."""
-    from controlplane.kafka.bus import Producer
-
+    issued now): what the readers under test replay. Each past record is stamped with its own
+    rollout's time (a day ago and after, as a real history's agents wrote it: the commands and
+    acks topics keep the writer's CreateTime), so that a reader asking Kafka for the records
+    since a time gets what a real log would give it."""
     topics = settings.topics
     started = time.perf_counter()
     render_s, records, nbytes = 0.0, 0, 0
-    async with Producer(settings, linger_ms=20) as producer:
+    async with _StampingProducer(settings) as producer:
         batch: list[tuple[bytes, bytes]] = []
         for r, rid in enumerate(rollouts.past):
             issued = rollouts.base + timedelta(seconds=10 * r)
-            await producer.send_many(topics.commands.name, [rollouts.command(rid, issued)])
+            at_ms = int(issued.timestamp() * 1000)
+            await producer.send_many(topics.commands.name, [rollouts.command(rid, issued)], at_ms)
             t0 = time.perf_counter()
-            batch.extend(rollouts.acks(rid, issued, ("accepted", "running", "succeeded")))
+            batch = rollouts.acks(rid, issued, ("accepted", "running", "succeeded"))
             render_s += time.perf_counter() - t0
-            if len(batch) >= CHUNK or r == len(rollouts.past) - 1:
-                records += len(batch)
-                nbytes += sum(len(v) for _, v in batch)
-                await producer.send_many(topics.acks.name, batch)
-                batch = []
+            records += len(batch)
+            nbytes += sum(len(v) for _, v in batch)
+            await producer.send_many(topics.acks.name, batch, at_ms + 3000)
         now = datetime.now(UTC)
         await producer.send_many(topics.commands.name, [rollouts.command(rollouts.live, now)])
         live = rollouts.acks(rollouts.live, now, ("accepted", "running"))
