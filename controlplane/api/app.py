@@ -53,6 +53,7 @@ from controlplane.api.progressive import BODIES, progressive_router
 from controlplane.coordinator.metrics import CONTENT_TYPE, CoordinatorMetrics
 from controlplane.coordinator.publisher import PublishUnconfirmed
 from controlplane.coordinator.service import RESYNC, Coordinator
+from controlplane.coordinator.snapshots import SnapshotInfo
 from controlplane.coordinator.summary import (
     NO_DESIRE,
     Budget,
@@ -230,6 +231,14 @@ def create_app(
             workers=len(coordinator.fleet.registry),
             as_of=coordinator.judge_time(),
         )
+
+    @app.get(
+        f"{API}/snapshot",
+        summary="What this coordinator's start restored from (a snapshot and its offsets, or "
+        "a full replay and why) and the snapshots it wrote since",
+    )
+    async def snapshot_info() -> SnapshotInfo:
+        return coordinator.snapshots.info
 
     @app.get(
         "/readyz",

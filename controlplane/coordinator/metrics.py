@@ -219,6 +219,35 @@ class _FleetCollector(Collector):
         self._summaries = summaries
         self._latency = latency
 
+    def _snapshots(self) -> Iterator[Metric]:
+        info = self._coordinator.snapshots.info
+        restored = GaugeMetricFamily(
+            "controlplane_snapshot_restored",
+            "1 when this coordinator's start restored its fold from a snapshot (and read only "
+            "the log after it), 0 when it replayed the log in full.",
+        )
+        restored.add_metric([], 1.0 if info.started_from == "snapshot" else 0.0)
+        yield restored
+        if info.age_s is not None:
+            age = GaugeMetricFamily(
+                "controlplane_snapshot_restored_age_seconds",
+                "How old the snapshot the start restored from was.",
+            )
+            age.add_metric([], info.age_s)
+            yield age
+        written = CounterMetricFamily(
+            "controlplane_snapshots_written", "Snapshots of the fold this coordinator wrote."
+        )
+        written.add_metric([], info.written)
+        yield written
+        if info.last_written_at is not None:
+            last = GaugeMetricFamily(
+                "controlplane_snapshot_last_written_timestamp_seconds",
+                "When this coordinator last wrote a snapshot (Unix seconds).",
+            )
+            last.add_metric([], info.last_written_at.timestamp())
+            yield last
+
     def collect(self) -> Iterator[Metric]:
         coordinator = self._coordinator
         fleet, follower = coordinator.fleet, coordinator.follower
@@ -242,6 +271,7 @@ class _FleetCollector(Collector):
         yield undecodable
 
         yield from self._controller()
+        yield from self._snapshots()
         if now is None:  # not caught up (or cut off from Kafka): no judgement to report
             return
         summaries = self._summaries

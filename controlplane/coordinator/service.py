@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
+import socket
 import time
 from collections.abc import AsyncGenerator, Callable
 from datetime import datetime
@@ -26,6 +28,7 @@ from controlplane.coordinator.publisher import (
     publish,
     publish_control,
 )
+from controlplane.coordinator.snapshots import Captured, Manifest, Snapshots
 from controlplane.kafka.bus import Producer
 from controlplane.kafka.client import collector_paused
 from controlplane.kafka.lifecycle import AsyncService
@@ -37,6 +40,8 @@ from controlplane.rollout.fleet import (
     Fleet,
 )
 from controlplane.rollout.targets import ControlState
+from controlplane.wire.channels import ACKS, COMMANDS, CONTROL
+from controlplane.wire.errors import ControlPlaneError
 from controlplane.wire.messages import WireModel
 from controlplane.wire.protocol import Command, CommandSpec, Selector, utcnow
 
@@ -101,6 +106,25 @@ class CoordinatorSettings(BaseSettings):
         le=300_000,
         description="How long a silent controller keeps the lead before another takes over.",
     )
+    snapshot_interval_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="How often, once caught up, the coordinator writes a snapshot of its fold "
+        "to the snapshots topic (when commands, acks or control records came since the last "
+        "one), so that a restart folds only the tail (0: never; docs/architecture.md, "
+        "Snapshots).",
+    )
+    snapshot_restore: bool = Field(
+        default=True,
+        description="At start, restore the fold from the best valid snapshot and read only "
+        "the log after it; false: always replay the log in full.",
+    )
+    snapshot_writer: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9._-]{1,128}$",
+        description="This coordinator's id on the snapshots topic (its latest snapshot is "
+        "kept under it); default: the host name. Give each coordinator of a fleet its own.",
+    )
 
 
 class Coordinator(AsyncService):
@@ -142,6 +166,23 @@ class Coordinator(AsyncService):
                 session_timeout_ms=settings.controller_session_timeout_ms,
             )
         self._controller_task: asyncio.Task[None] | None = None
+        self.snapshots = Snapshots(
+            settings.kafka,
+            self.fleet,
+            self.control,
+            writer=settings.snapshot_writer or default_writer(),
+            fold={
+                "progress_deadline_s": settings.progress_deadline_s,
+                "max_ended_rollouts": settings.max_ended_rollouts,
+                "max_ended_workers": settings.max_ended_workers,
+            },
+        )
+        #: The partitions a snapshot covers (commands, acks, controller), found at start.
+        self._covered: set[tuple[str, int]] = set()
+        self._snapshot_at = time.monotonic()
+        #: What the last snapshot was of: its offsets and the rollouts summarized then.
+        self._snapshot_of: tuple[dict[tuple[str, int], int], int] | None = None
+        self._writing: asyncio.Task[Manifest | None] | None = None
         self._current_as_of = current_as_of or self.follower.current_as_of
         self._producer = Producer(settings.kafka)
         self._subscribers: set[asyncio.Queue[set[str] | None]] = set()
@@ -214,6 +255,7 @@ class Coordinator(AsyncService):
         return summarized
 
     async def start(self) -> None:
+        await self._restore()
         await self.follower.start()
         await self._producer.start()
         self._task = asyncio.create_task(self._run(), name="coordinator-follower")
@@ -227,7 +269,7 @@ class Coordinator(AsyncService):
             self._controller_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._controller_task
-        for task in (self._task, self._compaction):
+        for task in (self._task, self._compaction, self._writing):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -236,6 +278,67 @@ class Coordinator(AsyncService):
             _offer(queue, None)
         await self._producer.stop()
         await self.follower.stop()
+
+    # ------------------------------------------------------------------ snapshots
+
+    async def _restore(self) -> None:
+        """Before the follower starts: restore the fold from the best valid snapshot and have
+        the follower resume the partitions it covers where it was taken (see snapshots.py).
+        Nothing restored (none, none valid, off, or anything failing): a full replay."""
+        topics = self.settings.kafka.topics
+        names = [COMMANDS.topic(topics), ACKS.topic(topics), CONTROL.topic(topics)]
+        try:
+            partitions = await self.snapshots.partitions(names)
+            self._covered = {(t, p) for t, ps in partitions.items() for p in ps}
+            offsets = await self.snapshots.restore(partitions, use=self.settings.snapshot_restore)
+        except Exception as exc:  # never keep a coordinator from starting: replay in full
+            if self.fleet.stats().commands or self.control.records:
+                raise  # restored partly: unreachable (restores are all or nothing), but never go on
+            log.warning("full replay of the log: reading the snapshots failed: %s", _described(exc))
+            self.snapshots.replayed(f"reading the snapshots failed: {_described(exc)}")
+            return
+        self.follower.resume_at(offsets)
+        if offsets:
+            self._snapshot_of = (offsets, self.fleet.stats().compacted)
+
+    def _snapshot_due(self) -> bool:
+        interval = self.settings.snapshot_interval_s
+        compaction = self._compaction
+        return (
+            interval > 0
+            and self.ready
+            and self.snapshots.topic_exists
+            and bool(self._covered)
+            and (self._writing is None or self._writing.done())
+            and (compaction is None or compaction.done())
+            and time.monotonic() - self._snapshot_at >= interval
+        )
+
+    async def snapshot(self) -> bool:
+        """Capture the fold now (the caller folds nothing meanwhile: the loop calls it between
+        two polls) and start writing it; False when there is nothing new to write (the same
+        offsets as the last one, and no rollout summarized since) or a position is not known."""
+        self._snapshot_at = time.monotonic()
+        offsets = self.follower.positions({t for t, _ in self._covered})
+        of = (offsets, self.fleet.stats().compacted)
+        if set(offsets) != self._covered or of == self._snapshot_of:
+            return False
+        control = self.follower.follows(CONTROL.topic(self.settings.kafka.topics))
+        captured = await self.snapshots.capture(offsets, control=control)
+        self._snapshot_of = of
+        self._writing = asyncio.create_task(self._write_snapshot(captured), name="snapshot")
+        return True
+
+    async def _write_snapshot(self, captured: Captured) -> Manifest | None:
+        try:
+            return await self.snapshots.write(captured, self._producer)
+        except ControlPlaneError as exc:
+            self._snapshot_of = None  # written again at the next interval
+            log.warning("error: %s: the snapshot was not written: %s", exc.code, exc.message)
+        except Exception as exc:
+            self._snapshot_of = None
+            log.warning("the snapshot was not written: %s", _described(exc))
+        return None
 
     async def wait_ready(self, timeout: float = 60.0) -> None:
         await asyncio.wait_for(self.follower.caught_up.wait(), timeout)
@@ -261,6 +364,11 @@ class Coordinator(AsyncService):
             except Exception as exc:  # Kafka away: keep serving what we have, retry
                 log.warning("follower poll failed: %s", exc)
                 await asyncio.sleep(1.0)
+            if self._snapshot_due():
+                try:
+                    await self.snapshot()
+                except Exception as exc:  # never stop folding for a snapshot
+                    log.warning("the snapshot was not captured: %s", _described(exc))
             compaction = self._compaction
             compacting = compaction is not None and not compaction.done()
             if compaction is not None and compaction.done() and not compaction.cancelled():
@@ -354,6 +462,18 @@ class Coordinator(AsyncService):
                 yield item
         finally:
             self._subscribers.discard(queue)
+
+
+def default_writer() -> str:
+    """The host name, as a snapshot writer id (characters outside ``[A-Za-z0-9._-]`` as ``-``)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:128]
+    return name or "coordinator"
+
+
+def _described(exc: BaseException) -> str:
+    if isinstance(exc, ControlPlaneError):
+        return f"{exc.code}: {exc.message}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _offer(queue: asyncio.Queue[set[str] | None], item: set[str] | None) -> None:

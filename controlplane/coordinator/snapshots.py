@@ -347,10 +347,14 @@ def _restore_control(section: _ControlSection) -> ControlState:
     return control
 
 
+def _check_fresh(control: ControlState) -> None:
+    if control.records or control._targets or control._rollouts:
+        raise ValueError("a snapshot is restored only into a ControlState that folded nothing")
+
+
 def restore_control(into: ControlState, restored: ControlState) -> None:
     """Make ``into`` (a fresh ControlState, folded nothing) hold what ``restored`` holds."""
-    if into.records or into._targets or into._rollouts:
-        raise ValueError("a snapshot is restored only into a ControlState that folded nothing")
+    _check_fresh(into)
     into._targets = restored._targets
     into._rollouts = restored._rollouts
     into.leader = restored.leader
@@ -594,29 +598,54 @@ class Snapshots:
                         latest[record.key] = record.value
         return latest
 
-    async def restore(self, partitions: dict[str, list[int]]) -> dict[tuple[str, int], int]:
+    async def partitions(self, topics: list[str]) -> dict[str, list[int]]:
+        """topic -> its partitions, of those of ``topics`` that exist (the controller topic
+        may not), and whether the snapshots topic does (:attr:`topic_exists`)."""
+        found: dict[str, list[int]] = {}
+        async with Consumer(self.settings) as consumer:
+            for topic in [*topics, self.topic]:
+                try:
+                    parts = await consumer.partitions(topic, wait_s=0.0)
+                except BusError as exc:
+                    if "does not exist" not in exc.message:
+                        raise
+                    continue
+                found[topic] = sorted(parts)
+        self.topic_exists = found.pop(self.topic, None) is not None
+        return found
+
+    async def restore(
+        self, partitions: dict[str, list[int]], *, use: bool = True
+    ) -> dict[tuple[str, int], int]:
         """Restore the fleet (and the controller's state) from the best valid snapshot; the
         offsets to resume each covered partition at ({}: none, replay in full). ``partitions``:
-        topic -> its partitions, of the topics the follower will fold (workers aside)."""
+        topic -> its partitions, of the topics the follower will fold (workers aside), from
+        :meth:`partitions`. ``use`` False: restore nothing (the setting is off)."""
         started = time.monotonic()
-        try:
-            records = await self.read_topic()
-        except BusError as exc:
-            self._replay(f"{exc.code}: the snapshots topic could not be read: {exc.message}")
-            return {}
-        if records is None:
-            self.topic_exists = False
-            self._replay(
+        if not self.topic_exists:
+            self.replayed(
                 f"no snapshots topic {self.topic} (`controlplane topics ensure` creates it); "
                 "snapshots are off until it exists and the coordinator restarts",
                 warn=True,
             )
             return {}
+        try:
+            records = await self.read_topic()
+        except BusError as exc:
+            self.replayed(f"{exc.code}: the snapshots topic could not be read: {exc.message}")
+            return {}
+        if records is None:
+            self.topic_exists = False
+            self.replayed(f"no snapshots topic {self.topic}", warn=True)
+            return {}
         mine = snapshot_key(CHUNK, self.writer) + b"/"
         self._own_chunks = [k for k in records if k.startswith(mine)]  # a former run's
+        if not use:
+            self.replayed("restoring from snapshots is off (snapshot_restore)")
+            return {}
         candidates = ranked(records)
         if not candidates:
-            self._replay("no snapshot on the topic yet")
+            self.replayed("no snapshot on the topic yet")
             return {}
         wanted = {(t, p) for t, ps in partitions.items() for p in ps}
         starts, ends = await self._bounds(partitions)
@@ -639,6 +668,8 @@ class Snapshots:
                 log.warning("error: %s; not restored from it", reason)
                 reasons.append(str(exc.code))
                 continue
+            if decoded.control is not None:
+                _check_fresh(self.control)
             self.fleet.restore(decoded.fold)
             if decoded.control is not None:
                 restore_control(self.control, decoded.control)
@@ -665,10 +696,11 @@ class Snapshots:
                 self.info.offsets,
             )
             return offsets
-        self._replay(f"no valid snapshot ({', '.join(reasons)})", warn=False, reason=reasons[0])
+        self.replayed(f"no valid snapshot ({', '.join(reasons)})", reason=reasons[0])
         return {}
 
-    def _replay(self, why: str, *, warn: bool = False, reason: str | None = None) -> None:
+    def replayed(self, why: str, *, warn: bool = False, reason: str | None = None) -> None:
+        """Say (and show in :attr:`info`) that the start replays the log in full, and why."""
         log.log(logging.WARNING if warn else logging.INFO, "full replay of the log: %s", why)
         self.info = SnapshotInfo(reason=reason or why)
 
