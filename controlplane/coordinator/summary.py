@@ -34,10 +34,11 @@ import asyncio
 import bisect
 import collections
 import contextlib
+import heapq
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from enum import Enum
@@ -48,20 +49,23 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, com
 from controlplane.coordinator.follower import Batch
 from controlplane.kafka.client import collector_paused
 from controlplane.rollout.desired import Alignment, targets_status
-from controlplane.rollout.judge import Tally
+from controlplane.rollout.judge import Tally, details
+from controlplane.rollout.ledger import CommandLedger
 from controlplane.rollout.models import (
     Anomaly,
     RolloutPhase,
     RolloutReason,
     RolloutStatus,
     StateCounts,
+    WorkerDetail,
     WorkerState,
 )
 from controlplane.rollout.registry import Registry, lost_at
-from controlplane.wire.protocol import CommandKind, Heartbeat, Selector, WorkerStatus
+from controlplane.wire.protocol import Command, CommandKind, Heartbeat, Selector, WorkerStatus
 
 if TYPE_CHECKING:
     from controlplane.coordinator.service import Coordinator
+    from controlplane.rollout.fleet import Fleet
 
 #: A judgment younger than this (in judge time) is served as is, if nothing changed since.
 MAX_AGE_S: Final = 1.0
@@ -78,6 +82,9 @@ KEEP_WARM_S: Final = 60.0
 IDLE_PER_COST: Final = 3.0
 #: Anomalies an overview lists (``anomalies_total`` counts them all).
 MAX_ANOMALIES: Final = 20
+#: A page of a rollout's workers read through a filter judges this many of them at a time,
+#: the loop free between two (a filter that keeps few of 10,000 workers looks at them all).
+PAGE_CHUNK: Final = 250
 
 _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
 _US: Final = timedelta(microseconds=1)
@@ -432,6 +439,9 @@ class _Entry(Generic[T]):
     #: time.monotonic() when a reader last asked for it: the background task keeps an entry
     #: asked for within KEEP_WARM_S judged.
     read: float = 0.0
+    #: A rollout's: the status it was judged to, without its per-worker lists (the counts,
+    #: the end, every anomaly): what a page of its workers is judged against.
+    bare: RolloutStatus | None = None
 
 
 class Want(Enum):
@@ -510,6 +520,14 @@ class Summaries:
         self._warmed = False
         #: Judgments made (Fleet.status or worker_levels calls): tests count them.
         self.judgments = 0
+        #: Workers' details made (a full status makes one per worker, a page one per row):
+        #: tests count them.
+        self.judged_workers = 0
+        #: (rollout id, command id) -> the worker ids its command pins, sorted and as a set,
+        #: for the rollouts whose workers were read last (least recent first).
+        self._pinned_ids: collections.OrderedDict[
+            tuple[str, str], tuple[list[str], frozenset[str]]
+        ] = collections.OrderedDict()
         coordinator.follower.listeners.append(self.on_batch)
         self.workers.sync()
 
@@ -615,10 +633,27 @@ class Summaries:
             return self._shown(held)
         return self._judge(rollout_id, budget=budget)[0]
 
-    async def status(self, rollout_id: str, *, want: Want = Want.FRESH) -> RolloutStatus:
+    async def status(
+        self, rollout_id: str, *, want: Want = Want.FRESH, workers_limit: int | None = None
+    ) -> RolloutStatus:
         """The rollout's full status (every worker), as current as ``want``; judging it
-        again waits for its turn (:meth:`_turn`). Raises KeyError when unknown."""
+        again waits for its turn (:meth:`_turn`). Raises KeyError when unknown.
+
+        ``workers_limit``: ``workers`` lists only the first ``workers_limit`` expected workers
+        by id, and the next one when there are more (what tells GET /rollouts/{id} to link to
+        the rest); ``unexpected`` lists them all. A rollout pinned to worker ids is then judged
+        in counts and for those workers only (:meth:`workers_page`); any other in full."""
         self.check_compaction()
+        if workers_limit is not None:
+            page = await self._page_of(rollout_id, want)
+            if page is not None:
+                first = page.expected(None, workers_limit + 1)
+                return page.status.model_copy(
+                    update={
+                        "workers": tuple(self._details(page, first, expected=True)),
+                        "unexpected": tuple(self._details(page, page.unexpected(), expected=False)),
+                    }
+                )
         budget = Budget()
         held = self._pick(self._full, rollout_id, want, budget)
         if held is None:
@@ -628,6 +663,112 @@ class Summaries:
             return self._judge(rollout_id, full=True)[1]
         self._full.move_to_end(rollout_id)
         return self._shown(held)
+
+    async def workers_page(
+        self,
+        rollout_id: str,
+        *,
+        after: str | None = None,
+        limit: int,
+        states: set[WorkerState] | None = None,
+        codes: set[str] | None = None,
+        unexpected: bool | None = None,
+        want: Want = Want.BOUNDED,
+    ) -> tuple[list[tuple[WorkerDetail, bool]], bool]:
+        """A page of the rollout's workers as GET /rollouts/{id}/workers lists them: expected
+        and unexpected ones (flagged True) by id, those in ``states``, with an error code in
+        ``codes`` and flagged ``unexpected`` (None: any), the first ``limit`` after the id
+        ``after``; and whether more follow. Raises KeyError when the rollout is unknown.
+
+        A rollout pinned to worker ids is judged for the page only: its judgment in counts (as
+        current as ``want``) says when it ended, the instant its workers' states are shown at,
+        and each listed worker is judged at that judgment's ``as_of`` (on evidence at least as
+        new as the counts'); a filter by state or code judges the workers it passes over too,
+        :data:`PAGE_CHUNK` at a time with the loop free between two. Any other rollout is
+        paged from its full status."""
+        self.check_compaction()
+
+        def keep(detail: WorkerDetail) -> bool:
+            return (states is None or detail.state in states) and (
+                codes is None or (detail.error is not None and detail.error.code in codes)
+            )
+
+        page = await self._page_of(rollout_id, want)
+        if page is None:
+            status = await self.status(rollout_id, want=want)
+            rows = _rows(status)
+            start = 0 if after is None else bisect.bisect_right(rows, after, key=_row_id)
+            out: list[tuple[WorkerDetail, bool]] = []
+            for detail, flagged in itertools.islice(rows, start, None):
+                if (unexpected is None or flagged is unexpected) and keep(detail):
+                    if len(out) == limit:
+                        return out, True
+                    out.append((detail, flagged))
+            return out, False
+        lists: list[Iterator[tuple[str, bool]]] = []
+        if unexpected is not True:
+            lists.append((w, False) for w in page.expected(after, None))
+        if unexpected is not False:
+            extra = page.unexpected()
+            start = 0 if after is None else bisect.bisect_right(extra, after)
+            lists.append((w, True) for w in itertools.islice(extra, start, None))
+        filtered = states is not None or codes is not None
+        out = []
+        for looked, (worker_id, flagged) in enumerate(heapq.merge(*lists), 1):
+            if not filtered and len(out) == limit:
+                return out, True
+            (detail,) = self._details(page, [worker_id], expected=not flagged)
+            if keep(detail):
+                if len(out) == limit:
+                    return out, True
+                out.append((detail, flagged))
+            if filtered and looked % PAGE_CHUNK == 0:
+                await asyncio.sleep(0)  # the loop free between two chunks
+        return out, False
+
+    async def _page_of(self, rollout_id: str, want: Want) -> _Pinned | None:
+        """What a page of a rollout pinned to worker ids is judged against (its judgment in
+        counts, as current as ``want``); None for any other (judge it in full). Raises
+        KeyError when the rollout is unknown."""
+        await self.overview(rollout_id, want=want, checked=True)
+        held = self._rollouts[rollout_id]
+        bare = held.bare
+        fleet = self._coordinator.fleet
+        if bare is None or bare.details_dropped:
+            return None
+        try:
+            command = fleet.command(rollout_id)
+        except KeyError:  # summarized since, or known from NACKs only (small)
+            return None
+        ids = command.selector.worker_ids
+        if not ids or command.command_id != bare.command_id:
+            return None
+        key = (rollout_id, command.command_id)
+        pinned = self._pinned_ids.get(key)
+        if pinned is None:
+            pinned = self._pinned_ids[key] = (sorted(set(ids)), frozenset(ids))
+            while len(self._pinned_ids) > 2 * self._keep_full:
+                self._pinned_ids.popitem(last=False)
+        self._pinned_ids.move_to_end(key)
+        shown = self._shown(held)
+        status = (
+            bare if shown.as_of == bare.as_of else bare.model_copy(update={"as_of": shown.as_of})
+        )
+        return _Pinned(command, _ledger(fleet, command), *pinned, status, held.as_of)
+
+    def _details(
+        self, page: _Pinned, worker_ids: list[str], *, expected: bool
+    ) -> list[WorkerDetail]:
+        self.judged_workers += len(worker_ids)
+        return details(
+            page.command,
+            page.ledger,
+            self._coordinator.fleet.registry,
+            worker_ids,
+            now=page.judged_at,
+            cut=page.status.finished_at,
+            expected=expected,
+        )
 
     async def levels(self, budget: Budget | None = None) -> Levels:
         """Desired versions of every worker, at most ``max_stale_s`` old."""
@@ -719,11 +860,12 @@ class Summaries:
         with collector_paused():  # no cycles made; a collection now would scan the whole heap
             if full:
                 status = fleet.status(rollout_id, now)
-                overview = RolloutOverview.of(status)
+                counted = Tally.of(status)
+                self.judged_workers += len(status.workers) + len(status.unexpected)
             else:  # in counts: no detail per worker made
                 counted = fleet.tally(rollout_id, now)
                 status = counted.status
-                overview = RolloutOverview.of_tally(counted)
+            overview = RolloutOverview.of_tally(counted)
         if current is not None:  # judged at an instant known current: compaction may trust it
             fleet.note_ended(status)
         judged = time.monotonic()
@@ -734,7 +876,7 @@ class Summaries:
         held = self._rollouts.get(rollout_id)
         read = judged if reader else (0.0 if held is None else held.read)
         self._rollouts[rollout_id] = _Entry(
-            overview, now, cost, judged, overview.settled, read=read
+            overview, now, cost, judged, overview.settled, read=read, bare=counted.status
         )
         if full:
             self._full[rollout_id] = _Entry(status, now, cost, judged, overview.settled, read=read)
@@ -856,6 +998,52 @@ class Summaries:
             except Exception:  # a reader judging it itself meets the same error
                 log.exception("judging %s in the background failed", key)
             await asyncio.sleep(IDLE_PER_COST * (time.monotonic() - started))
+
+
+@dataclass(frozen=True, slots=True)
+class _Pinned:
+    """A rollout pinned to worker ids, as a page of its workers is judged: its expected
+    workers are exactly those ids, whatever the heartbeats say."""
+
+    command: Command
+    ledger: CommandLedger | None
+    #: The pinned ids, sorted, and as a set.
+    ids: list[str]
+    base: frozenset[str]
+    #: Its status judged in counts (no per-worker lists), as shown.
+    status: RolloutStatus
+    #: The instant it was judged at: each worker's detail is judged at it too.
+    judged_at: datetime
+
+    def expected(self, after: str | None, limit: int | None) -> list[str]:
+        """Expected workers by id after ``after``, at most ``limit`` of them."""
+        start = 0 if after is None else bisect.bisect_right(self.ids, after)
+        return self.ids[start : None if limit is None else start + limit]
+
+    def unexpected(self) -> list[str]:
+        """Workers that acked without being pinned, by id."""
+        if self.ledger is None:
+            return []
+        base = self.base
+        return sorted(w for w in self.ledger.workers if w not in base)
+
+
+def _ledger(fleet: Fleet, command: Command) -> CommandLedger | None:
+    """The command's ledger of acks (read only). ``Fleet`` has no public accessor for one."""
+    return fleet._ledgers.get((command.rollout_id, command.command_id))
+
+
+def _row_id(row: tuple[WorkerDetail, bool]) -> str:
+    return row[0].worker_id
+
+
+def _rows(status: RolloutStatus) -> list[tuple[WorkerDetail, bool]]:
+    """A rollout's workers, expected and unexpected (flagged True), sorted by id."""
+    rows = [(w, False) for w in status.workers]
+    if status.unexpected:
+        rows.extend((w, True) for w in status.unexpected)
+        rows.sort(key=_row_id)
+    return rows
 
 
 def _any_in(ids: Iterable[str], sorted_ids: list[str]) -> bool:

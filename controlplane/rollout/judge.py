@@ -204,6 +204,30 @@ def judge(verdict: Verdict, anomalies: Iterable[Anomaly] = ()) -> RolloutStatus:
     )
 
 
+def details(
+    command: Command,
+    ledger: CommandLedger | None,
+    registry: Registry,
+    worker_ids: Iterable[str],
+    *,
+    now: datetime,
+    cut: datetime | None,
+    expected: bool = True,
+) -> list[WorkerDetail]:
+    """The details :func:`judge` lists for ``worker_ids`` of a rollout judged at ``now`` whose
+    workers' states are shown at ``cut`` (its end; None while it has none), without judging
+    its other workers: a page of a 10,000-worker rollout costs the page. ``expected``: the ids
+    are expected workers (else unexpected ones, with a report each: shown as of now, never
+    lost). Equal to judge's own details for those ids when ``cut`` is the end that judgment
+    found (its ``finished_at``; a command no worker read before it expired aside)."""
+    workers = ledger.workers if ledger is not None else {}
+    shown = cut if expected else None
+    return [
+        Track(w, workers.get(w), registry, command, now, expected=expected).detail(shown)
+        for w in worker_ids
+    ]
+
+
 def tally(verdict: Verdict, anomalies: Iterable[Anomaly] = ()) -> Tally:
     """:func:`judge` in counts: equal to ``Tally.of(judge(verdict, anomalies))``, cheaper."""
     ordered, extra = _ordered(verdict)

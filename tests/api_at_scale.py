@@ -1,0 +1,338 @@
+"""The coordinator's API hot paths at fleet scale, in process (issue 18): what a summary costs
+while the workers pages are read, and how soon a burst of acks shows its rollout succeeded.
+
+``python -m tests.api_at_scale [N] [R] [SECONDS]`` (10,000 x 10 and 20 s by default) builds the
+synthetic fleet of :mod:`tests.fleet_at_scale` (R pinned rollouts, the last one in progress),
+folds every worker's heartbeat every 3 s, and serves the API through httpx's ASGI transport
+while a watcher reads, one request at a time and without pause, what ``bench/scale``'s watcher
+and an open dashboard read: every page of ``/api/v1/workers?alive=true``, the in-progress
+rollout (``/api/v1/rollouts/{id}``) and its workers' pages (``/rollouts/{id}/workers``, also
+filtered by state). Meanwhile it times ``/api/v1/summary`` and ``/api/v1/rollouts/{id}/summary``
+(one every 50 ms each) and prints their p50 and p99, and the longest the event loop was late.
+Then it publishes one more rollout pinned to all N, folds its 3 N acks in batches of 5,000 (the
+loop free between two, as fetches are) and polls ``/api/v1/rollouts/{id}`` every 20 ms (as
+``bench/scale`` does) until it shows ``succeeded``: the seconds after the last ack.
+
+``--proposed``: GET /rollouts/{id}, its workers' pages and its SSE stream served as the change
+to controlplane/api/app.py proposed in issue 18's closing note serves them (each page judged
+for its rows: ``Summaries.workers_page``, ``Summaries.status(workers_limit=...)``), installed
+here in front of the app's own routes. ``--profile``: under cProfile, the 40 costliest functions (cumulative) printed at the end.
+``--timings``: the judgments and listeners that run on the event loop, timed (count, total,
+longest): where the loop's time goes, at a small cost.
+Nothing here is a test: numbers only (tests never assert on time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import cProfile
+import pstats
+import re
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+from pydantic import SecretStr
+
+from controlplane.api.app import create_app
+from controlplane.coordinator.follower import Batch
+from controlplane.coordinator.service import Coordinator, CoordinatorSettings
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.wire.protocol import AckState
+from tests.fleet_at_scale import (
+    BATCH,
+    NOW,
+    _acks,
+    _fold,
+    build,
+    heartbeat,
+    rollout_command,
+    worker_ids,
+)
+
+Hook = Callable[[FastAPI, Coordinator], None]
+
+
+def _pct(values: list[float], q: float) -> float:
+    got = sorted(values)
+    return got[min(len(got) - 1, round(q * (len(got) - 1)))] if got else float("nan")
+
+
+async def _pages(client: httpx.AsyncClient, url: str) -> int:
+    """Follow ``Link: rel=next`` from ``url``; how many items."""
+    total, next_url = 0, url
+    while next_url:
+        response = await client.get(next_url)
+        assert response.status_code == 200, (next_url, response.text[:300])
+        total += len(response.json())
+        found = re.search(r"<([^>]+)>", response.headers.get("link", ""))
+        next_url = found.group(1) if found else ""
+    return total
+
+
+async def measure(workers: int, rollouts: int, seconds: float, hook: Hook | None = None) -> None:
+    origin = [time.monotonic()]
+
+    def clock() -> datetime:  # the judge time runs with the wall clock from NOW on
+        return NOW + timedelta(seconds=time.monotonic() - origin[0])
+
+    settings = CoordinatorSettings(
+        kafka=KafkaSettings(bootstrap_servers="127.0.0.1:9"), api_token=SecretStr("x")
+    )
+    coordinator = Coordinator(settings, clock=clock, current_as_of=clock)
+    app = create_app(coordinator)
+    started = time.perf_counter()
+    build(coordinator, workers=workers, rollouts=rollouts, active=1, replay=True)
+    if hook is not None:  # after the build: what serving costs
+        hook(app, coordinator)
+    print(f"built {workers} workers x {rollouts} rollouts in {time.perf_counter() - started:.1f} s")
+    origin[0] = time.monotonic()
+    coordinator.follower.caught_up.set()
+    ids = worker_ids(workers)
+    live = f"r{rollouts - 1:04d}"
+
+    async def heartbeats() -> None:  # every worker every 3 s: 1,000 every 0.3 s
+        i = 0
+        while True:
+            batch = Batch()
+            for _ in range(min(1000, workers)):
+                batch.heartbeats.append(heartbeat(ids[i % workers], i % workers, clock(), "v1"))
+                i += 1
+            _fold(coordinator, batch)
+            await asyncio.sleep(0.3)
+
+    stalls: list[float] = []
+
+    async def lateness() -> None:  # how late a 10 ms sleep wakes: the loop busy elsewhere
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.01)
+            stalls.append(time.perf_counter() - t - 0.01)
+
+    watched: dict[str, list[float]] = {}
+
+    async def timed(path: str, call: Awaitable[Any]) -> None:
+        t = time.perf_counter()
+        await call
+        watched.setdefault(path, []).append(time.perf_counter() - t)
+
+    async def watcher(client: httpx.AsyncClient) -> None:
+        while True:
+            await timed(
+                "workers?alive=true (every page)", _pages(client, "/api/v1/workers?alive=true")
+            )
+            await timed(f"rollouts/{live}", client.get(f"/api/v1/rollouts/{live}"))
+            await timed(
+                f"rollouts/{live}/workers (every page)",
+                _pages(client, f"/api/v1/rollouts/{live}/workers"),
+            )
+            await timed(
+                f"rollouts/{live}/workers?state=running&limit=50",
+                client.get(f"/api/v1/rollouts/{live}/workers?state=running&limit=50"),
+            )
+            await timed(
+                f"rollouts/{live}/workers?limit=50",
+                client.get(f"/api/v1/rollouts/{live}/workers?limit=50"),
+            )
+
+    times: dict[str, list[float]] = {}
+
+    async def summaries(client: httpx.AsyncClient, path: str) -> None:
+        while True:
+            t = time.perf_counter()
+            response = await client.get(path)
+            times.setdefault(path, []).append(time.perf_counter() - t)
+            assert response.status_code == 200, (path, response.text[:300])
+            await asyncio.sleep(0.05)
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://c", timeout=600) as client:
+        tasks = [asyncio.create_task(heartbeats()), asyncio.create_task(lateness())]
+        for path in ("/api/v1/summary", f"/api/v1/rollouts/{live}/summary"):
+            await client.get(path)  # the first answer may judge what it shows
+        tasks.append(asyncio.create_task(watcher(client)))
+        for path in ("/api/v1/summary", f"/api/v1/rollouts/{live}/summary"):
+            tasks.append(asyncio.create_task(summaries(client, path)))
+        stalls.clear()
+        await asyncio.sleep(seconds)
+        for task in tasks[2:]:
+            task.cancel()
+        for path, got in times.items():
+            print(
+                f"{path:40s} p50 {1000 * statistics.median(got):6.1f} ms  "
+                f"p99 {1000 * _pct(got, 0.99):6.1f} ms  max {1000 * max(got):6.1f} ms  n={len(got)}"
+            )
+        for path, got in watched.items():
+            print(f"  watcher {path:48s} p50 {1000 * statistics.median(got):7.1f} ms  n={len(got)}")
+        print(
+            f"event loop late: p99 {1000 * _pct(stalls, 0.99):.0f} ms, max {1000 * max(stalls):.0f} ms"
+        )
+
+        # One more rollout pinned to all N: its 3 N acks in a burst, until shown succeeded.
+        watcher_task = asyncio.create_task(watcher(client))
+        command = rollout_command(rollouts, rollouts + 1, ids).model_copy(
+            update={
+                "issued_at": clock() - timedelta(seconds=5),
+                "expires_at": clock() + timedelta(days=1),
+            }
+        )
+        _fold(coordinator, Batch(commands=[command]))
+        url = f"/api/v1/rollouts/{command.rollout_id}"
+        assert (await client.get(url)).status_code == 200  # folded above: known at once
+        done = (AckState.ACCEPTED, AckState.RUNNING, AckState.SUCCEEDED)
+        batch, t0 = Batch(), time.perf_counter()
+        for worker_id in ids:
+            batch.acks.extend(_acks(command, worker_id, done, failed=False))
+            if len(batch.acks) >= BATCH:
+                _fold(coordinator, batch)
+                batch = Batch()
+                await asyncio.sleep(0)
+        _fold(coordinator, batch)
+        last = time.perf_counter()
+        polls = 0
+        while (await client.get(url)).json()["phase"] != "succeeded":
+            polls += 1
+            await asyncio.sleep(0.02)
+        print(
+            f"{3 * workers} acks folded in {last - t0:.2f} s; shown succeeded "
+            f"{time.perf_counter() - last:.2f} s after the last ({polls} polls)"
+        )
+        watcher_task.cancel()
+        for task in tasks[:2]:
+            task.cancel()
+    app.state.summaries.close()
+
+
+def _timed(owner: Any, name: str, out: dict[str, list[float]]) -> None:
+    inner = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            out.setdefault(f"{getattr(owner, '__name__', owner)}.{name}", []).append(
+                time.perf_counter() - t
+            )
+
+    setattr(owner, name, wrapper)
+
+
+def timings(out: dict[str, list[float]]) -> Hook:
+    """Time what runs on the loop for the API: judgments, levels, the listeners of a batch."""
+    from controlplane.coordinator import summary
+    from controlplane.coordinator.metrics import CoordinatorMetrics
+    from controlplane.rollout.fleet import Fleet
+
+    for owner, name in (
+        (Fleet, "status"),
+        (Fleet, "tally"),
+        (Fleet, "worker_levels"),
+        (summary, "targets_status"),
+        (summary.WorkerIndex, "update"),
+        (summary.WorkerIndex, "set_desired"),
+        (summary.Summaries, "on_batch"),
+        (summary.Summaries, "_judge_levels"),
+        (CoordinatorMetrics, "on_batch"),
+    ):
+        _timed(owner, name, out)
+
+    def hook(app: FastAPI, coordinator: Coordinator) -> None:
+        out.clear()  # the build's own calls are not counted
+
+    return hook
+
+
+def proposed(app: FastAPI, coordinator: Coordinator) -> None:
+    """Serve GET /rollouts/{id} and /rollouts/{id}/workers as the proposed app.py would."""
+    from typing import Annotated
+
+    from fastapi import APIRouter, Query, Request, Response
+
+    from controlplane.api import app as api
+    from controlplane.api.models import API, PAGE_DEFAULT, RolloutWorker, decode_cursor
+    from controlplane.coordinator.summary import Summaries, Want
+    from controlplane.rollout.models import WorkerState
+
+    summaries: Summaries = app.state.summaries
+    router = APIRouter()
+
+    @router.get(f"{API}/rollouts/{{rollout_id}}")
+    async def get_rollout(rollout_id: str, workers_limit: int = 1000) -> Response:
+        status = await summaries.status(rollout_id, want=Want.BOUNDED, workers_limit=workers_limit)
+        shown = api.rollout_out(status, workers_limit)
+        return Response(api.rollout_json(shown), media_type="application/json")
+
+    @router.get(f"{API}/rollouts/{{rollout_id}}/workers")
+    async def rollout_workers(
+        request: Request,
+        response: Response,
+        rollout_id: str,
+        state: Annotated[list[WorkerState] | None, Query()] = None,
+        code: Annotated[list[str] | None, Query()] = None,
+        unexpected: bool | None = None,
+        limit: int = PAGE_DEFAULT,
+        cursor: str | None = None,
+    ) -> list[RolloutWorker]:
+        after = None if cursor is None else decode_cursor(cursor, 1)[0]
+        page, more = await summaries.workers_page(
+            rollout_id,
+            after=after,
+            limit=limit,
+            states=set(state) if state else None,
+            codes=set(code) if code else None,
+            unexpected=unexpected,
+        )
+        if more:
+            api._link_next(request, response, page[-1][0].worker_id)
+        return [RolloutWorker(**dict(detail), unexpected=flagged) for detail, flagged in page]
+
+    for route in reversed(router.routes):  # in front: matched before the app's own
+        app.router.routes.insert(0, route)
+
+
+def main(argv: list[str], hook: Hook | None = None) -> None:
+    profile = "--profile" in argv
+    if "--timings" in argv and hook is None:
+        spent: dict[str, list[float]] = {}
+        hook = timings(spent)
+        try:
+            main([a for a in argv if a != "--timings"], hook)
+        finally:
+            for name, got in sorted(spent.items(), key=lambda kv: -sum(kv[1])):
+                print(
+                    f"  {name:45s} n={len(got):5d} total {sum(got):6.2f} s  "
+                    f"p50 {1000 * statistics.median(got):6.1f} ms  max {1000 * max(got):6.1f} ms"
+                )
+        return
+    if "--proposed" in argv:
+        argv = [a for a in argv if a != "--proposed"]
+        inner = hook
+
+        def both(app: FastAPI, coordinator: Coordinator) -> None:
+            proposed(app, coordinator)
+            if inner is not None:
+                inner(app, coordinator)
+
+        main(argv, both)
+        return
+    args = [float(a) for a in argv if not a.startswith("--")]
+    n, r, seconds = [*args, *(10_000, 10, 20.0)[len(args) :]]
+    run = measure(int(n), int(r), seconds, hook)
+    if not profile:
+        asyncio.run(run)
+        return
+    profiler = cProfile.Profile()
+    profiler.enable()
+    asyncio.run(run)
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
