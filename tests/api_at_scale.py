@@ -322,7 +322,8 @@ def main(argv: list[str], hook: Hook | None = None) -> None:
         main(argv, both)
         return
     args = [float(a) for a in argv if not a.startswith("--")]
-    n, r, seconds = [*args, *(10_000, 10, 20.0)[len(args) :]]
+    defaults: tuple[float, ...] = (10_000, 10, 20.0)
+    n, r, seconds = [*args, *defaults[len(args) :]]
     run = measure(int(n), int(r), seconds, hook)
     if not profile:
         asyncio.run(run)
