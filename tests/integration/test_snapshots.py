@@ -11,13 +11,16 @@ replays in full, to the same answers.
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 
+from controlplane.api.app import create_app
 from controlplane.coordinator import service
 from controlplane.coordinator.service import Coordinator, CoordinatorSettings
 from controlplane.coordinator.snapshots import MANIFEST, Snapshots
@@ -30,6 +33,7 @@ from controlplane.wire.protocol import AckState, WireModel, utcnow
 from controlplane.wire.topics import snapshot_key
 from tests.factories import T0, ack, command, full, heartbeat, nack
 from tests.fleet import wait_for
+from tests.integration.test_topics import topics_ensure
 from tests.unit.test_snapshots import view
 from tests.unit.test_targets_fold import action, rollout, state, summary, target, weights
 
@@ -340,3 +344,39 @@ async def test_without_the_snapshots_topic_the_coordinator_replays_and_writes_no
         read = c1.follower.probes_read
         await wait_for(lambda: c1.follower.probes_read >= read + 2)  # polls went by
         assert c1.snapshots.info.written == 0
+
+
+async def test_topics_ensure_creates_the_snapshots_topic_compacted(kafka_bootstrap: str) -> None:
+    prefix = f"s{uuid.uuid4().hex[:8]}"
+    proc = await topics_ensure(kafka_bootstrap, prefix)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"created  {prefix}.snapshots" in proc.stdout
+    again = await topics_ensure(kafka_bootstrap, prefix)
+    assert again.returncode == 0 and f"ok       {prefix}.snapshots" in again.stdout
+    settings = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_prefix=prefix)
+    async with Admin(settings) as admin:  # what it made is what the spec says
+        report = await admin.ensure_topics(settings.topics.snapshots_only())
+    assert report.existing == [f"{prefix}.snapshots"] and not report.altered
+    assert settings.topics.snapshots.config["cleanup.policy"] == "compact"
+
+
+async def test_the_api_and_the_metrics_say_what_the_start_restored_from(
+    fleet: KafkaSettings,
+) -> None:
+    async with Producer(fleet) as producer:
+        await history_before(History(fleet, producer))
+    async with started(settings_for(fleet, "c1", snapshot_interval_s=0.05)) as c1:
+        await wait_for(lambda: c1.snapshots.info.written >= 1)
+    coordinator = Coordinator(settings_for(fleet, "c2"))
+    app = create_app(coordinator)
+    async with coordinator:
+        await coordinator.wait_ready(60)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
+            body = (await client.get("/api/v1/snapshot")).json()
+            metrics = (await client.get("/metrics")).text
+    assert (body["started_from"], body["writer"]) == ("snapshot", "c1")
+    assert body["offsets"] == c1.snapshots.info.last_offsets and body["age_s"] >= 0
+    assert "controlplane_snapshot_restored 1.0" in metrics
+    assert "controlplane_snapshot_restored_age_seconds" in metrics
+    assert "controlplane_snapshots_written_total 0.0" in metrics
