@@ -4,7 +4,8 @@ A coordinator has already folded the log: asking it costs one request (plus one 
 workers of the rollout, for ``--json``'s full list), never a replay, whatever the fleet's
 history; ``kubectl`` asks its API server the same way. The answer is the coordinator's
 judgment, made by the same rules a reader of the log applies (docs/rollouts.md), so
-``status <id> --api URL`` prints what ``status <id>`` prints, and exits with the same code.
+``status <id> --api URL`` prints what ``status <id>`` prints, and exits with the same code;
+``workers --api URL`` lists the workers the coordinator knows, a thousand a request.
 
 Only reads go this way; a publish still writes to Kafka itself. A coordinator that cannot
 answer (unreachable, not caught up yet: 503, an answer that is not the API's) is
@@ -21,7 +22,8 @@ from urllib.parse import quote
 
 import httpx
 
-from controlplane.rollout.models import RolloutStatus
+from controlplane.rollout.models import RolloutStatus, WorkerLevel
+from controlplane.rollout.registry import WorkerView
 from controlplane.wire.errors import ControlPlaneError, LocalCode
 
 #: The API's path prefix (``controlplane.api.models.API``; not imported: FastAPI stays out of
@@ -105,6 +107,29 @@ class Remote:
             raise CoordinatorUnavailable(
                 f"coordinator API at {self.url} answered a rollout this CLI cannot read: {exc}"
             ) from None
+
+    async def workers(self) -> tuple[list[WorkerView], list[WorkerLevel]]:
+        """Every worker the coordinator knows (its pages, ``Link: rel="next"``): the latest
+        heartbeat of each heard from, and each one's level (desired against reported)."""
+        views: list[WorkerView] = []
+        levels: list[WorkerLevel] = []
+        next_path: str | None = f"{API_PREFIX}/workers?limit={WORKERS_PAGE}"
+        while next_path:
+            page = await self._get(next_path)
+            try:
+                for row in _json_list(page, self.url):
+                    heartbeat = row.pop("heartbeat", None)
+                    row.pop("target", None)
+                    levels.append(WorkerLevel.model_validate(row))
+                    if heartbeat is not None:
+                        views.append(WorkerView.model_validate(heartbeat))
+            except ValueError as exc:
+                raise CoordinatorUnavailable(
+                    f"coordinator API at {self.url} answered workers this CLI cannot read: {exc}"
+                ) from None
+            link = page.links.get("next", {}).get("url")
+            next_path = _with_limit(link) if link else None
+        return views, levels
 
     async def watch(
         self, rollout_id: str, on_status: Callable[[RolloutStatus], None], *, json_out: bool

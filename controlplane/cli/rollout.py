@@ -460,14 +460,21 @@ def workers(
     as_json: JsonOpt = False,
     bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
     prefix: PrefixOpt = "fleet",
+    api: ApiOpt = None,
 ) -> None:
     """Every worker from its latest heartbeat: labels, device, version vs desired, liveness."""
 
     async def go() -> int:
-        async with read_log(kafka_settings(bootstrap, prefix)) as (follower, now):
-            pass  # read and closed: the table is printed from what was read
-        views = follower.fleet.registry.workers(now)
-        levels = follower.fleet.worker_levels(now)
+        if api:
+            from controlplane.cli.remote import Remote
+
+            async with Remote(api) as remote:
+                views, levels = await remote.workers()
+        else:
+            async with read_log(kafka_settings(bootstrap, prefix)) as (follower, now):
+                pass  # read and closed: the table is printed from what was read
+            views = follower.fleet.registry.workers(now)
+            levels = follower.fleet.worker_levels(now)
         if as_json:
             typer.echo(json.dumps([json.loads(v.model_dump_json()) for v in views]))
         else:

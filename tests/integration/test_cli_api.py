@@ -1,6 +1,6 @@
 """``controlplane status <id> --api URL`` asks a coordinator instead of reading the log (issue 18):
 it prints what ``status <id>`` prints from the log (every worker, over the API's pages) and
-exits with the same code; a rollout the coordinator lacks is exit 3; a coordinator that cannot
+exits with the same code; ``workers --api URL`` lists what ``workers`` lists; a rollout the coordinator lacks is exit 3; a coordinator that cannot
 answer is COORDINATOR_UNAVAILABLE, exit 4, never a traceback.
 """
 
@@ -114,6 +114,20 @@ async def test_status_from_the_api_is_the_logs(kafka: KafkaSettings) -> None:
         missing = await asyncio.to_thread(cli, kafka, "status", "r-none", "--api", url)
         assert missing.returncode == CliExit.INVALID
         assert "no rollout 'r-none'" in missing.stderr and "Traceback" not in missing.stderr
+
+        # Every worker, over two pages, as the log's reader lists them (liveness aside: each
+        # judged when it was read).
+        views = {}
+        for args in (("--api", url), ()):
+            listed = await asyncio.to_thread(cli, kafka, "workers", "--json", *args)
+            assert listed.returncode == CliExit.OK, listed.stderr
+            views[args] = {
+                w["worker_id"]: {k: v for k, v in w.items() if k != "alive"}
+                for w in json.loads(listed.stdout)
+            }
+        assert views[("--api", url)] == views[()] and len(views[()]) == len(FLEET)
+        table = await asyncio.to_thread(cli, kafka, "workers", "--api", url)
+        assert table.returncode == CliExit.OK and FLEET[-1] in table.stdout
 
         every = await asyncio.to_thread(cli, kafka, "status", "--api", url)
         assert every.returncode != 0 and "--api shows one rollout" in every.stderr
