@@ -14,6 +14,8 @@ bytes of each (tests never assert on time; tests/component/test_api_scale.py ass
 and pagination). ``python -m tests.fleet_at_scale --restart [N] [R]``: a coordinator caught up on
 that history: its first summary, its first compaction (and the longest the event loop waited
 meanwhile), its memory, and how soon a new rollout's 3 N acks show it succeeded.
+``python -m tests.fleet_at_scale --snapshot [N] [R]``: what a snapshot of that fold costs (size,
+encoding, the event loop's longest wait) and what restoring it costs, against folding it all.
 """
 
 from __future__ import annotations
@@ -348,8 +350,88 @@ async def _restart(workers: int, rollouts: int) -> None:
     app.state.summaries.close()
 
 
+async def _snapshot(workers: int, rollouts: int) -> None:
+    """What a snapshot of that fold costs and saves: folding the whole history (what a full
+    replay pays beyond reading Kafka), then compacting it; encoding a snapshot stepwise (and
+    the longest the event loop waited meanwhile), its size and chunks; decoding and restoring
+    it into a new coordinator (what a start from a snapshot pays beyond reading the snapshot
+    and the tail), and that both answer alike."""
+    import gc
+
+    from controlplane.coordinator.service import CoordinatorSettings
+    from controlplane.coordinator.snapshots import chunked, decode_payload, restore_control
+    from controlplane.kafka.settings import KafkaSettings
+
+    settings = CoordinatorSettings(kafka=KafkaSettings(bootstrap_servers="127.0.0.1:9"))
+    clock = lambda: NOW  # noqa: E731
+    coordinator = Coordinator(settings, clock=clock, current_as_of=clock)
+    rss = _rss_mb()
+    started = time.perf_counter()
+    build(coordinator, workers=workers, rollouts=rollouts, replay=True)
+    print(
+        f"full fold of {workers} x {rollouts} ({3 * workers * rollouts:,} acks): "
+        f"{time.perf_counter() - started:.1f} s; RSS {_rss_mb():.0f} MB"
+    )
+    coordinator.follower.caught_up.set()
+    t = time.perf_counter()
+    summarized = await coordinator.compact_stepwise()
+    print(f"compaction: {summarized} summarized in {time.perf_counter() - t:.1f} s")
+    stalls: list[float] = []
+
+    async def probe() -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.01)
+            stalls.append(time.perf_counter() - t - 0.01)
+
+    prober = asyncio.create_task(probe())
+    await asyncio.sleep(0.02)
+    stalls.clear()
+    offsets = {("commands", 0): rollouts, ("acks", 0): 3 * workers * rollouts}
+    captured = await coordinator.snapshots.capture(offsets, control=True)
+    prober.cancel()
+    chunks = chunked(captured.payload)
+    print(
+        f"snapshot: {len(captured.payload) / 1e6:.1f} MB in {len(chunks)} chunks, encoded in "
+        f"{captured.encode_s:.2f} s; longest event-loop stall meanwhile "
+        f"{1000 * max(stalls, default=0.0):.0f} ms"
+    )
+    when = NOW
+    before = {r: coordinator.fleet.tally(r, when) for r in coordinator.fleet.rollout_ids()}
+    payload = captured.payload
+    del coordinator, captured, chunks
+    gc.collect()
+    rss = _rss_mb()
+    t = time.perf_counter()
+    again = Coordinator(settings, clock=clock, current_as_of=clock)
+    decoded = decode_payload(payload)
+    again.fleet.restore(decoded.fold)
+    if decoded.control is not None:
+        restore_control(again.control, decoded.control)
+    restore_s = time.perf_counter() - t
+    build_heartbeats(again, workers, rollouts)  # the workers topic, read whole
+    after = {r: again.fleet.tally(r, when) for r in again.fleet.rollout_ids()}
+    print(
+        f"restore: decoded and restored in {restore_s:.2f} s (+{_rss_mb() - rss:.0f} MB, with "
+        f"the {workers} heartbeats); every rollout's tally equal: {after == before}"
+    )
+
+
+def build_heartbeats(coordinator: Coordinator, workers: int, rollouts: int) -> None:
+    """Only the workers' heartbeats of :func:`build` (what a restored start reads whole)."""
+    finished = max(0, rollouts - 3)
+    batch = Batch(replay=True)
+    for i, worker_id in enumerate(worker_ids(workers)):
+        batch.heartbeats.append(heartbeat(worker_id, i, NOW, f"v{finished}"))
+    _fold(coordinator, batch)
+
+
 if __name__ == "__main__":
     restart = "--restart" in sys.argv
-    args = [int(a) for a in sys.argv[1:] if a != "--restart"]
+    snapshot = "--snapshot" in sys.argv
+    args = [int(a) for a in sys.argv[1:] if not a.startswith("--")]
     n, r, rounds, active = [*args, *(10_000, 100, 40, 2)[len(args) :]]
-    asyncio.run(_restart(n, r) if restart else _measure(n, r, rounds, active))
+    if snapshot:
+        asyncio.run(_snapshot(n, r))
+    else:
+        asyncio.run(_restart(n, r) if restart else _measure(n, r, rounds, active))

@@ -17,11 +17,13 @@ _ACCEPTED = AckState.ACCEPTED
 _RUNNING = AckState.RUNNING
 
 
-class Report(msgspec.Struct, frozen=True, gc=False):
+class Report(msgspec.Struct, frozen=True, gc=False, array_like=True):
     """The facts of one terminal ack that status shows (an :class:`Ack` is much larger).
 
     Like :class:`WorkerLedger`, not tracked by the garbage collector: a fleet holds one per
     worker per rollout, and collections walking them all slow a catch-up (docs/benchmarks.md).
+    Encoded as an array (the coordinator's snapshots hold one per worker per rollout): a
+    change of its fields is a new ``FORMAT`` of controlplane/coordinator/snapshots.py.
     """
 
     sent_at: datetime
@@ -68,10 +70,11 @@ class Report(msgspec.Struct, frozen=True, gc=False):
         return (self.finished_at - self.started_at).total_seconds()
 
 
-class WorkerLedger(msgspec.Struct, gc=False):
+class WorkerLedger(msgspec.Struct, gc=False, array_like=True):
     """What one worker has reported about one command. Start one with :meth:`first`.
 
-    Not tracked by the garbage collector (it refers to nothing that refers back to it)."""
+    Not tracked by the garbage collector (it refers to nothing that refers back to it).
+    Encoded as an array, as :class:`Report` is."""
 
     acks: int
     first_sent: datetime
