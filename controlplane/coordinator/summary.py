@@ -49,7 +49,7 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, com
 from controlplane.coordinator.follower import Batch
 from controlplane.kafka.client import collector_paused
 from controlplane.rollout.desired import Alignment, targets_status
-from controlplane.rollout.judge import Tally, details
+from controlplane.rollout.judge import Tally, details, settled_end, unended_by_acks
 from controlplane.rollout.ledger import CommandLedger
 from controlplane.rollout.models import (
     Anomaly,
@@ -61,7 +61,14 @@ from controlplane.rollout.models import (
     WorkerState,
 )
 from controlplane.rollout.registry import Registry, lost_at
-from controlplane.wire.protocol import Command, CommandKind, Heartbeat, Selector, WorkerStatus
+from controlplane.wire.protocol import (
+    Command,
+    CommandKind,
+    Heartbeat,
+    ReloadWeightsSpec,
+    Selector,
+    WorkerStatus,
+)
 
 if TYPE_CHECKING:
     from controlplane.coordinator.service import Coordinator
@@ -90,6 +97,10 @@ _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
 _US: Final = timedelta(microseconds=1)
 #: A deadline that no instant is before: a stopped worker is never alive.
 _NEVER: Final = -(2**62)
+#: The phases in which a reload rollout desires its version for its workers (as Fleet's).
+_DESIRING: Final = frozenset(
+    {RolloutPhase.PENDING, RolloutPhase.PROGRESSING, RolloutPhase.SUCCEEDED}
+)
 _UNSETTLED: Final = (
     WorkerState.PENDING,
     WorkerState.ACCEPTED,
@@ -893,9 +904,15 @@ class Summaries:
         registry = coordinator.fleet.registry
         desired: dict[str, Desire] = {}
         with collector_paused():
-            levels_now = coordinator.fleet.worker_levels(now)
-        for level in levels_now:
-            desired[level.worker_id] = Desire(level.desired_version, level.desired_rollout_id)
+            pinned = self._desired_of_pinned(now)
+            if pinned is not None:
+                for worker_id, (version, rollout_id, _) in pinned.items():
+                    desired[worker_id] = Desire(version, rollout_id)
+            else:  # a reload rollout chooses its workers by labels: judged in full
+                for level in coordinator.fleet.worker_levels(now):
+                    desired[level.worker_id] = Desire(
+                        level.desired_version, level.desired_rollout_id
+                    )
         targets: dict[str, dict[Alignment, int]] = {}
         for target in targets_status(coordinator.control, coordinator.fleet, now):
             counts = dict.fromkeys(Alignment, 0)
@@ -926,6 +943,57 @@ class Summaries:
         self._levels = _Entry(levels, now, judged - started, judged, settled, read=read)
         self._wanted.pop(_LEVELS, None)
         return levels
+
+    def _desired_of_pinned(self, now: datetime) -> dict[str, tuple[str, str, datetime]] | None:
+        """worker id -> (version, rollout id, issued_at) desired for it at ``now``, as
+        ``Fleet.worker_levels`` says (the latest reload rollout that expects it and is pending,
+        progressing or succeeded), without a Track per worker or a level per known worker:
+        every reload rollout held in full must be pinned to worker ids (it expects exactly
+        those), else None (ask ``Fleet.worker_levels``). Its phase: a judgment of it that found
+        it ended (an ended rollout stays ended), else its acks alone when they decide it
+        (``settled_end``, ``unended_by_acks``: no stall, not expired, not aborted), else it is
+        judged in counts."""
+        fleet = self._coordinator.fleet
+        state = fleet.fold_state()
+        commands = [fleet.command(r) for r in state.commands]
+        reloads = [c for c in commands if isinstance(c.spec, ReloadWeightsSpec)]
+        if any(c.selector.worker_ids is None for c in reloads):
+            return None
+        deadline = timedelta(seconds=fleet.progress_deadline_s)
+        desired: dict[str, tuple[str, str, datetime]] = {}
+        for command in sorted(reloads, key=lambda c: (c.issued_at, c.rollout_id), reverse=True):
+            ids = command.selector.worker_ids or ()
+            if len(desired) >= len(ids) and all(w in desired for w in ids):
+                continue  # a newer rollout already decides for all of its workers
+            rid = command.rollout_id
+            held = self._rollouts.get(rid)
+            phase: RolloutPhase | None = None
+            if (
+                held is not None
+                and held.value.terminal
+                and held.value.command_id == command.command_id
+                and fleet.ended(rid) is not None  # judged ended at an instant known current
+            ):
+                phase = held.value.phase  # an ended rollout stays ended
+            else:
+                ledger = state.ledgers.get((rid, command.command_id))
+                abort = state.aborts.get(rid)
+                end = settled_end(command, ledger, now=now, progress_deadline=deadline, abort=abort)
+                if end is not None:
+                    phase = end.phase
+                elif not unended_by_acks(
+                    command, ledger, now=now, progress_deadline=deadline, abort=abort
+                ):
+                    phase = fleet.tally(rid, now).status.phase
+            if phase is None or phase in _DESIRING:  # None: not ended, pending or progressing
+                version = command.spec.version  # type: ignore[union-attr]
+                for worker_id in ids:
+                    desired.setdefault(worker_id, (version, rid, command.issued_at))
+        for worker_id, (issued, rid, version) in state.summary_desired.items():
+            mine = desired.get(worker_id)
+            if mine is None or (issued, rid) > (mine[2], mine[1]):
+                desired[worker_id] = (version, rid, issued)
+        return desired
 
     def _turn(self, held: _Entry[Any] | None) -> float:
         """Seconds until ``held`` may be judged again: at most once per four times what
@@ -1029,8 +1097,8 @@ class _Pinned:
 
 
 def _ledger(fleet: Fleet, command: Command) -> CommandLedger | None:
-    """The command's ledger of acks (read only). ``Fleet`` has no public accessor for one."""
-    return fleet._ledgers.get((command.rollout_id, command.command_id))
+    """The command's ledger of acks (the fleet's own: read it, never change it)."""
+    return fleet.fold_state().ledgers.get((command.rollout_id, command.command_id))
 
 
 def _row_id(row: tuple[WorkerDetail, bool]) -> str:

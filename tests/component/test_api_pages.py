@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from controlplane.coordinator.service import Coordinator
-from controlplane.coordinator.summary import Summaries, Want
+from controlplane.coordinator.summary import Desire, Summaries, Want
+from controlplane.rollout.fleet import Fleet
 from controlplane.rollout.models import RolloutPhase, RolloutStatus, WorkerDetail, WorkerState
 from controlplane.wire.protocol import Ack, AckState, Command
 from tests import fleet_at_scale
@@ -162,5 +163,44 @@ async def test_a_page_judges_the_workers_it_lists_not_the_rollout(
         shown = await summaries.status("r0002", want=Want.BOUNDED, workers_limit=100)
         assert (len(shown.workers), shown.expected) == (101, 1500)
         assert summaries.judged_workers - made == 101
+    finally:
+        summaries.close()
+
+
+# --------------------------------------------------------------------------- desired levels
+
+
+async def test_desired_levels_of_pinned_rollouts_judge_no_rollout_in_full(
+    coordinator: Coordinator,
+    clock: Clock,
+    mixed: dict[str, Command],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What each worker should run, when every reload rollout is pinned to worker ids, is
+    what ``Fleet.worker_levels`` says, found without it (no Track per worker of a rollout in
+    progress, no level per known worker) and without a full status."""
+    failed = command("r-failed", workers=["w00", "w01"], issued=2.0, version="v9")
+    newer = command("r-newer", workers=["w05", "w29"], issued=3.0, version="v7")
+    feed(coordinator, failed, newer, ack(failed, "w00", AckState.FAILED, 4.0))
+    feed(coordinator, ack(failed, "w01", AckState.SUCCEEDED, 4.0))
+    feed(coordinator, *succeeded(newer, "w05", "w29", sent=4.5))
+    summaries = Summaries(coordinator)
+    try:
+        await summaries.overview("r-failed")  # ended: its judgment is trusted from now on
+        levels = coordinator.fleet.worker_levels(coordinator.now())
+        want = {lv.worker_id: (lv.desired_version, lv.desired_rollout_id) for lv in levels}
+
+        def judged_in_full(*args: object) -> None:
+            raise AssertionError("judged in full")
+
+        monkeypatch.setattr(Fleet, "worker_levels", judged_in_full)
+        monkeypatch.setattr(Fleet, "status", judged_in_full)
+        got = (await summaries.levels()).desired
+        assert {w: (d.version, d.rollout_id) for w, d in got.items() if d.version} == {
+            w: v for w, v in want.items() if v[0] is not None
+        }
+        assert got["w00"] == Desire("v2", "r-live")  # r-failed desires nothing
+        assert got["w29"] == Desire("v7", "r-newer")
+        assert "wnever" in got and "wstray" not in got
     finally:
         summaries.close()
