@@ -38,6 +38,14 @@ class WireCode(StrEnum):
     TTL_TOO_LONG = "TTL_TOO_LONG"
     ISSUED_IN_FUTURE = "ISSUED_IN_FUTURE"
     PATH_NOT_ALLOWED = "PATH_NOT_ALLOWED"
+    # Signed commands (signing.py), refused by a worker holding a trust store. Never remembered
+    # as applied: a forged record must not block the real command of the same id.
+    SIGNATURE_MISSING = "SIGNATURE_MISSING"
+    SIGNATURE_INVALID = "SIGNATURE_INVALID"
+    KEY_UNKNOWN = "KEY_UNKNOWN"
+    KEY_REVOKED = "KEY_REVOKED"
+    #: Signed by a trusted key that may not command this kind, selector or path.
+    SCOPE_DENIED = "SCOPE_DENIED"
     # Refused by the runner after validation, before any weight or setting changed.
     MODEL_NOT_LOADED = "MODEL_NOT_LOADED"
     WEIGHTS_UNREADABLE = "WEIGHTS_UNREADABLE"
@@ -146,6 +154,11 @@ REJECTION_CODES: frozenset[WireCode | LocalCode] = frozenset(
         WireCode.TTL_TOO_LONG,
         WireCode.ISSUED_IN_FUTURE,
         WireCode.PATH_NOT_ALLOWED,
+        WireCode.SIGNATURE_MISSING,
+        WireCode.SIGNATURE_INVALID,
+        WireCode.KEY_UNKNOWN,
+        WireCode.KEY_REVOKED,
+        WireCode.SCOPE_DENIED,
         WireCode.MODEL_NOT_LOADED,
         WireCode.WEIGHTS_UNREADABLE,
         WireCode.WEIGHTS_MISSING,
