@@ -381,6 +381,7 @@ def settled_end(
     ok = True
     points: list[tuple[datetime, datetime]] = []
     succeeded = AckState.SUCCEEDED
+    young = now - issued <= progress_deadline  # no stall yet: no progress instants needed
     for worker_id in set(ids):
         held = workers.get(worker_id)
         if held is None:
@@ -391,6 +392,8 @@ def settled_end(
         if t.sent_at > at:
             at = t.sent_at
         ok = ok and t.state is succeeded
+        if young:
+            continue
         points.append((t.sent_at, t.sent_at))
         if held.accepted_sent is not None:
             points.append((held.accepted_sent, held.accepted_sent))
@@ -420,6 +423,12 @@ def unended_by_acks(
     if not ids or now >= command.expires_at or (abort is not None and abort.at <= now):
         return False
     workers = ledger.workers if ledger is not None else {}
+    if now - command.issued_at <= progress_deadline:  # too young to have stalled
+        for worker_id in ids:
+            held = workers.get(worker_id)
+            if held is None or held.terminal() is None:
+                return True
+        return False
     unresolved = False
     points: list[tuple[datetime, datetime]] = []
     for worker_id in set(ids):

@@ -217,6 +217,8 @@ def first_stall(
     deadline: timedelta,
 ) -> datetime | None:
     """The first instant at which nothing had progressed for longer than ``deadline``."""
+    if now - start <= deadline:  # no gap can be longer than the time since the start
+        return None
     reach = start
     for begin, end in sorted(intervals):
         if begin > now:
