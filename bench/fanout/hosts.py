@@ -27,13 +27,13 @@ async def agent_host(cfg: dict[str, Any]) -> None:
 
         # The agent passes fetch_max_wait_ms itself, so the what-if must override the call's
         # keyword (a functools.partial's keyword loses to the call's).
-        consumer = workers.agent.loop.Consumer
+        consumer = workers.agent.loop.Consumer  # type: ignore[attr-defined]
         wait_ms = cfg["fetch_wait_ms"]
 
         def longer_poll(*args: Any, **kwargs: Any) -> Any:
             return consumer(*args, **{**kwargs, "fetch_max_wait_ms": wait_ms})
 
-        workers.agent.loop.Consumer = longer_poll  # type: ignore[misc,assignment]
+        workers.agent.loop.Consumer = longer_poll  # type: ignore[attr-defined,assignment]
     kafka = KafkaSettings(
         bootstrap_servers=cfg["bootstrap"], topic_prefix=cfg["prefix"], client_id="bench-agent"
     )
@@ -56,7 +56,8 @@ async def agent_host(cfg: dict[str, Any]) -> None:
     started = time.perf_counter()
     tasks = [asyncio.create_task(agent.run()) for agent in agents]
     ready = asyncio.ensure_future(asyncio.gather(*(a.ready.wait() for a in agents)))
-    await asyncio.wait([ready, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    waited: list[asyncio.Future[Any]] = [ready, *tasks]
+    await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
     if not ready.done():
         for task in tasks:
             if task.done() and task.exception() is not None:

@@ -9,6 +9,7 @@ import asyncio
 import json
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,10 +18,10 @@ import bench.fanout as package
 from bench.common import (
     Broker,
     argument_parser,
+    conclude,
     envelope,
     mode_of,
     quiet_logging,
-    run_on_broker,
     state_dir,
 )
 from bench.fanout import JUDGE_INTERVAL_S
@@ -62,6 +63,28 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "or at most every 5x the last judgement's cost ('adaptive', default: what the CLI's "
         "--wait does since it was measured here).",
     )
+    p.add_argument(
+        "--broker-probe",
+        action="store_true",
+        help="Read the broker's own metrics (JMX, attached by pid; needs a JDK's javac) and its "
+        "CPU, RSS and descriptors when the agents have started, around the rollouts and the idle "
+        "window: requests/s by type, fetch sessions and evictions, connections, offset commits "
+        "per command; the agent processes' RSS and the consumer group count.",
+    )
+    p.add_argument(
+        "--broker-prop",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="A broker property for the run's broker (repeatable), e.g. num.io.threads=4.",
+    )
+    p.add_argument(
+        "--fetch-session-slots",
+        type=int,
+        default=None,
+        help="The broker's max.incremental.fetch.session.cache.slots (Kafka's default: 1000); "
+        "set it below N to see what fetchers beyond the cache cost.",
+    )
     p.add_argument("--profile", action="store_true", help="cProfile the agents at the largest N.")
     p.add_argument("--profile-rollouts", type=int, default=5)
     p.add_argument("--out-dir", type=Path, default=None)
@@ -80,6 +103,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.floor_repeats = args.floor_repeats or defaults[2]
     args.http_repeats = args.http_repeats or defaults[3]
     args.idle_s = args.idle_s if args.idle_s is not None else defaults[4]
+    args.broker_props = {}
+    for item in args.broker_prop:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            p.error(f"--broker-prop wants KEY=VALUE, got {item!r}")
+        args.broker_props[key.strip()] = value.strip()
+    if args.fetch_session_slots is not None:
+        args.broker_props["max.incremental.fetch.session.cache.slots"] = str(
+            args.fetch_session_slots
+        )
     return args
 
 
@@ -117,5 +150,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             "agent_fetch_wait_ms": args.agent_fetch_wait_ms,
             "judge": args.judge,
             "judge_interval_s": JUDGE_INTERVAL_S,
+            "broker_props": args.broker_props,
         }
-        return run_on_broker(result, lambda broker: run(args, broker, result), report, args.out_dir)
+        return _run_on_broker(args, result)
+
+
+def _run_on_broker(args: argparse.Namespace, result: dict[str, Any]) -> int:
+    """``bench.common.run_on_broker`` with ``--broker-prop``/``--fetch-session-slots`` set on
+    the run's broker (its config is read when it starts)."""
+    started = time.perf_counter()
+    broker = Broker()
+    broker.broker.config.overrides.update(args.broker_props)
+    with broker:
+        result["broker"] = {"bootstrap": broker.bootstrap, "start_s": broker.start_s}
+        print(f"broker up at {broker.bootstrap} in {broker.start_s:.1f} s", flush=True)
+        asyncio.run(run(args, broker, result))
+    return conclude(result, report(result), args.out_dir, started)

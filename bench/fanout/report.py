@@ -71,6 +71,9 @@ def report(result: dict[str, Any]) -> str:
     lines.append("CPU bound: N x agent CPU per command / cores, the least a rollout can take here.")
     for t in result["targets"]:
         lines.append(f"target {t['name']}: {t['verdict']} ({t['detail']})")
+    probed = [lv for lv in result["levels"] if "broker_probe" in lv]
+    if probed:
+        lines += ["", broker_table(probed)]
     for lv in result["levels"]:
         prof = lv.get("agent_profile")
         if prof:
@@ -97,6 +100,50 @@ def report(result: dict[str, Any]) -> str:
                 )
             )
     return "\n".join(lines)
+
+
+def broker_table(levels: list[dict[str, Any]]) -> str:
+    """``--broker-probe``: what the broker saw, idle and over the timed rollouts."""
+    rows = []
+    for lv in levels:
+        bp = lv["broker_probe"]
+        end = bp["snapshots"].get("idle_end", {})
+        idle, roll = bp.get("idle", {}), bp.get("rollouts", {})
+        per_s = idle.get("requests_per_s", {})
+        rss = lv["agents"].get("rss_mb_idle") or []
+        rows.append(
+            [
+                lv["n"],
+                end.get("rss_mb"),
+                end.get("fds"),
+                end.get("connections"),
+                end.get("fetch_sessions"),
+                idle.get("fetch_session_evictions"),
+                idle.get("broker_pct_core"),
+                per_s.get("FetchConsumer"),
+                per_s.get("Produce"),
+                roll.get("broker_pct_core"),
+                bp.get("offset_commits_per_command"),
+                lv["agents"].get("consumer_groups"),
+                sum(rss) / max(1, sum(lv["agents"]["agents_per_process"])) if rss else None,
+            ]
+        )
+    head = [
+        "N",
+        "broker RSS MB",
+        "broker fds",
+        "connections",
+        "fetch sessions",
+        "evictions (idle)",
+        "idle broker % core",
+        "idle fetches/s",
+        "idle produce/s",
+        "rollouts broker % core",
+        "commits/command",
+        "groups listed",
+        "agent RSS MB/agent",
+    ]
+    return "broker (--broker-probe):\n" + table(rows, head)
 
 
 def targets(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ from typing import Any
 
 from bench.common import Child, cpu_seconds, ensure_topics, loadavg, ratio, summary
 from bench.fanout import JUDGE_INTERVAL_S, OVERRIDE_KEY
+from bench.fanout.broker_probe import between, rss_mb, snapshot
 from bench.fanout.floors import measure_floor, measure_http
 
 
@@ -199,6 +200,21 @@ class Fanout:
     def cpu(self) -> float:
         return sum(c.cpu() for c in self.children)
 
+    def rss_mb(self) -> list[float]:
+        """Each agent process's resident memory, MB."""
+        return [round(rss_mb(c.proc.pid), 1) for c in self.children]
+
+    async def groups(self) -> int:
+        """How many consumer groups the broker lists (``kafka-consumer-groups --list``)."""
+        from aiokafka.admin import AIOKafkaAdminClient
+
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=60_000)
+        await admin.start()
+        try:
+            return len(await admin.list_consumer_groups())
+        finally:
+            await admin.close()
+
     async def stop(self) -> None:
         await asyncio.gather(*(c.stop() for c in self.children))
         if self.follower is not None:
@@ -269,16 +285,27 @@ async def measure_level(
         args.agent_fetch_wait_ms,
         args.judge,
     )
+    probe = args.broker_probe
+    snaps: dict[str, Any] = {}
     try:
+        if probe:
+            snaps["before_agents"] = await asyncio.to_thread(snapshot, broker_pid)
         level["agents"] = await fan.start()
         print(f"   started in {level['agents']['start_s']:.1f} s; rollouts", flush=True)
+        if probe:
+            snaps["started"] = await asyncio.to_thread(snapshot, broker_pid)
+            level["agents"]["rss_mb"] = fan.rss_mb()
         async with Producer(fan.settings) as producer:
             await fan.rollout(0, producer)  # warm-up
+            if probe:
+                snaps["before_rollouts"] = await asyncio.to_thread(snapshot, broker_pid)
             a0, b0, c0 = fan.cpu(), _broker_cpu(broker_pid), time.process_time()
             t0 = time.perf_counter()
             runs = [await fan.rollout(i + 1, producer) for i in range(args.repeats)]
             elapsed = time.perf_counter() - t0
             commands = args.repeats * n
+            if probe:
+                snaps["after_rollouts"] = await asyncio.to_thread(snapshot, broker_pid)
             level["rollout_cpu"] = {
                 "window_s": elapsed,
                 "agents_cpu_s": fan.cpu() - a0,
@@ -302,9 +329,16 @@ async def measure_level(
         }
         print(f"== N={n}: idle CPU over {args.idle_s:.0f} s", flush=True)
         await asyncio.sleep(1.0)
+        if probe:
+            snaps["idle_start"] = await asyncio.to_thread(snapshot, broker_pid)
         a0, b0, t0 = fan.cpu(), _broker_cpu(broker_pid), time.perf_counter()
         await asyncio.sleep(args.idle_s)
         a1, b1, t1 = fan.cpu(), _broker_cpu(broker_pid), time.perf_counter()
+        if probe:
+            snaps["idle_end"] = await asyncio.to_thread(snapshot, broker_pid)
+            level["agents"]["rss_mb_idle"] = fan.rss_mb()
+            # After the rollouts: a group is listed once it has committed an offset.
+            level["agents"]["consumer_groups"] = await fan.groups()
         level["idle"] = {
             "window_s": t1 - t0,
             "agents_pct_core": 100 * (a1 - a0) / (t1 - t0),
@@ -314,9 +348,27 @@ async def measure_level(
         }
     finally:
         await fan.stop()
+    if probe:
+        level["broker_probe"] = _probe_windows(snaps, commands=args.repeats * n)
     level["loadavg_after"] = loadavg()
     _derive(level)
     return level
+
+
+def _probe_windows(snaps: dict[str, Any], commands: int) -> dict[str, Any]:
+    """The snapshots, and the rates over the rollouts and over the idle window."""
+    out: dict[str, Any] = {"snapshots": snaps}
+    for name, (a, b) in {
+        "start": ("before_agents", "started"),
+        "rollouts": ("before_rollouts", "after_rollouts"),
+        "idle": ("idle_start", "idle_end"),
+    }.items():
+        if a in snaps and b in snaps and "t" in snaps[a] and "t" in snaps[b]:
+            out[name] = between(snaps[a], snaps[b])
+    commits = out.get("rollouts", {}).get("requests", {}).get("OffsetCommit")
+    if commits is not None:
+        out["offset_commits_per_command"] = commits / max(commands, 1)
+    return out
 
 
 def _broker_cpu(pid: int | None) -> float:
