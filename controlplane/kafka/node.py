@@ -37,6 +37,10 @@ DEFAULT_KAFKA_VERSION = "4.1.1"
 DEFAULT_PORT = 19092
 DEFAULT_CONTROLLER_PORT = 19093
 MIN_JAVA = 17
+#: ``socket.listen.backlog.size``: connections the kernel queues before the broker accepts them.
+#: Kafka's default, 50, overflows when a fleet of agents (3 connections each) connects at once
+#: (docs/scaling.md, "Broker and topic settings"); Linux caps it at ``net.core.somaxconn``.
+LISTEN_BACKLOG = 4096
 
 
 @dataclass
@@ -353,6 +357,7 @@ class LocalBroker(Launched):
             "auto.create.topics.enable": "false",
             "log.retention.check.interval.ms": "60000",
             "log.cleaner.backoff.ms": "5000",
+            "socket.listen.backlog.size": str(LISTEN_BACKLOG),
         }
         if c.quorum_voters:
             props["controller.quorum.voters"] = c.quorum_voters
