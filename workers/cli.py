@@ -106,6 +106,14 @@ def run(
             help="How long a heartbeat vouches for this worker (default: 10 heartbeat periods)."
         ),
     ] = None,
+    trust_store: Annotated[
+        Path | None,
+        typer.Option(
+            "--trust-store",
+            help="Apply only commands signed by a key of this trust store (JSON; see"
+            " `controlplane keys`); FLEET_WORKER_TRUST_STORE in the environment.",
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING.")] = "INFO",
 ) -> None:
     """Run a worker agent until SIGTERM/SIGINT (then drain: finish or time out, ack, stop).
@@ -138,6 +146,7 @@ def run(
             "state_dir": state_dir,
             "heartbeat_interval_s": heartbeat_s,
             "lease_s": lease_s,
+            "trust_store": trust_store,
             # Merged into the environment's FLEET_WORKER_KAFKA__* (validated with them).
             "kafka": {k: v for k, v in kafka_flags.items() if v is not None} or None,
         }

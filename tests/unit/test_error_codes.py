@@ -88,9 +88,21 @@ def test_the_code_sets_hold_only_codes_that_exist() -> None:
     assert not RETRYABLE_CODES & {WireCode.MALFORMED_JSON, WireCode.DUPLICATE_KEY}
 
 
-def test_signature_codes_come_back_with_their_emitter() -> None:
-    """Signing is its own issue: its codes are added with the code that emits them."""
-    assert "SIGNATURE_INVALID" not in {code.name for code in CODES}
+SIGNATURE_CODES = (
+    "SIGNATURE_MISSING",
+    "SIGNATURE_INVALID",
+    "KEY_UNKNOWN",
+    "KEY_REVOKED",
+    "SCOPE_DENIED",
+)
+
+
+@pytest.mark.parametrize("name", SIGNATURE_CODES)
+def test_signature_codes_came_back_with_their_emitter_as_rejections(name: str) -> None:
+    """Signing's codes exist since the worker emits them (workers/agent/trust.py): refused
+    before anything changed, and retrying the same command cannot succeed."""
+    code = WireCode(name)
+    assert code in REJECTION_CODES and code not in RETRYABLE_CODES
 
 
 def test_a_refused_command_always_says_why() -> None:

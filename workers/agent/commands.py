@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -37,6 +37,7 @@ from workers.agent.heartbeat import Heartbeater
 from workers.agent.outbox import AckOutbox
 from workers.agent.session import AgentLog, StopSignal, WorkerView
 from workers.agent.settings import WorkerSettings
+from workers.agent.trust import TrustGate
 from workers.runners.base import Runner
 from workers.weights.paths import resolve_weights_path
 
@@ -64,10 +65,14 @@ class Handled:
 
 
 def precheck(
-    command: Command, now: datetime, settings: WorkerSettings
+    command: Command,
+    now: datetime,
+    settings: WorkerSettings,
+    roots: Sequence[Path] | None = None,
 ) -> Path | ControlPlaneError | None:
-    """Checks before anything is touched: expiry, issue time, TTL and weights path.
-    Returns the resolved path (None for a command without one), or why it is rejected."""
+    """Checks before anything is touched: expiry, issue time, TTL and weights path (in
+    ``roots``, default the worker's ``allowed_roots``). Returns the resolved path (None for a
+    command without one), or why it is rejected."""
     if command.is_expired(now):
         return CommandRejected(
             f"command expired at {command.expires_at.isoformat()} (worker clock {now.isoformat()})",
@@ -90,7 +95,9 @@ def precheck(
         )
     if isinstance(command.spec, ReloadWeightsSpec):
         try:
-            return resolve_weights_path(command.spec.path, settings.allowed_roots)
+            return resolve_weights_path(
+                command.spec.path, settings.allowed_roots if roots is None else roots
+            )
         except ControlPlaneError as exc:
             return exc
     return None
@@ -123,8 +130,10 @@ class CommandPath:
         clock: Callable[[], datetime],
         log: AgentLog,
         outcomes: Counter[str],
+        gate: TrustGate | None = None,
     ) -> None:
         self._settings = settings
+        self._gate = gate or TrustGate(None, settings.allowed_roots)
         self._runner = runner
         self._journal = journal
         self._outbox = outbox
@@ -146,11 +155,16 @@ class CommandPath:
             return await self._nack_garbage(record, exc, received)
         if not command.selector.matches(self._settings.worker_id, self._settings.labels):
             return Handled(acked=False)
+        try:
+            admitted = self._gate.admit(command, record.value or b"")
+        except CommandRejected as exc:
+            ctx = CommandContext(command.command_id, command.rollout_id, command.kind, received)
+            return await self._refuse_unremembered(ctx, exc)
         replay = await self._replay(command.command_id)
         if replay is not None:
             return replay
         accepted = CommandContext(command.command_id, command.rollout_id, command.kind, received)
-        checked = precheck(command, received, self._settings)
+        checked = precheck(command, received, self._settings, admitted.roots)
         if isinstance(checked, ControlPlaneError):
             await self._finish(accepted, Outcome(AckState.REJECTED, ack_error(checked)))
             return Handled(acked=True, published=command.command_id)
@@ -301,10 +315,17 @@ class CommandPath:
         self._log(logging.WARNING, "unreadable command at offset %d: %s", record.offset, exc)
         if exc.command_id is None:
             return Handled(acked=False)
-        replay = await self._replay(exc.command_id)
+        ctx = CommandContext(exc.command_id, exc.rollout_id or "unknown", None, received)
+        return await self._refuse_unremembered(ctx, exc)
+
+    async def _refuse_unremembered(self, ctx: CommandContext, exc: ControlPlaneError) -> Handled:
+        """NACK a record that proves nothing (unreadable, or not signed as the trust store
+        requires), and never journal it: anyone can write a record with a guessable id in front
+        of the real command of that id, which must still be applied when it comes. A command
+        of that id already ended here keeps its own outcome (re-published if needed)."""
+        replay = await self._replay(ctx.command_id)
         if replay is not None:
             return replay
-        ctx = CommandContext(exc.command_id, exc.rollout_id or "unknown", None, received)
         nack = self.ack(ctx, AckState.REJECTED, finished_at=self._clock(), error=ack_error(exc))
         await self._outbox.publish((nack,))
         self._outcomes[exc.code.value] += 1
@@ -313,7 +334,7 @@ class CommandPath:
             "rejected %s: %s (not remembered: the real command of this id is still applied)",
             exc.code.value,
             exc.message,
-            command_id=exc.command_id,
-            rollout_id=exc.rollout_id,
+            command_id=ctx.command_id,
+            rollout_id=ctx.rollout_id,
         )
         return Handled(acked=True)  # not journaled: nothing to mark published

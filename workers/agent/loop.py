@@ -59,6 +59,7 @@ from workers.agent.outbox import AckOutbox, AcksLeftUnpublished
 from workers.agent.producer import ProducerLink, PublishHealth
 from workers.agent.session import AgentLog, StopSignal, WorkerView
 from workers.agent.settings import WorkerSettings
+from workers.agent.trust import TrustGate
 from workers.runners.base import Runner
 from workers.weights.paths import resolve_weights_path
 
@@ -100,6 +101,8 @@ class Agent:
         #: Since when the command loop cannot fetch (logged once, and once when it can again).
         self._unreachable_since: datetime | None = None
         self._started_at = self.clock()
+        #: Signed commands: the trust store is read now (SETTINGS_INVALID before any Kafka).
+        self._gate = TrustGate.from_path(settings.trust_store, settings.allowed_roots)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -116,6 +119,12 @@ class Agent:
         closing is logged and never hides the one that stopped the worker.
         """
         journal: Journal | None = None  # None only when it could not be opened
+        signed = self._gate.verifier is not None
+        self._log(
+            logging.INFO if signed else logging.WARNING,
+            "commands: %s",
+            self._gate.describe(self.settings.trust_store),
+        )
         try:
             directory = self.settings.worker_state_dir
             journal = Journal(
@@ -190,6 +199,7 @@ class Agent:
             clock=self.clock,
             log=self._log,
             outcomes=self.outcomes,
+            gate=self._gate,
         )
         return RunSession(journal, consumer, link, outbox, heart, commands)
 

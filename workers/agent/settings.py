@@ -107,6 +107,14 @@ class WorkerSettings(BaseSettings):
             " command issued later than that is rejected with ISSUED_IN_FUTURE."
         ),
     )
+    trust_store: Path | None = Field(
+        default=None,
+        description=(
+            "A trust store (JSON, controlplane/wire/signing.py: key id -> public key and scope,"
+            " revoked key ids). Set: only commands signed by a trusted key within its scope are"
+            " applied. Unset: unsigned commands are accepted (said loudly at start-up)."
+        ),
+    )
     restore_on_start: bool = Field(
         default=True, description="Re-apply the last applied weights and config after a restart."
     )
