@@ -33,16 +33,20 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI, Query, Request, Response
 from pydantic import SecretStr
 
+from controlplane.api import app as api
 from controlplane.api.app import create_app
+from controlplane.api.models import API, PAGE_DEFAULT, RolloutWorker, decode_cursor
 from controlplane.coordinator.follower import Batch
 from controlplane.coordinator.service import Coordinator, CoordinatorSettings
+from controlplane.coordinator.summary import Summaries, Want
 from controlplane.kafka.settings import KafkaSettings
+from controlplane.rollout.models import WorkerState
 from controlplane.wire.protocol import AckState
 from tests.fleet_at_scale import (
     BATCH,
@@ -160,6 +164,9 @@ async def measure(workers: int, rollouts: int, seconds: float, hook: Hook | None
             tasks.append(asyncio.create_task(summaries(client, path)))
         stalls.clear()
         await asyncio.sleep(seconds)
+        for task in tasks:
+            if task.done():  # a reader failed: its answers would be missing, say why
+                raise RuntimeError(f"{task.get_name()} ended early") from task.exception()
         for task in tasks[2:]:
             task.cancel()
         for path, got in times.items():
@@ -250,15 +257,6 @@ def timings(out: dict[str, list[float]]) -> Hook:
 
 def proposed(app: FastAPI, coordinator: Coordinator) -> None:
     """Serve GET /rollouts/{id} and /rollouts/{id}/workers as the proposed app.py would."""
-    from typing import Annotated
-
-    from fastapi import APIRouter, Query, Request, Response
-
-    from controlplane.api import app as api
-    from controlplane.api.models import API, PAGE_DEFAULT, RolloutWorker, decode_cursor
-    from controlplane.coordinator.summary import Summaries, Want
-    from controlplane.rollout.models import WorkerState
-
     summaries: Summaries = app.state.summaries
     router = APIRouter()
 
