@@ -249,8 +249,9 @@ def test_an_unreadable_or_invalid_trust_store_stops_the_worker_before_kafka(
     kafka = KafkaSettings(bootstrap_servers="127.0.0.1:1")
     bad = tmp_path / "bad.json"
     bad.write_text('{"keys": {"k": {"public_key": "not-base64!"}}}')
+    runner: Any = RecordingRunner()
     for path in (tmp_path / "missing.json", bad):
         with pytest.raises(ControlPlaneError) as caught:
-            Agent(agent_settings(kafka, tmp_path, trust_store=path), RecordingRunner())
+            Agent(agent_settings(kafka, tmp_path, trust_store=path), runner)
         assert caught.value.code is LocalCode.SETTINGS_INVALID
         assert str(path) in caught.value.message
