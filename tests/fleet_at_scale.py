@@ -16,6 +16,8 @@ that history: its first summary, its first compaction (and the longest the event
 meanwhile), its memory, and how soon a new rollout's 3 N acks show it succeeded.
 ``python -m tests.fleet_at_scale --snapshot [N] [R]``: what a snapshot of that fold costs (size,
 encoding, the event loop's longest wait) and what restoring it costs, against folding it all.
+``python -m tests.fleet_at_scale --start [N] [R]``: on a local broker it starts, that history
+written as records, a coordinator's start to ready from a snapshot and in full (child processes).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import sys
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Final
 
 from controlplane.coordinator.follower import Batch
@@ -426,12 +429,161 @@ def build_heartbeats(coordinator: Coordinator, workers: int, rollouts: int) -> N
     _fold(coordinator, batch)
 
 
+def _start_on_a_broker(workers: int, rollouts: int) -> None:
+    """:func:`_start` on a local broker started for it (outside the event loop)."""
+    import tempfile
+    from pathlib import Path
+
+    from controlplane.kafka.broker import BrokerConfig, LocalBroker
+    from controlplane.kafka.launch import free_port
+
+    tmp = Path(tempfile.mkdtemp(prefix="snapshot-start-"))
+    broker = LocalBroker(
+        BrokerConfig(port=free_port(), controller_port=free_port(), data_dir=tmp / "kafka")
+    )
+    broker.start(timeout=120)
+    try:
+        asyncio.run(_start(broker.bootstrap, tmp, workers, rollouts))
+    finally:
+        broker.stop()
+
+
+async def _start(bootstrap: str, tmp: Path, workers: int, rollouts: int) -> None:
+    """A coordinator's start to ready on a real broker, replaying the log in full and from a
+    snapshot: a local broker, the history of :func:`build` written as the wire's records, a
+    first coordinator (child process) that writes a snapshot, then one that restores it and one
+    that replays in full, each timed from its start until ``/healthz`` says ready, with its RSS
+    then (``bench.scale.probe.Coordinator``)."""
+    import os
+
+    import httpx
+
+    from bench.scale.probe import Coordinator as Child
+    from controlplane.kafka.bus import Admin, Producer
+    from controlplane.kafka.settings import KafkaSettings
+    from controlplane.wire.channels import ACKS, COMMANDS, HEARTBEATS
+    from controlplane.wire.protocol import Ack, AckError, Timings, utcnow
+
+    settings = KafkaSettings(bootstrap_servers=bootstrap, topic_prefix="snap")
+    async with Admin(settings) as admin:
+        await admin.ensure_topics(settings.topics)
+        await admin.ensure_topics(settings.topics.snapshots_only())
+    ids = worker_ids(workers)
+    now = utcnow()
+    t = time.perf_counter()
+    async with Producer(settings, linger_ms=5) as producer:
+        for r in range(rollouts):
+            issued = now - ISSUE_EVERY * (rollouts - r)
+            command = rollout_command(r, rollouts, ids).model_copy(
+                update={"issued_at": issued, "expires_at": issued + timedelta(days=1)}
+            )
+            topic, key, value = COMMANDS.record(settings.topics, command)
+            await producer.send(topic, value, key=key)
+            records = []
+            for i, fast in enumerate(
+                a for w in ids for a in _acks(command, w, _states(r, rollouts), False)
+            ):
+                ack = Ack(
+                    command_id=fast.command_id,
+                    rollout_id=fast.rollout_id,
+                    worker_id=fast.worker_id,
+                    kind=fast.kind,
+                    state=fast.state,
+                    weights_version=fast.weights_version,
+                    error=None
+                    if fast.error is None
+                    else AckError(code="RUNNER_FAILED", message="x"),
+                    timings=Timings(
+                        received_at=fast.timings.received_at,
+                        started_at=fast.timings.started_at,
+                        finished_at=fast.timings.finished_at,
+                    ),
+                    attempt=1,
+                    sent_at=fast.sent_at,
+                )
+                _, key, value = ACKS.record(settings.topics, ack)
+                records.append((key, value))
+                if len(records) >= BATCH or i == 3 * workers - 1:
+                    await producer.send_many(ACKS.topic(settings.topics), records)
+                    records = []
+        hbs = [
+            HEARTBEATS.record(settings.topics, heartbeat(w, i, utcnow(), "v1"))[1:]
+            for i, w in enumerate(ids)
+        ]
+        await producer.send_many(HEARTBEATS.topic(settings.topics), hbs)
+    print(
+        f"history written: {workers} workers x {rollouts} rollouts "
+        f"({3 * workers * rollouts:,} acks) in {time.perf_counter() - t:.0f} s"
+    )
+    base = {
+        "FLEET_COORDINATOR_MAX_ENDED_WORKERS": str(20 * workers),
+        "FLEET_COORDINATOR_PROGRESS_DEADLINE_S": str(86400.0),
+    }
+
+    async def run(name: str, **env: str) -> dict[str, object]:
+        os.environ.update(base | env)
+        child = Child(bootstrap, "snap", tmp / f"{name}.log")
+        async with httpx.AsyncClient() as client:
+            ready = await child.start(client, 600)
+            info = (await client.get(f"{child.url}/api/v1/snapshot")).json()
+            if name == "writer":  # until its snapshot holds what compaction summarized
+                while True:
+                    got = (await client.get(f"{child.url}/api/v1/snapshot")).json()
+                    text = (await client.get(f"{child.url}/metrics")).text
+                    summarized = _metric(text, "controlplane_rollouts_summarized")
+                    if got["written"] and summarized >= max(0, rollouts - 22):
+                        info = got
+                        break
+                    await asyncio.sleep(0.5)
+        child.stop()
+        for key in env:
+            os.environ.pop(key, None)
+        return {"ready_s": ready.get("ready_s"), "rss": ready.get("rss_mb_at_ready")} | {
+            "info": info
+        }
+
+    writer = await run(
+        "writer",
+        FLEET_COORDINATOR_SNAPSHOT_INTERVAL_S="1",
+        FLEET_COORDINATOR_SNAPSHOT_WRITER="a",
+    )
+    print(f"first coordinator (full replay): ready in {writer['ready_s']:.1f} s, "
+          f"RSS {writer['rss']:.0f} MB; then wrote {writer['info']}")  # fmt: skip
+    for name, env in (
+        ("restored", {"FLEET_COORDINATOR_SNAPSHOT_WRITER": "b"}),
+        ("replayed", {"FLEET_COORDINATOR_SNAPSHOT_RESTORE": "false"}),
+    ):
+        got = await run(name, **env)
+        info = got["info"]
+        assert isinstance(info, dict)
+        print(
+            f"{name}: ready in {got['ready_s']:.1f} s, RSS {got['rss']:.0f} MB at ready; "
+            f"started from {info['started_from']} (restore {info.get('restore_s')} s, "
+            f"{info.get('bytes')} bytes)"
+        )
+
+
+def _states(r: int, rollouts: int) -> tuple[AckState, ...]:
+    if r >= rollouts - 2:
+        return (AckState.ACCEPTED, AckState.RUNNING)
+    return (AckState.ACCEPTED, AckState.RUNNING, AckState.SUCCEEDED)
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
 if __name__ == "__main__":
     restart = "--restart" in sys.argv
     snapshot = "--snapshot" in sys.argv
     args = [int(a) for a in sys.argv[1:] if not a.startswith("--")]
     n, r, rounds, active = [*args, *(10_000, 100, 40, 2)[len(args) :]]
-    if snapshot:
+    if "--start" in sys.argv:
+        _start_on_a_broker(n, r)
+    elif snapshot:
         asyncio.run(_snapshot(n, r))
     else:
         asyncio.run(_restart(n, r) if restart else _measure(n, r, rounds, active))
