@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import sys
 import tempfile
 import time
@@ -85,6 +86,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="The broker's max.incremental.fetch.session.cache.slots (Kafka's default: 1000); "
         "set it below N to see what fetchers beyond the cache cost.",
     )
+    p.add_argument(
+        "--broker-nofile",
+        type=int,
+        default=None,
+        help="Lower the broker's open-files limit to this once it runs (about 3 per agent are "
+        "needed): what happens past it. A size that fails is reported and the run goes on.",
+    )
     p.add_argument("--profile", action="store_true", help="cProfile the agents at the largest N.")
     p.add_argument("--profile-rollouts", type=int, default=5)
     p.add_argument("--out-dir", type=Path, default=None)
@@ -117,13 +125,25 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 async def run(args: argparse.Namespace, broker: Broker, result: dict[str, Any]) -> None:
+    if args.broker_nofile is not None and broker.pid is not None:
+        resource.prlimit(broker.pid, resource.RLIMIT_NOFILE, (args.broker_nofile,) * 2)
     with tempfile.TemporaryDirectory(prefix="bench-fanout-") as tmp_name:
         tmp = Path(tmp_name)
-        levels = []
+        levels, failed = [], []
         for n in args.n:
-            levels.append(await measure_level(broker.bootstrap, broker.pid, n, args, tmp))
+            try:
+                levels.append(await measure_level(broker.bootstrap, broker.pid, n, args, tmp))
+            except (RuntimeError, TimeoutError) as exc:  # a fleet this broker did not take
+                print(f"== N={n} failed: {exc!r}", flush=True)
+                failed.append({"n": n, "error": repr(exc)})
     result["levels"] = levels
-    result["targets"] = targets(levels)
+    result["failed_levels"] = failed
+    result["targets"] = targets(levels) if levels else []
+    log = broker.broker.log_file.read_text(errors="replace")
+    result["broker_log"] = {
+        "too_many_open_files": log.count("Too many open files"),
+        "lines": len(log.splitlines()),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -151,6 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "judge": args.judge,
             "judge_interval_s": JUDGE_INTERVAL_S,
             "broker_props": args.broker_props,
+            "broker_nofile": args.broker_nofile,
         }
         return _run_on_broker(args, result)
 

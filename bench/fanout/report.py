@@ -68,6 +68,11 @@ def report(result: dict[str, Any]) -> str:
         "idle broker % core",
     ]
     lines = [table(rows, head), "", table(rows2, head2), ""]
+    for failed in result.get("failed_levels", []):
+        lines.append(f"N={failed['n']} failed: {failed['error']}")
+    log = result.get("broker_log", {})
+    if log.get("too_many_open_files"):
+        lines.append(f"broker log: 'Too many open files' {log['too_many_open_files']} times")
     lines.append("CPU bound: N x agent CPU per command / cores, the least a rollout can take here.")
     for t in result["targets"]:
         lines.append(f"target {t['name']}: {t['verdict']} ({t['detail']})")
