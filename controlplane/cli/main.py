@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from controlplane.cli import admin, progressive, rollout, services  # noqa: F401  (they register commands)
+from controlplane.cli import admin, keys, progressive, rollout, services  # noqa: F401  (they register commands)
 from controlplane.cli.common import app
 from controlplane.wire.errors import ControlPlaneError
 from controlplane.wire.exits import CliExit, error_line, internal_line

@@ -52,6 +52,7 @@ from controlplane.cli.follow import (
     read_rollout,
     wait_deadline,
 )
+from controlplane.cli.keys import KeyIdOpt, SigningKeyOpt, signer_from
 from controlplane.cli.render import (
     console,
     progress_line,
@@ -89,6 +90,7 @@ from controlplane.wire.protocol import (
     UpdateConfigSpec,
     utcnow,
 )
+from controlplane.wire.signing import Signer
 
 SelectorOpt = Annotated[
     list[str] | None, typer.Option("--selector", "-s", help="Label match key=value, repeatable.")
@@ -153,6 +155,7 @@ async def _publish_and_maybe_wait(
     wait: bool,
     wait_timeout: float | None,
     as_json: bool,
+    signer: Signer | None = None,
 ) -> int:
     out = console()
     # Only what this publish needs: the workers topic (the selector), and what is appended
@@ -184,6 +187,7 @@ async def _publish_and_maybe_wait(
             as_of=judge_time(follower),
             now=now,
             issuer=f"{getpass.getuser()}@cli",
+            signer=signer,
         )
         pinned = command.selector
         started = time.monotonic()
@@ -204,9 +208,10 @@ async def _publish_and_maybe_wait(
                 late = f" after {time.monotonic() - started:.0f} s"
             if not as_json:
                 where = f"offset {offset}" if offset is not None else "read back from the log"
+                signed = "" if signer is None else f", signed by key {signer.key_id}"
                 out.print(
                     f"published rollout {command.rollout_id} (command {command.command_id}, "
-                    f"{where}){late} to {len(pinned.worker_ids or [])} worker(s): "
+                    f"{where}{signed}){late} to {len(pinned.worker_ids or [])} worker(s): "
                     f"{named(pinned.worker_ids or [])}"
                 )
             if not wait:
@@ -266,18 +271,25 @@ def _roll_out(
     wait: WaitOpt = False,
     wait_timeout: WaitTimeoutOpt = None,
     delivery_timeout: DeliveryTimeoutOpt = None,
+    signing_key: SigningKeyOpt = None,
+    key_id: KeyIdOpt = None,
     as_json: JsonOpt = False,
     bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
     prefix: PrefixOpt = "fleet",
 ) -> None:
     """What every rollout command does with the options every rollout takes (declared once,
-    here): the TTL is checked, then the spec is made (a spec the model refuses: exit 3), then
-    the command is published (and followed under ``--wait``)."""
+    here): the TTL is checked, then the spec is made (a spec the model refuses: exit 3) and
+    the signing key read (exit 3 if it cannot be), then the command is published (signed
+    with ``--signing-key``), and followed under ``--wait``."""
     _check_ttl(ttl)
     try:
         spec = make_spec()
     except ValueError as exc:
         _invalid(exc)
+    try:
+        signer = signer_from(signing_key, key_id)
+    except ControlPlaneError as exc:
+        raise fail(exc) from None
     _run_exit(
         _publish_and_maybe_wait(
             kafka_settings(bootstrap, prefix, delivery_timeout_s=delivery_timeout),
@@ -285,6 +297,7 @@ def _roll_out(
             wait=wait,
             wait_timeout=wait_timeout,
             as_json=as_json,
+            signer=signer,
         )
     )
 

@@ -31,6 +31,7 @@ from controlplane.wire.channels import COMMANDS, CONTROL
 from controlplane.wire.errors import BusError, CommandRejected, LocalCode, WireCode
 from controlplane.wire.messages import WireModel
 from controlplane.wire.protocol import Command, CommandSpec, Selector, utcnow
+from controlplane.wire.signing import Signer
 
 if TYPE_CHECKING:
     from controlplane.rollout.fleet import Fleet
@@ -83,11 +84,13 @@ def build_command(
     rollout_id: str | None = None,
     command_id: str | None = None,
     now: datetime | None = None,
+    signer: Signer | None = None,
 ) -> Command:
+    """A new command; signed by ``signer`` when given (controlplane/wire/signing.py)."""
     check_ttl(ttl_s)
     issued = now or utcnow()
     rid = rollout_id or new_id("r")
-    return Command(
+    command = Command(
         command_id=command_id or new_command_id(rid),
         rollout_id=rid,
         issued_at=issued,
@@ -97,6 +100,7 @@ def build_command(
         spec=spec,
         timeout_s=timeout_s,
     )
+    return command if signer is None else signer.sign(command)
 
 
 def resolve_selector(selector: Selector, registry: Registry, now: datetime) -> Selector:
@@ -124,14 +128,21 @@ class RolloutRequest:
 
 
 def prepare_rollout(
-    request: RolloutRequest, fleet: Fleet, *, as_of: datetime, now: datetime, issuer: str
+    request: RolloutRequest,
+    fleet: Fleet,
+    *,
+    as_of: datetime,
+    now: datetime,
+    issuer: str,
+    signer: Signer | None = None,
 ) -> Command:
     """The command for ``request``, no I/O: its rollout id is new to ``fleet`` (a fleet that
     has read the whole log), its selector is pinned to the workers alive at ``as_of`` (the
     rollout's expected set; none is NO_MATCHING_WORKERS), and it is issued at ``now``.
 
     ``as_of`` is the caller's: the CLI judges as of what its reader has read, the coordinator
-    as of :meth:`~controlplane.coordinator.service.Coordinator.now`."""
+    as of :meth:`~controlplane.coordinator.service.Coordinator.now`. Signed by ``signer``
+    when given."""
     if request.rollout_id is not None:
         check_new_rollout(request.rollout_id, fleet)
     pinned = resolve_selector(request.selector, fleet.registry, as_of)
@@ -143,6 +154,7 @@ def prepare_rollout(
         timeout_s=request.timeout_s,
         rollout_id=request.rollout_id,
         now=now,
+        signer=signer,
     )
 
 
