@@ -525,6 +525,8 @@ class Summaries:
         #: Full statuses of the rollouts whose workers were read last (least recent first).
         self._full: collections.OrderedDict[str, _Entry[RolloutStatus]] = collections.OrderedDict()
         self._levels: _Entry[Levels] | None = None
+        #: What the pinned rollouts desired when the levels were last judged (None: not known).
+        self._pinned_desired: dict[str, tuple[str, str, datetime]] | None = None
         self._compacted = 0
         self._wanted: dict[str, None] = {}
         self._task: asyncio.Task[None] | None = None
@@ -903,9 +905,19 @@ class Summaries:
         now = self.now()
         registry = coordinator.fleet.registry
         desired: dict[str, Desire] = {}
+        held = self._levels
         with collector_paused():
             pinned = self._desired_of_pinned(now)
-            if pinned is not None:
+            judged_targets = targets_status(coordinator.control, coordinator.fleet, now)
+            if (
+                pinned is not None
+                and not judged_targets
+                and held is not None
+                and not held.value.targets
+                and pinned == self._pinned_desired
+            ):  # what the rollouts desire did not change: as the index already knows it
+                desired = held.value.desired
+            elif pinned is not None:
                 for worker_id, (version, rollout_id, _) in pinned.items():
                     desired[worker_id] = Desire(version, rollout_id)
             else:  # a reload rollout chooses its workers by labels: judged in full
@@ -913,8 +925,9 @@ class Summaries:
                     desired[level.worker_id] = Desire(
                         level.desired_version, level.desired_rollout_id
                     )
+        self._pinned_desired = pinned
         targets: dict[str, dict[Alignment, int]] = {}
-        for target in targets_status(coordinator.control, coordinator.fleet, now):
+        for target in judged_targets:
             counts = dict.fromkeys(Alignment, 0)
             for member in target.members:
                 counts[member.alignment] += 1
@@ -928,7 +941,8 @@ class Summaries:
             targets[target.name] = counts
         never_seen = sorted(w for w in desired if w not in registry)
         levels = Levels(now, desired, never_seen, targets)
-        self.workers.set_desired(desired)
+        if held is None or desired is not held.value.desired:
+            self.workers.set_desired(desired)
         # Without targets, what workers should run follows from the rollouts alone: settled
         # once they all are (acks and commands make it dirty again).
         fleet = coordinator.fleet

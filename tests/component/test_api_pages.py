@@ -15,7 +15,14 @@ import httpx
 import pytest
 
 from controlplane.coordinator.service import Coordinator
-from controlplane.coordinator.summary import Desire, Summaries, Want
+from controlplane.coordinator.summary import (
+    NO_DESIRE,
+    Desire,
+    Summaries,
+    Want,
+    WorkerIndex,
+    in_sync_with,
+)
 from controlplane.rollout.fleet import Fleet
 from controlplane.rollout.models import RolloutPhase, RolloutStatus, WorkerDetail, WorkerState
 from controlplane.wire.protocol import Ack, AckState, Command
@@ -202,5 +209,41 @@ async def test_desired_levels_of_pinned_rollouts_judge_no_rollout_in_full(
         assert got["w00"] == Desire("v2", "r-live")  # r-failed desires nothing
         assert got["w29"] == Desire("v7", "r-newer")
         assert "wnever" in got and "wstray" not in got
+    finally:
+        summaries.close()
+
+
+async def test_desired_levels_judged_again_unchanged_leave_the_index_as_it_is(
+    coordinator: Coordinator,
+    clock: Clock,
+    mixed: dict[str, Command],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Levels judged again as they age (a rollout in progress) while no rollout changed what
+    it desires keep what each worker should run as it was: the index's in-sync workers are
+    not judged again, worker by worker; a change is judged at once."""
+    summaries = Summaries(coordinator)
+    try:
+        first = await summaries.levels()
+        calls: list[int] = []
+        judge_sync = WorkerIndex.set_desired
+
+        def counted(index: WorkerIndex, desired: Any) -> None:
+            calls.append(len(desired))
+            judge_sync(index, desired)
+
+        monkeypatch.setattr(WorkerIndex, "set_desired", counted)
+        clock.advance(2)  # past max_age: judged again
+        again = await summaries.levels()
+        assert again.as_of > first.as_of and again.desired == first.desired
+        assert calls == []
+        newer = command("r-newer", workers=["w05"], issued=9.0, version="v7")
+        feed(coordinator, newer, *succeeded(newer, "w05", sent=11.0))
+        changed = await summaries.levels()
+        assert changed.desired["w05"] == Desire("v7", "r-newer") and len(calls) == 1
+        assert summaries.workers.in_sync == sum(
+            in_sync_with(changed.desired.get(w, NO_DESIRE), coordinator.fleet.registry.latest(w))
+            for w in summaries.workers.sorted_ids()
+        )
     finally:
         summaries.close()
