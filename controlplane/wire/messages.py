@@ -281,11 +281,14 @@ CommandSpec = Annotated[ReloadWeightsSpec | UpdateConfigSpec, Field(discriminato
 
 
 class Signature(WireModel):
-    """Detached signature over the command's canonical JSON without this field."""
+    """Ed25519 signature over the RFC 8785 (JCS) canonical JSON of the command as written,
+    without its ``signature`` member (docs/signing.md; controlplane sign makes one)."""
 
     alg: Literal["ed25519"] = "ed25519"
-    key_id: Identifier
-    value: Annotated[str, StringConstraints(min_length=1, max_length=512)]
+    key_id: Identifier = Field(description="The key's id in the workers' trust store.")
+    value: Annotated[str, StringConstraints(min_length=1, max_length=512)] = Field(
+        description="base64 (RFC 4648, padded) of the 64-byte signature."
+    )
 
 
 class Command(WireModel):
