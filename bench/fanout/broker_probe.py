@@ -11,8 +11,10 @@ opened on the broker. Where Java cannot attach, the snapshot says why and holds 
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 import time
@@ -39,6 +41,7 @@ def _compiled() -> Path:
     global _classes
     if _classes is None:
         out = Path(tempfile.mkdtemp(prefix="bench-jmxprobe-"))
+        atexit.register(shutil.rmtree, out, True)
         subprocess.run(
             ["javac", "-d", str(out), str(_SOURCE)], check=True, capture_output=True, timeout=120
         )

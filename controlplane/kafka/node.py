@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -41,6 +42,19 @@ MIN_JAVA = 17
 #: Kafka's default, 50, overflows when a fleet of agents (3 connections each) connects at once
 #: (docs/scaling.md, "Broker and topic settings"); Linux caps it at ``net.core.somaxconn``.
 LISTEN_BACKLOG = 4096
+#: Descriptors kept for the broker's own files (log segments, indexes, checkpoints) when
+#: ``max.connections`` is derived from the open-files limit (:func:`max_connections`).
+FILES_RESERVE = 1000
+
+
+def max_connections(nofile_hard: int) -> int | None:
+    """``max.connections`` for a broker whose open-files limit is ``nofile_hard`` (the JVM raises
+    its soft limit to the hard one): past it the broker refuses connections, where without it
+    connections take every descriptor, the broker cannot open its own files, fails its log
+    directory and shuts down (measured: docs/scaling.md). None: no limit to keep under."""
+    if nofile_hard <= 0 or nofile_hard == resource.RLIM_INFINITY:
+        return None
+    return nofile_hard - max(min(FILES_RESERVE, nofile_hard // 2), nofile_hard // 4)
 
 
 @dataclass
@@ -359,6 +373,10 @@ class LocalBroker(Launched):
             "log.cleaner.backoff.ms": "5000",
             "socket.listen.backlog.size": str(LISTEN_BACKLOG),
         }
+        # The broker inherits this process's limit (nothing raises the hard one).
+        connections = max_connections(resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+        if connections is not None:
+            props["max.connections"] = str(connections)
         if c.quorum_voters:
             props["controller.quorum.voters"] = c.quorum_voters
         else:
