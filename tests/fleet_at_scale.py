@@ -525,10 +525,10 @@ async def _start(bootstrap: str, tmp: Path, workers: int, rollouts: int) -> None
         child = Child(bootstrap, "snap", tmp / f"{name}.log")
         async with httpx.AsyncClient() as client:
             ready = await child.start(client, 600)
-            info = (await client.get(f"{child.url}/api/v1/snapshot")).json()
+            info = (await client.get(f"{child.url}/healthz")).json()["snapshot"]
             if name == "writer":  # until its snapshot holds what compaction summarized
                 while True:
-                    got = (await client.get(f"{child.url}/api/v1/snapshot")).json()
+                    got = (await client.get(f"{child.url}/healthz")).json()["snapshot"]
                     text = (await client.get(f"{child.url}/metrics")).text
                     summarized = _metric(text, "controlplane_rollouts_summarized")
                     if got["written"] and summarized >= max(0, rollouts - 22):

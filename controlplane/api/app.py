@@ -23,6 +23,7 @@ from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse
+from pydantic import Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -101,6 +102,17 @@ Cursor = Annotated[
 
 
 # --------------------------------------------------------------------------- the app
+
+
+class HealthOut(Health):
+    """:class:`Health` and what this coordinator's start restored from (here: api/models.py
+    is another module's this session)."""
+
+    snapshot: SnapshotInfo = Field(
+        description="What the start restored from: a snapshot (writer, offsets, age) or a full "
+        "replay and why; and the snapshots this coordinator wrote since (docs/architecture.md, "
+        "Snapshots)."
+    )
 
 
 def create_app(
@@ -223,22 +235,15 @@ def create_app(
     # ------------------------------------------------------------------ health
 
     @app.get("/healthz", summary="Liveness; says whether the log has been read up to its end")
-    async def healthz() -> Health:
-        return Health(
+    async def healthz() -> HealthOut:
+        return HealthOut(
             ready=coordinator.ready,
             records=coordinator.follower.records,
             rollouts=len(coordinator.fleet.rollout_ids()),
             workers=len(coordinator.fleet.registry),
             as_of=coordinator.judge_time(),
+            snapshot=coordinator.snapshots.info,
         )
-
-    @app.get(
-        f"{API}/snapshot",
-        summary="What this coordinator's start restored from (a snapshot and its offsets, or "
-        "a full replay and why) and the snapshots it wrote since",
-    )
-    async def snapshot_info() -> SnapshotInfo:
-        return coordinator.snapshots.info
 
     @app.get(
         "/readyz",
@@ -246,7 +251,7 @@ def create_app(
         responses={503: {"model": ErrorBody}},
         dependencies=ready,
     )
-    async def readyz() -> Health:
+    async def readyz() -> HealthOut:
         return await healthz()
 
     # ------------------------------------------------------------------ rollouts

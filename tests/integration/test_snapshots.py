@@ -360,7 +360,7 @@ async def test_topics_ensure_creates_the_snapshots_topic_compacted(kafka_bootstr
     assert settings.topics.snapshots.config["cleanup.policy"] == "compact"
 
 
-async def test_the_api_and_the_metrics_say_what_the_start_restored_from(
+async def test_healthz_and_the_metrics_say_what_the_start_restored_from(
     fleet: KafkaSettings,
 ) -> None:
     async with Producer(fleet) as producer:
@@ -373,7 +373,7 @@ async def test_the_api_and_the_metrics_say_what_the_start_restored_from(
         await coordinator.wait_ready(60)
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://c") as client:
-            body = (await client.get("/api/v1/snapshot")).json()
+            body = (await client.get("/healthz")).json()["snapshot"]
             metrics = (await client.get("/metrics")).text
     assert (body["started_from"], body["writer"]) == ("snapshot", "c1")
     assert body["offsets"] == c1.snapshots.info.last_offsets and body["age_s"] >= 0
