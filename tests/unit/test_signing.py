@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import rfc8785
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given
 from hypothesis import strategies as st
@@ -90,6 +91,43 @@ def test_the_canonical_form_is_rfc_8785s() -> None:
     assert canonical_json(json.loads(text)) == expected.encode()
 
 
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**60), max_value=2**60)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(), inner, max_size=5),
+    max_leaves=30,
+)
+
+
+@fuzz(400)
+@given(st.dictionaries(st.text(), JSON_VALUES, max_size=6))
+def test_the_fast_canonical_form_is_the_libraries_byte_for_byte(value: dict[str, Any]) -> None:
+    """canonical_json writes plain objects with the json module: the same bytes as rfc8785
+    (astral keys, control characters, escapes, integer bounds), or the same refusal."""
+    try:
+        expected = rfc8785.dumps(value)
+    except rfc8785.CanonicalizationError:
+        with pytest.raises(CommandRejected):
+            canonical_json(value)
+    else:
+        assert canonical_json(value) == expected
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"\U0001f600": 1, "\ue000": 2, "a": 3},  # UTF-16 order differs from code points here
+        {"s": '\x00\x1f\x7f\u2028"\\/\b\f\n\r\t\U0001f600'},
+        {"n": [2**53 - 1, -(2**53 - 1), 0, -0.0, 1e21, 1e-7, 5e-324]},
+    ],
+)
+def test_the_fast_canonical_form_agrees_on_the_edges(value: dict[str, Any]) -> None:
+    assert canonical_json(value) == rfc8785.dumps(value)
+
+
 def test_a_value_without_a_canonical_form_cannot_be_signed() -> None:
     command = make_command(UpdateConfigSpec(overrides={"big": 2**53}))
     with pytest.raises(CommandRejected) as caught:
@@ -103,7 +141,15 @@ def test_any_serialization_of_a_signed_command_verifies(
     command: Command, rnd: random.Random
 ) -> None:
     """What a producer writes (member order, whitespace, escapes) does not matter; what it
-    says does: the signature covers the JSON values, without the signature member."""
+    says does: the signature covers the JSON values, without the signature member. (A command
+    holding an integer past 2**53 has no canonical form: it cannot be signed.)"""
+    try:
+        rfc8785.dumps(command_object(command))
+    except rfc8785.CanonicalizationError:
+        with pytest.raises(CommandRejected) as caught:
+            SIGNER.sign(command)
+        assert caught.value.code is WireCode.SIGNATURE_INVALID
+        return
     signed = SIGNER.sign(command)
     verifier = store(SIGNER)
     assert verify(verifier, encode(signed)) == "ci"
