@@ -93,6 +93,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="Lower the broker's open-files limit to this once it runs (about 3 per agent are "
         "needed): what happens past it. A size that fails is reported and the run goes on.",
     )
+    p.add_argument(
+        "--start-timeout-s",
+        type=float,
+        default=600.0,
+        help="How long the agents of one size may take to start (and to all heartbeat, at most "
+        "120 s of it) before that size is reported failed.",
+    )
     p.add_argument("--profile", action="store_true", help="cProfile the agents at the largest N.")
     p.add_argument("--profile-rollouts", type=int, default=5)
     p.add_argument("--out-dir", type=Path, default=None)
@@ -142,6 +149,7 @@ async def run(args: argparse.Namespace, broker: Broker, result: dict[str, Any]) 
     log = broker.broker.log_file.read_text(errors="replace")
     result["broker_log"] = {
         "too_many_open_files": log.count("Too many open files"),
+        "shut_down_all_log_dirs_failed": log.count("Shutdown broker because all log dirs"),
         "lines": len(log.splitlines()),
     }
 

@@ -73,6 +73,8 @@ def report(result: dict[str, Any]) -> str:
     log = result.get("broker_log", {})
     if log.get("too_many_open_files"):
         lines.append(f"broker log: 'Too many open files' {log['too_many_open_files']} times")
+    if log.get("shut_down_all_log_dirs_failed"):
+        lines.append("broker log: the broker shut down (all log dirs failed)")
     lines.append("CPU bound: N x agent CPU per command / cores, the least a rollout can take here.")
     for t in result["targets"]:
         lines.append(f"target {t['name']}: {t['verdict']} ({t['detail']})")

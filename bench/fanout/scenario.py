@@ -33,7 +33,9 @@ class Fanout:
         log_dir: Path,
         fetch_wait_ms: int | None = None,
         judge: str = "cli",
+        start_timeout_s: float = 600.0,
     ) -> None:
+        self.start_timeout_s = start_timeout_s
         self.fetch_wait_ms = fetch_wait_ms
         self.judge = judge
         self.bootstrap = bootstrap
@@ -78,9 +80,10 @@ class Fanout:
                     "bench.fanout", "agents-child", cfg, self.log_dir / f"agents-n{self.n}-p{p}.log"
                 )
             )
-        hellos = [await c.read(600) for c in self.children]
+        deadline = time.monotonic() + self.start_timeout_s
+        hellos = [await c.read(max(1.0, deadline - time.monotonic())) for c in self.children]
         children_ready_s = time.perf_counter() - started
-        await self._wait_registered(timeout=120)
+        await self._wait_registered(timeout=min(120.0, self.start_timeout_s))
         return {
             "processes": processes,
             "agents_per_process": [len(g) for g in groups],
@@ -284,6 +287,7 @@ async def measure_level(
         tmp,
         args.agent_fetch_wait_ms,
         args.judge,
+        args.start_timeout_s,
     )
     probe = args.broker_probe
     snaps: dict[str, Any] = {}
