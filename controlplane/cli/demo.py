@@ -1,6 +1,11 @@
 """The local demo: a real broker, a coordinator, workers with real models, rollouts, then
 progressive rollouts of a target whose probe gate stops a checkpoint that validates but is wrong.
 
+Signed by default (docs/signing.md): the demo makes its own key, the workers trust only it, the
+CLI signs every rollout, and an unsigned command is shown refused. The coordinator does not
+sign the commands of progressive rollouts yet, so those steps run only unsigned
+(FLEET_DEMO_UNSIGNED=1: workers without a trust store, as before signing existed).
+
 Every piece runs as its own process, driven through the same CLI that CI uses, so the demo
 shows the product as users run it. Does not import ``workers`` (it starts them as processes).
 """
@@ -50,6 +55,9 @@ class Demo:
         self.broker: LocalBroker | None = None
         self.bootstrap = ""
         self.env = dict(os.environ)
+        #: Workers hold a trust store and the CLI signs (FLEET_DEMO_UNSIGNED=1: neither).
+        self.signed = os.environ.get("FLEET_DEMO_UNSIGNED", "") in ("", "0")
+        self.trust_store: Path | None = None
 
     # ------------------------------------------------------------------ steps
 
@@ -59,10 +67,20 @@ class Demo:
             self._prepare()
             self._start_broker()
             ckpts = self._write_checkpoints()
+            if self.signed:
+                self._make_keys()
             api = self._start_coordinator()
             self._start_workers(ckpts)
             code = self._rollouts(ckpts)
-            code = self._progressive(ckpts) or code
+            if self.signed:
+                code = self._unsigned_refused() or code
+                self._step("9-12. progressive rollouts: skipped in the signed demo")
+                self.out.print(
+                    "  the coordinator's controller does not sign its commands yet, and these"
+                    " workers refuse unsigned ones; FLEET_DEMO_UNSIGNED=1 runs them unsigned"
+                )
+            else:
+                code = self._progressive(ckpts) or code
             if self.vllm:
                 code = code or self._vllm()
             self._step("the fleet now")
@@ -115,6 +133,46 @@ class Demo:
             files = sorted(p.name for p in path.iterdir()) if path.is_dir() else [path.name]
             self.out.print(f"  {name:7s} {path}  ({', '.join(files)})")
         return paths
+
+    def _make_keys(self) -> None:
+        """A signing key for this demo, a trust store holding it (the workers'), and the CLI
+        configured to sign with it (FLEET_SIGNING_KEY, FLEET_SIGNING_KEY_ID)."""
+        self._step("2b. a signing key; the workers will trust only commands it signs")
+        key = self.workdir / "keys" / "demo-ci.pem"
+        key.parent.mkdir()
+        args = ["keys", "generate", str(key), "--key-id", "demo-ci", "--path-root"]
+        args.append(str(self.workdir))
+        self.out.print(f"$ controlplane {shlex.join(args)} > trust.json", style="bold")
+        self.trust_store = self.workdir / "keys" / "trust.json"
+        self.trust_store.write_text(self._py("controlplane", *args))
+        self.out.print(self.trust_store.read_text().strip())
+        self.env["FLEET_SIGNING_KEY"] = str(key)
+        self.env["FLEET_SIGNING_KEY_ID"] = "demo-ci"
+        self.out.print(f"  the CLI signs with {key} (FLEET_SIGNING_KEY, FLEET_SIGNING_KEY_ID)")
+
+    def _unsigned_refused(self) -> int:
+        """An unsigned command, as anyone who can write to the topic could publish: refused by
+        every worker (SIGNATURE_MISSING), nothing changed."""
+        self._step("8b. an unsigned command (anyone with write access could publish it): refused")
+        before = asyncio.run(self._configs())
+        unsigned = {k: v for k, v in self.env.items() if not k.startswith("FLEET_SIGNING_")}
+        code = self._cli(
+            "update-config",
+            "--set",
+            "max_new_tokens=64",
+            "--selector",
+            "model=tiny-lm",
+            "--wait",
+            "--wait-timeout",
+            "120",
+            env=unsigned,
+        )
+        after = asyncio.run(self._configs())
+        self.out.print(
+            f"exit code {code} (1 = failed: every worker refused it, SIGNATURE_MISSING);"
+            f" configs unchanged: {after == before}"
+        )
+        return 0 if code == 1 and after == before else 1
 
     def _start_coordinator(self) -> str:
         self._step("3. the coordinator (status from the log, HTTP API, dashboard)")
@@ -171,6 +229,7 @@ class Demo:
                 str(self.workdir / "state"),
                 "--heartbeat-s",
                 "1",
+                *self._trust_flags(),
             ]
             self._spawn(worker_id, cmd, self.env)
             self.out.print(
@@ -178,6 +237,8 @@ class Demo:
             )
         if not has_xla:
             self.out.print("  (torch_xla not installed: all workers use the torch runner)")
+        if self.trust_store is not None:
+            self.out.print(f"  each with --trust-store {self.trust_store}: signed commands only")
         asyncio.run(self._wait_ready(ids, timeout=180))
 
     def _vllm(self) -> int:
@@ -240,6 +301,7 @@ class Demo:
                 str(self.workdir / "state"),
                 "--heartbeat-s",
                 "1",
+                *self._trust_flags(),
             ],
             env,
         )
@@ -443,6 +505,13 @@ class Demo:
             now = follower.current_as_of() or utcnow()
             return {w.worker_id: w.weights_version for w in follower.fleet.registry.workers(now)}
 
+    async def _configs(self) -> dict[str, str | None]:
+        """The config digest each worker reports in its latest heartbeat."""
+        async with Follower(KafkaSettings(bootstrap_servers=self.bootstrap)) as follower:
+            await follower.catch_up()
+            now = follower.current_as_of() or utcnow()
+            return {w.worker_id: w.config_digest for w in follower.fleet.registry.workers(now)}
+
     # ------------------------------------------------------------------ helpers
 
     async def _wait_ready(self, ids: list[str], timeout: float) -> None:
@@ -465,13 +534,18 @@ class Demo:
             f"workers not ready within {timeout:.0f}s; see {self.workdir / 'logs'}"
         )
 
+    def _trust_flags(self) -> list[str]:
+        return [] if self.trust_store is None else ["--trust-store", str(self.trust_store)]
+
     def _step(self, title: str) -> None:
         self.out.print(Rule(title, align="left"))
 
-    def _cli(self, *args: str) -> int:
+    def _cli(self, *args: str, env: dict[str, str] | None = None) -> int:
         self.out.print(f"$ controlplane {shlex.join(args)}", style="bold")
         proc = subprocess.run(
-            [sys.executable, "-m", "controlplane", *args], env=self.env, check=False
+            [sys.executable, "-m", "controlplane", *args],
+            env=self.env if env is None else env,
+            check=False,
         )
         return proc.returncode
 
