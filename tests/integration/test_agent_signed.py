@@ -6,6 +6,7 @@ real command's id), each refused with its code while a signed command is applied
 from __future__ import annotations
 
 import json
+import logging
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -241,6 +242,22 @@ async def test_duplicate_keys_in_a_signed_command_are_refused_first(
     first, last = terminal(acks.items, real.command_id)
     assert first.error is not None and first.error.code == "DUPLICATE_KEY"
     assert last.state is AckState.SUCCEEDED and runner.applied == ["v2"]
+
+
+async def test_the_start_up_log_says_whether_unsigned_commands_are_accepted(
+    kafka: KafkaSettings, tmp_path: Path, keys: Keys, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="workers.agent")
+    async with running_agent(kafka, tmp_path, RecordingRunner()):
+        pass
+    async with running_agent(kafka, tmp_path, RecordingRunner(), trust_store=keys.store):
+        pass
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if "commands: " in r.getMessage()]
+    assert len(lines) == 2, lines
+    (unsigned_level, unsigned), (signed_level, signed) = lines
+    assert unsigned_level == logging.WARNING and "UNSIGNED COMMANDS ACCEPTED" in unsigned
+    assert signed_level == logging.INFO and "signed commands only" in signed
+    assert f"{keys.store} (3 key(s), 1 revoked)" in signed
 
 
 def test_an_unreadable_or_invalid_trust_store_stops_the_worker_before_kafka(
