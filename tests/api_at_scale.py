@@ -17,20 +17,29 @@ loop free between two, as fetches are) and polls ``/api/v1/rollouts/{id}`` every
 to controlplane/api/app.py proposed in issue 18's closing note serves them (each page judged
 for its rows: ``Summaries.workers_page``, ``Summaries.status(workers_limit=...)``), installed
 here in front of the app's own routes. ``--profile``: under cProfile, the 40 costliest functions (cumulative) printed at the end.
-``--timings``: the judgments and listeners that run on the event loop, timed (count, total,
-longest): where the loop's time goes, at a small cost.
+``--timings``: the judgments and listeners that run on the event loop, timed in CPU time
+(count, total, median, longest): where the loop's time goes, whatever else the machine runs.
+It also prints where the loop was when it had not ticked for 200 ms (a watchdog thread's
+samples of its stack) and the garbage collector's pauses by generation; ``--freeze``: the heap
+built so far frozen (``gc.freeze()``) before serving, as a coordinator could once caught up.
+The client runs in the same process and loop (it decodes every page it reads): its share of the
+loop is in the numbers; ``--timings`` says what the coordinator's own steps cost.
 Nothing here is a test: numbers only (tests never assert on time).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import cProfile
+import gc
 import pstats
 import re
 import statistics
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 from typing import Annotated, Any
@@ -60,6 +69,7 @@ from tests.fleet_at_scale import (
 )
 
 Hook = Callable[[FastAPI, Coordinator], None]
+FREEZE = "--freeze" in sys.argv
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -94,6 +104,8 @@ async def measure(workers: int, rollouts: int, seconds: float, hook: Hook | None
     build(coordinator, workers=workers, rollouts=rollouts, active=1, replay=True)
     if hook is not None:  # after the build: what serving costs
         hook(app, coordinator)
+    if FREEZE:
+        gc.freeze()
     print(f"built {workers} workers x {rollouts} rollouts in {time.perf_counter() - started:.1f} s")
     origin[0] = time.monotonic()
     coordinator.follower.caught_up.set()
@@ -111,12 +123,40 @@ async def measure(workers: int, rollouts: int, seconds: float, hook: Hook | None
             await asyncio.sleep(0.3)
 
     stalls: list[float] = []
+    collected: dict[int, list[float]] = {}
+    collecting: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:  # full collections stall the loop
+        if phase == "start":
+            collecting[:] = [time.perf_counter()]
+        elif collecting:
+            took = time.perf_counter() - collecting[0]
+            collected.setdefault(info["generation"], []).append(took)
+
+    gc.callbacks.append(on_gc)
+
+    ticked = [time.perf_counter()]
+    stuck: collections.Counter[str] = collections.Counter()
 
     async def lateness() -> None:  # how late a 10 ms sleep wakes: the loop busy elsewhere
         while True:
             t = time.perf_counter()
             await asyncio.sleep(0.01)
-            stalls.append(time.perf_counter() - t - 0.01)
+            ticked[0] = time.perf_counter()
+            stalls.append(ticked[0] - t - 0.01)
+
+    main_thread = threading.get_ident()
+
+    def watchdog() -> None:  # what the loop runs when it has not ticked for 200 ms
+        while not quit_watch.is_set():
+            time.sleep(0.05)
+            if time.perf_counter() - ticked[0] > 0.2:
+                frame = sys._current_frames().get(main_thread)
+                stack = traceback.extract_stack(frame)[-14:] if frame is not None else []
+                stuck[" < ".join(f"{f.name}:{f.lineno}" for f in reversed(stack))] += 1
+
+    quit_watch = threading.Event()
+    threading.Thread(target=watchdog, daemon=True).start()
 
     watched: dict[str, list[float]] = {}
 
@@ -179,6 +219,13 @@ async def measure(workers: int, rollouts: int, seconds: float, hook: Hook | None
         print(
             f"event loop late: p99 {1000 * _pct(stalls, 0.99):.0f} ms, max {1000 * max(stalls):.0f} ms"
         )
+        for stack, samples in stuck.most_common(4):
+            print(f"loop stuck ({samples} samples of 50 ms): {stack}")
+        for generation, took in sorted(collected.items()):
+            print(
+                f"gc generation {generation}: {len(took)} collections, "
+                f"longest {1000 * max(took):.0f} ms, total {sum(took):.2f} s"
+            )
 
         # One more rollout pinned to all N: its 3 N acks in a burst, until shown succeeded.
         watcher_task = asyncio.create_task(watcher(client))
@@ -213,18 +260,22 @@ async def measure(workers: int, rollouts: int, seconds: float, hook: Hook | None
         for task in tasks[:2]:
             task.cancel()
     app.state.summaries.close()
+    gc.callbacks.remove(on_gc)
+    quit_watch.set()
 
 
 def _timed(owner: Any, name: str, out: dict[str, list[float]]) -> None:
-    inner = getattr(owner, name)
+    inner = getattr(owner, name, None)
+    if inner is None:  # not in this version of the product
+        return
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t = time.perf_counter()
+        t = time.thread_time()  # CPU time: what the step costs, however busy the machine is
         try:
             return inner(*args, **kwargs)
         finally:
             out.setdefault(f"{getattr(owner, '__name__', owner)}.{name}", []).append(
-                time.perf_counter() - t
+                time.thread_time() - t
             )
 
     setattr(owner, name, wrapper)
@@ -240,6 +291,8 @@ def timings(out: dict[str, list[float]]) -> Hook:
         (Fleet, "status"),
         (Fleet, "tally"),
         (Fleet, "worker_levels"),
+        (summary.Summaries, "_judge"),
+        (summary.Summaries, "_details"),
         (summary, "targets_status"),
         (summary.WorkerIndex, "update"),
         (summary.WorkerIndex, "set_desired"),
@@ -304,7 +357,7 @@ def main(argv: list[str], hook: Hook | None = None) -> None:
         finally:
             for name, got in sorted(spent.items(), key=lambda kv: -sum(kv[1])):
                 print(
-                    f"  {name:45s} n={len(got):5d} total {sum(got):6.2f} s  "
+                    f"  {name:45s} n={len(got):5d} CPU total {sum(got):6.2f} s  "
                     f"p50 {1000 * statistics.median(got):6.1f} ms  max {1000 * max(got):6.1f} ms"
                 )
         return

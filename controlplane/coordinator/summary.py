@@ -773,15 +773,16 @@ class Summaries:
         self, page: _Pinned, worker_ids: list[str], *, expected: bool
     ) -> list[WorkerDetail]:
         self.judged_workers += len(worker_ids)
-        return details(
-            page.command,
-            page.ledger,
-            self._coordinator.fleet.registry,
-            worker_ids,
-            now=page.judged_at,
-            cut=page.status.finished_at,
-            expected=expected,
-        )
+        with collector_paused():  # a collection now would scan the whole heap (see _judge)
+            return details(
+                page.command,
+                page.ledger,
+                self._coordinator.fleet.registry,
+                worker_ids,
+                now=page.judged_at,
+                cut=page.status.finished_at,
+                expected=expected,
+            )
 
     async def levels(self, budget: Budget | None = None) -> Levels:
         """Desired versions of every worker, at most ``max_stale_s`` old."""
