@@ -258,19 +258,19 @@ async def on_topic(kafka: KafkaSettings) -> dict[bytes, bytes]:
     return records
 
 
-async def damage(kafka: KafkaSettings, how: str) -> None:
-    """Spoil c1's snapshot on the topic (or the log under it) as ``how`` says."""
+async def damage(kafka: KafkaSettings, how: str, writer: str = "c1") -> None:
+    """Spoil ``writer``'s snapshot on the topic (or the log under it) as ``how`` says."""
     records = await on_topic(kafka)
-    key = snapshot_key(MANIFEST, "c1")
+    key = snapshot_key(MANIFEST, writer)
     manifest = msgspec.json.decode(records[key])
     topic = kafka.topics.snapshots.name
     async with Producer(kafka) as producer:
         if how == "corrupt chunk":
-            chunk = snapshot_key("chunk", "c1", manifest["snapshot_id"], "0")
+            chunk = snapshot_key("chunk", writer, manifest["snapshot_id"], "0")
             spoiled = records[chunk][:-1] + bytes([records[chunk][-1] ^ 0xFF])
             await producer.send(topic, spoiled, key=chunk)
         elif how == "missing chunk":
-            chunk = snapshot_key("chunk", "c1", manifest["snapshot_id"], "0")
+            chunk = snapshot_key("chunk", writer, manifest["snapshot_id"], "0")
             await producer.send(topic, None, key=chunk)
         elif how == "unknown version":
             manifest["format"] = 99
@@ -380,3 +380,31 @@ async def test_healthz_and_the_metrics_say_what_the_start_restored_from(
     assert "controlplane_snapshot_restored 1.0" in metrics
     assert "controlplane_snapshot_restored_age_seconds" in metrics
     assert "controlplane_snapshots_written_total 0.0" in metrics
+
+
+async def test_the_best_snapshot_refused_the_next_valid_one_is_restored(
+    fleet: KafkaSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two writers: the one covering more is corrupt, so the start takes the other's (older,
+    covering less) and folds a longer tail, to the same answers as a full replay."""
+    async with Producer(fleet) as producer:
+        h = History(fleet, producer)
+        await history_before(h)
+        async with started(settings_for(fleet, "c1", snapshot_interval_s=0.05)) as c1:
+            await wait_for(lambda: c1.fleet.stats().compacted == 3)
+            older = await ends(fleet)
+            await wait_for(lambda: c1.snapshots.info.last_offsets == older)
+        await history_between(h)
+        async with started(settings_for(fleet, "c1b", snapshot_interval_s=0.05)) as c1b:
+            newer = await ends(fleet)
+            await wait_for(lambda: c1b.snapshots.info.last_offsets == newer)
+        await history_after(h)
+    await damage(fleet, "corrupt chunk", writer="c1b")
+    async with (
+        started(settings_for(fleet, "c2")) as restored,
+        started(settings_for(fleet, "c3", snapshot_restore=False)) as replayed,
+    ):
+        info = restored.snapshots.info
+        assert (info.started_from, info.writer, info.offsets) == ("snapshot", "c1", older)
+        assert f"error: {LocalCode.SNAPSHOT_CORRUPT}: manifest/c1b" in caplog.text
+        await settled_alike(restored, replayed)
