@@ -22,9 +22,12 @@ written as records, a coordinator's start to ready from a snapshot and in full (
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -362,13 +365,12 @@ async def _snapshot(workers: int, rollouts: int) -> None:
     import gc
 
     from controlplane.coordinator.service import CoordinatorSettings
-    from controlplane.coordinator.snapshots import chunked, decode_payload, restore_control
+    from controlplane.coordinator.snapshots import chunked
     from controlplane.kafka.settings import KafkaSettings
 
     settings = CoordinatorSettings(kafka=KafkaSettings(bootstrap_servers="127.0.0.1:9"))
     clock = lambda: NOW  # noqa: E731
     coordinator = Coordinator(settings, clock=clock, current_as_of=clock)
-    rss = _rss_mb()
     started = time.perf_counter()
     build(coordinator, workers=workers, rollouts=rollouts, replay=True)
     print(
@@ -401,11 +403,33 @@ async def _snapshot(workers: int, rollouts: int) -> None:
     )
     when = NOW
     before = {r: coordinator.fleet.tally(r, when) for r in coordinator.fleet.rollout_ids()}
-    payload = captured.payload
-    del coordinator, captured, chunks
-    gc.collect()
+    with tempfile.NamedTemporaryFile(suffix=".snapshot") as file:
+        file.write(captured.payload)
+        file.flush()
+        del coordinator, captured, chunks
+        gc.collect()
+        child = [sys.executable, "-m", "tests.fleet_at_scale", "--restore", file.name]
+        out = subprocess.run(  # noqa: ASYNC221 - a measurement, nothing else runs
+            [*child, str(workers), str(rollouts)], capture_output=True, text=True, check=True
+        ).stdout
+    print(out.strip().splitlines()[0])
+    after = ast.literal_eval(out.strip().splitlines()[1])
+    print(f"every rollout's tally equal: {after == {r: str(t) for r, t in before.items()}}")
+
+
+async def _restore(path: str, workers: int, rollouts: int) -> None:
+    """In a process of its own (for its memory): restore a snapshot's payload from ``path``,
+    fold the workers' heartbeats, print the time and RSS, then every rollout's tally."""
+    from controlplane.coordinator.service import CoordinatorSettings
+    from controlplane.coordinator.snapshots import decode_payload, restore_control
+    from controlplane.kafka.settings import KafkaSettings
+
+    with open(path, "rb") as file:  # noqa: ASYNC230 - a measurement
+        payload = file.read()
     rss = _rss_mb()
     t = time.perf_counter()
+    settings = CoordinatorSettings(kafka=KafkaSettings(bootstrap_servers="127.0.0.1:9"))
+    clock = lambda: NOW  # noqa: E731
     again = Coordinator(settings, clock=clock, current_as_of=clock)
     decoded = decode_payload(payload)
     again.fleet.restore(decoded.fold)
@@ -413,11 +437,12 @@ async def _snapshot(workers: int, rollouts: int) -> None:
         restore_control(again.control, decoded.control)
     restore_s = time.perf_counter() - t
     build_heartbeats(again, workers, rollouts)  # the workers topic, read whole
-    after = {r: again.fleet.tally(r, when) for r in again.fleet.rollout_ids()}
     print(
-        f"restore: decoded and restored in {restore_s:.2f} s (+{_rss_mb() - rss:.0f} MB, with "
-        f"the {workers} heartbeats); every rollout's tally equal: {after == before}"
+        f"restore (a fresh process): decoded and restored in {restore_s:.2f} s; RSS "
+        f"{_rss_mb():.0f} MB with the {workers} heartbeats ({rss:.0f} MB before the payload "
+        "was decoded)"
     )
+    print({r: str(again.fleet.tally(r, NOW)) for r in again.fleet.rollout_ids()})
 
 
 def build_heartbeats(coordinator: Coordinator, workers: int, rollouts: int) -> None:
@@ -579,9 +604,11 @@ def _metric(text: str, name: str) -> float:
 if __name__ == "__main__":
     restart = "--restart" in sys.argv
     snapshot = "--snapshot" in sys.argv
-    args = [int(a) for a in sys.argv[1:] if not a.startswith("--")]
+    args = [int(a) for a in sys.argv[1:] if a.isdigit()]
     n, r, rounds, active = [*args, *(10_000, 100, 40, 2)[len(args) :]]
-    if "--start" in sys.argv:
+    if "--restore" in sys.argv:
+        asyncio.run(_restore(sys.argv[2], *[int(a) for a in sys.argv[3:5]]))
+    elif "--start" in sys.argv:
         _start_on_a_broker(n, r)
     elif snapshot:
         asyncio.run(_snapshot(n, r))
