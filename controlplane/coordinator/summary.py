@@ -10,8 +10,10 @@ What the API's summary and list endpoints, the dashboard and ``/metrics`` read (
 - :class:`Summaries`: each rollout judged in counts (``Fleet.tally``, O(its workers) but no
   detail per worker made; one pinned to workers that all reported a terminal state is judged
   from its acks alone) at most once per change, cached as a :class:`RolloutOverview` (counts, no
-  per-worker list), and the full status (``Fleet.status``) of the few rollouts whose workers are
-  being read. A judgment that finds a rollout ended, at an instant the coordinator knows to be
+  per-worker list) with the status it counted; a page of a rollout pinned to worker ids
+  (:meth:`Summaries.workers_page`, :meth:`Summaries.status` with ``workers_limit``) is judged
+  against it for the page's workers only (``judge.details``); the full status (``Fleet.status``)
+  is made only for the few rollouts chosen by labels whose workers are being read. A judgment that finds a rollout ended, at an instant the coordinator knows to be
   current, tells the fleet (``Fleet.note_ended``): compaction does not judge it again. A judgment is reused while it is *fresh*:
   nothing was folded for the rollout since, and it is settled (ended, every worker terminal:
   only acks can change it) or younger than ``max_age_s``. A stale one is served as it is (its
@@ -24,8 +26,9 @@ What the API's summary and list endpoints, the dashboard and ``/metrics`` read (
   judgment. A judgment cheaper than the reader's :class:`Budget` is made for the request, so a
   small fleet is always answered as the fold says now.
 
-The desired versions of workers (``Fleet.worker_levels`` and targets, both O(workers x reload
-rollouts)) are cached the same way. Nothing here changes the fold.
+The desired versions of workers (targets, and ``Fleet.worker_levels`` or, when every reload
+rollout is pinned to worker ids, the same found from their acks and ended judgments without a
+Track per worker) are cached the same way. Nothing here changes the fold.
 """
 
 from __future__ import annotations
