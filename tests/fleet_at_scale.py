@@ -22,8 +22,8 @@ written as records, a coordinator's start to ready from a snapshot and in full (
 
 from __future__ import annotations
 
-import ast
 import asyncio
+import json
 import statistics
 import subprocess
 import sys
@@ -36,6 +36,7 @@ from typing import Final
 
 from controlplane.coordinator.follower import Batch
 from controlplane.coordinator.service import Coordinator
+from controlplane.rollout.judge import Tally
 from controlplane.wire.ack_codec import FastAck, FastAckError, FastTimings
 from controlplane.wire.protocol import (
     AckState,
@@ -413,8 +414,11 @@ async def _snapshot(workers: int, rollouts: int) -> None:
             [*child, str(workers), str(rollouts)], capture_output=True, text=True, check=True
         ).stdout
     print(out.strip().splitlines()[0])
-    after = ast.literal_eval(out.strip().splitlines()[1])
-    print(f"every rollout's tally equal: {after == {r: str(t) for r, t in before.items()}}")
+    after = json.loads(out.strip().splitlines()[1])
+    differ = [r for r, t in before.items() if after.get(r) != _tallied(t)]
+    print(f"every rollout's tally equal: {not differ and after.keys() == before.keys()}")
+    for r in differ[:2]:
+        print(f"  {r}: {before[r]}\n  restored: {after.get(r)}")
 
 
 async def _restore(path: str, workers: int, rollouts: int) -> None:
@@ -442,7 +446,15 @@ async def _restore(path: str, workers: int, rollouts: int) -> None:
         f"{_rss_mb():.0f} MB with the {workers} heartbeats ({rss:.0f} MB before the payload "
         "was decoded)"
     )
-    print({r: str(again.fleet.tally(r, NOW)) for r in again.fleet.rollout_ids()})
+    print(json.dumps({r: _tallied(again.fleet.tally(r, NOW)) for r in again.fleet.rollout_ids()}))
+
+
+def _tallied(tally: Tally) -> list[object]:
+    """A tally as JSON (compared across processes)."""
+    status = tally.status.model_dump(mode="json")
+    return json.loads(
+        json.dumps([status, tally.errors, tally.versions, tally.late, tally.unexpected])
+    )
 
 
 def build_heartbeats(coordinator: Coordinator, workers: int, rollouts: int) -> None:
