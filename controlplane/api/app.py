@@ -66,7 +66,7 @@ from controlplane.coordinator.summary import (
     in_sync_with,
 )
 from controlplane.kafka.bus import Delivery
-from controlplane.rollout.models import RolloutPhase, RolloutStatus, WorkerDetail, WorkerState
+from controlplane.rollout.models import RolloutPhase, RolloutStatus, WorkerState
 from controlplane.rollout.registry import Registry, WorkerView, is_alive
 from controlplane.wire.errors import BusError, ControlPlaneError, LocalCode
 from controlplane.wire.protocol import WorkerStatus
@@ -226,9 +226,11 @@ def create_app(
             404, ApiErrorCode.ROLLOUT_NOT_FOUND, f"no rollout {rollout_id!r} in the log"
         )
 
-    async def status_or_404(rollout_id: str, want: Want = Want.FRESH) -> RolloutStatus:
+    async def status_or_404(
+        rollout_id: str, want: Want = Want.FRESH, workers_limit: int | None = None
+    ) -> RolloutStatus:
         try:
-            return await summaries.status(rollout_id, want=want)
+            return await summaries.status(rollout_id, want=want, workers_limit=workers_limit)
         except KeyError:
             raise no_rollout(rollout_id) from None
 
@@ -323,7 +325,8 @@ def create_app(
         rollout_id: str,
         workers_limit: WorkersLimit = PAGE_MAX,
     ) -> Response:
-        shown = rollout_out(await status_or_404(rollout_id, Want.BOUNDED), workers_limit)
+        status = await status_or_404(rollout_id, Want.BOUNDED, workers_limit)
+        shown = rollout_out(status, workers_limit)
         return Response(rollout_json(shown), media_type="application/json")
 
     @app.get(
@@ -360,21 +363,20 @@ def create_app(
         limit: PageSize = PAGE_DEFAULT,
         cursor: Cursor = None,
     ) -> list[RolloutWorker]:
-        status = await status_or_404(rollout_id, Want.BOUNDED)
         after = None if cursor is None else decode_cursor(cursor, 1)[0]
-        states = set(state) if state else None
-        codes = set(code) if code else None
-
-        def keep(row: tuple[WorkerDetail, bool]) -> bool:
-            detail, flagged = row
-            return (
-                (states is None or detail.state in states)
-                and (codes is None or (detail.error is not None and detail.error.code in codes))
-                and (unexpected is None or flagged is unexpected)
+        try:  # a rollout pinned to worker ids: judged for this page only
+            page, more = await summaries.workers_page(
+                rollout_id,
+                after=after,
+                limit=limit,
+                states=set(state) if state else None,
+                codes=set(code) if code else None,
+                unexpected=unexpected,
             )
-
-        rows = _rollout_rows(status)
-        page = _page(request, response, rows, after, limit, keep, lambda r: r[0].worker_id)
+        except KeyError:
+            raise no_rollout(rollout_id) from None
+        if more:
+            _link_next(request, response, page[-1][0].worker_id)
         return [RolloutWorker(**dict(detail), unexpected=flagged) for detail, flagged in page]
 
     @app.get(
@@ -667,15 +669,6 @@ def _worker_out(worker_id: str, levels: Levels, registry: Registry, now: datetim
     )
 
 
-def _rollout_rows(status: RolloutStatus) -> Sequence[tuple[WorkerDetail, bool]]:
-    """A rollout's workers, expected and unexpected (flagged True), sorted by id."""
-    rows = [(w, False) for w in status.workers]
-    if status.unexpected:
-        rows.extend((w, True) for w in status.unexpected)
-        rows.sort(key=lambda r: r[0].worker_id)
-    return rows
-
-
 def rollout_json(shown: RolloutOut, *, exclude: set[str] | None = None) -> str:
     """``shown`` as JSON; without ``workers_next`` when every worker is listed: exactly the
     RolloutStatus that ``controlplane status --json`` prints."""
@@ -770,7 +763,7 @@ async def _status_events(
     resync = False
     async with contextlib.aclosing(_changes(coordinator, tick_s)) as feed:
         while True:
-            status = await summaries.status(rollout_id)
+            status = await summaries.status(rollout_id, workers_limit=workers_limit)
             if resync:
                 sent += 1
                 yield ServerSentEvent(
