@@ -199,10 +199,15 @@ class CoordinatorMetrics:
         # Commands first: an ack in the same batch may be for a command in it.
         for command in batch.commands:
             samples.extend(self.latency.command(command))
+        # One increment per (state, code) of the batch, not per ack: a batch of 30,000 acks
+        # costs 30,000 label lookups and locked increments otherwise (~40 ms).
+        counted: collections.Counter[tuple[str, str | None]] = collections.Counter()
         for ack in batch.acks:
             error = ack.error
-            self._acks.labels(ack.state.value, code_label(error.code if error else None)).inc()
+            counted[ack.state.value, error.code if error else None] += 1
             samples.extend(self.latency.ack(ack))
+        for (state, code), n in counted.items():
+            self._acks.labels(state, code_label(code)).inc(n)
         for sample in samples:
             self._latency.labels(sample.kind, sample.state).observe(sample.seconds)
 
