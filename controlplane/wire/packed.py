@@ -49,15 +49,31 @@ def _joined(ids: list[str]) -> bytes:
     return "\n".join(ids).encode("utf-8")
 
 
+#: zlib's default level: within 1 % of level 9's size for lists of ids, 3x faster on random ids.
+_LEVEL: Final = 6
+#: The last few lists packed, by their ids: an API serving one pinned rollout over and over (its
+#: status, its stream) packs the same 10,000 ids each time otherwise (2-9 ms).
+_PACKED: dict[tuple[str, ...], PackedIds] = {}
+_PACKED_MAX: Final = 16
+
+
 def pack(ids: list[str]) -> PackedIds:
+    key = tuple(ids)
+    held = _PACKED.get(key)
+    if held is not None:
+        return held
     joined = _joined(ids)
-    compressed = zlib.compress(joined, 9, wbits=31)  # wbits 31: the gzip container
-    return PackedIds(
+    compressed = zlib.compress(joined, _LEVEL, wbits=31)  # wbits 31: the gzip container
+    packed = PackedIds(
         packed="gzip",
         count=len(ids),
         sha256=hashlib.sha256(joined).hexdigest(),
         data=base64.b64encode(compressed).decode("ascii"),
     )
+    if len(_PACKED) >= _PACKED_MAX:
+        del _PACKED[next(iter(_PACKED))]  # the oldest
+    _PACKED[key] = packed
+    return packed
 
 
 def unpack(packed: PackedIds) -> list[str]:

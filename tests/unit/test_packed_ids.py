@@ -118,3 +118,15 @@ def test_ids_inside_a_packed_list_are_validated_like_listed_ones() -> None:
 def test_pack_and_unpack_are_inverse() -> None:
     for ids in ([], ["a"], FLEET[:3], FLEET):
         assert unpack(pack(ids)) == ids
+
+
+def test_packing_again_answers_from_the_last_lists_packed_and_only_for_the_same_ids() -> None:
+    from controlplane.wire import packed as packed_module
+
+    lists = [[f"w-{n}-{i}" for i in range(1_500)] for n in range(packed_module._PACKED_MAX + 3)]
+    first = [packed_module.pack(ids) for ids in lists]
+    assert len(packed_module._PACKED) == packed_module._PACKED_MAX
+    assert packed_module.pack(lists[-1]) is first[-1]  # held
+    for ids, made in zip(lists, first, strict=True):
+        again = packed_module.pack(list(ids))
+        assert again == made and packed_module.unpack(again) == ids
