@@ -90,8 +90,12 @@ def _proc_status(pid: int) -> dict[str, int]:
 class Coordinator:
     """``python -m controlplane coordinator`` as a child process, on a free port."""
 
-    def __init__(self, bootstrap: str, prefix: str, log_file: Path) -> None:
+    def __init__(
+        self, bootstrap: str, prefix: str, log_file: Path, env: dict[str, str] | None = None
+    ) -> None:
         from controlplane.kafka.launch import free_port
+
+        self.env = {**os.environ, **(env or {})}
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -116,7 +120,12 @@ class Coordinator:
         with open(self.log_file, "ab") as log:  # noqa: ASYNC230 - a local log file
             started = time.perf_counter()
             self.proc = subprocess.Popen(  # noqa: ASYNC220 - /proc is read by its pid
-                self.argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO_ROOT
+                self.argv,
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                cwd=REPO_ROOT,
+                env=self.env,
             )
         deadline = started + cap_s
         polls = unanswered = 0
@@ -141,6 +150,19 @@ class Coordinator:
                 unanswered += 1
             await asyncio.sleep(0.1)
         return {"ready": False, "killed_at_cap": True, "error": f"not ready within {cap_s:g} s"}
+
+    async def snapshot_written(self, client: httpx.AsyncClient, cap_s: float) -> dict[str, Any]:
+        """Poll ``/healthz`` until this coordinator has written a snapshot of its fold."""
+        started = time.perf_counter()
+        while time.perf_counter() - started < cap_s:
+            try:
+                info = (await client.get(f"{self.url}/healthz", timeout=5)).json()["snapshot"]
+            except (httpx.HTTPError, KeyError, ValueError):
+                info = {}
+            if info.get("written"):
+                return {"written": True, "waited_s": time.perf_counter() - started, "info": info}
+            await asyncio.sleep(0.5)
+        return {"written": False, "error": f"no snapshot written within {cap_s:g} s"}
 
     def memory(self) -> dict[str, float]:
         if self.proc is None:

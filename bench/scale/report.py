@@ -131,6 +131,21 @@ def rows(levels: list[dict[str, Any]]) -> list[list[Any]]:
             f"{fmt(peak, '.0f')} MB peak after the API calls" + x_floor(lv, "ready")
         )
 
+    def restart(lv: dict[str, Any]) -> str:
+        r = lv["api"].get("restart")
+        if r is None:
+            return f"not run: {lv['api'].get('snapshot', {}).get('error', 'no snapshot')}"
+        if not r.get("ready"):
+            return f"not ready: {r.get('error')}"
+        snap = r.get("snapshot") or {}
+        came = snap.get("started_from", "?")
+        if came == "snapshot":
+            came = f"from a {(snap.get('bytes') or 0) / 2**20:.1f} MB snapshot"
+            came += f" restored in {fmt(snap.get('restore_s'))} s"
+        else:
+            came = f"{came} ({snap.get('reason')})"
+        return f"{r['ready_s']:.2f} s, {r['rss_mb_at_ready']:.0f} MB at ready; {came}"
+
     def summaries(lv: dict[str, Any]) -> str:
         found = lv["api"]["summary"]
         if not found:
@@ -212,6 +227,11 @@ def rows(levels: list[dict[str, Any]]) -> list[list[Any]]:
             *each(ready),
             f"< {READY_S:g} s, RSS < {READY_RSS_MB / 1024:g} GB",
         ],
+        [
+            "coordinator restart to ready (after it wrote a snapshot)",
+            *each(restart),
+            f"< {READY_S:g} s, RSS < {READY_RSS_MB / 1024:g} GB",
+        ],
         ["`GET /api/v1/workers`", *each(lambda lv: _http_cell(lv["api"]["workers"])), "-"],
         [
             "`GET /api/v1/rollouts?limit=50`",
@@ -248,6 +268,7 @@ def targets(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
         by_api = api.get("status_one_api", {})
         by_api_s = by_api.get("wall_s") if by_api.get("exit_code") == 0 else None
         start = api.get("start", {})
+        again = api.get("restart") or {}
         summaries = api.get("summary")
         false = (d["false_alive"] or 0) + (d["false_phase"] or 0)
         for said in (d["status_one_phase"], by_api.get("phase")):
@@ -286,6 +307,21 @@ def targets(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "value": start.get("rss_mb_at_ready"),
                 "verdict": _verdict(start.get("rss_mb_at_ready"), READY_RSS_MB),
                 "detail": f"{fmt(start.get('rss_mb_at_ready'), '.0f')} MB",
+            },
+            {
+                "name": f"coordinator restart ready < {READY_S:g} s {at}",
+                "value": again.get("ready_s"),
+                "verdict": _verdict(again.get("ready_s"), READY_S),
+                "detail": f"{fmt(again.get('ready_s'))} s, restored from "
+                f"{(again.get('snapshot') or {}).get('started_from')}"
+                if again.get("ready")
+                else "not ready / not run",
+            },
+            {
+                "name": f"coordinator restart RSS at ready < 1 GB {at}",
+                "value": again.get("rss_mb_at_ready"),
+                "verdict": _verdict(again.get("rss_mb_at_ready"), READY_RSS_MB),
+                "detail": f"{fmt(again.get('rss_mb_at_ready'), '.0f')} MB",
             },
             {
                 "name": f"summary endpoints p99 < {SUMMARY_P99_S * 1e3:g} ms {at}",

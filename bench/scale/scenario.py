@@ -41,6 +41,10 @@ from bench.scale.probe import (
     timed_get,
 )
 
+#: The coordinators under test write their first snapshot soon after catching up (the product's
+#: default is every 300 s), so that a restart can be timed within the run.
+SNAPSHOT_ENV = {"FLEET_COORDINATOR_SNAPSHOT_INTERVAL_S": "5"}
+
 
 class Scenario:
     def __init__(self, args: argparse.Namespace, bootstrap: str, n: int, r: int, tmp: Path) -> None:
@@ -134,7 +138,9 @@ class Scenario:
 
     async def api(self, client: httpx.AsyncClient) -> None:
         cap, samples, budget = self.args.cap_s, self.args.samples, self.args.budget_s
-        coordinator = Coordinator(self.bootstrap, self.prefix, self.tmp / "coordinator.log")
+        coordinator = Coordinator(
+            self.bootstrap, self.prefix, self.tmp / "coordinator.log", SNAPSHOT_ENV
+        )
         api: dict[str, Any] = {}
         self.out["api"] = api
         try:
@@ -187,8 +193,26 @@ class Scenario:
             finally:
                 api["watcher"] = await watcher.stop()
                 api["memory_at_end"] = coordinator.memory()
+            api["snapshot"] = await coordinator.snapshot_written(client, cap)
+            self.log(f"snapshot: {api['snapshot']}")
         finally:
             coordinator.stop()
+        if api.get("snapshot", {}).get("written"):
+            api["restart"] = await self.restart(client)
+
+    async def restart(self, client: httpx.AsyncClient) -> dict[str, Any]:
+        """A coordinator started again on the same log, after the first wrote its snapshot:
+        start until ready, and what it restored from."""
+        again = Coordinator(
+            self.bootstrap, self.prefix, self.tmp / "coordinator-restart.log", SNAPSHOT_ENV
+        )
+        try:
+            out = await again.start(client, self.args.cap_s)
+        finally:
+            again.stop()
+        out["snapshot"] = out.pop("health", {}).get("snapshot")
+        self.log(f"coordinator restart: {out}")
+        return out
 
     async def dashboard(self, client: httpx.AsyncClient, base: str) -> dict[str, Any]:
         page = await timed_get(client, f"{base}/", self.args.cap_s)
