@@ -126,15 +126,18 @@ def rows(levels: list[dict[str, Any]]) -> list[list[Any]]:
         if not s.get("ready"):
             return f"not ready: {s.get('error')}"
         peak = lv["api"].get("memory_at_end", {}).get("peak_rss_mb")
+        second = (lv["api"].get("restart") or {}).get("writer_start") or {}
+        again = f"; again: {second['ready_s']:.2f} s" if second.get("ready") else ""
         return (
             f"{s['ready_s']:.2f} s, {s['rss_mb_at_ready']:.0f} MB at ready, "
-            f"{fmt(peak, '.0f')} MB peak after the API calls" + x_floor(lv, "ready")
+            f"{fmt(peak, '.0f')} MB peak after the API calls" + x_floor(lv, "ready") + again
         )
 
     def restart(lv: dict[str, Any]) -> str:
         r = lv["api"].get("restart")
-        if r is None:
-            return f"not run: {lv['api'].get('snapshot', {}).get('error', 'no snapshot')}"
+        if r is None or "ready" not in r:
+            written = (r or {}).get("written") or {}
+            return f"not run: {written.get('error', 'no snapshot written')}"
         if not r.get("ready"):
             return f"not ready: {r.get('error')}"
         snap = r.get("snapshot") or {}
