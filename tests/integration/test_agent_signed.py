@@ -15,6 +15,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from controlplane.kafka.settings import KafkaSettings
+from controlplane.rollout.fleet import Fleet
+from controlplane.rollout.models import RolloutPhase
 from controlplane.wire.errors import ControlPlaneError, LocalCode
 from controlplane.wire.protocol import (
     AckState,
@@ -199,6 +201,15 @@ async def test_a_forged_record_with_a_real_commands_id_does_not_block_it(
         "succeeded",
     ]
     assert runner.applied == ["v2"] and mine[-1].weights_version == "v2"
+    # The refusals name no kind (as a NACK of an unreadable record): a reader of the log
+    # shows them as anomalies, and the rollout as the real command went.
+    assert [a.kind for a in mine[:3]] == [None, None, None]
+    fleet = Fleet()  # the real command, as pinned to the worker that ran it
+    fleet.observe_command(real.model_copy(update={"selector": Selector(worker_ids=["w1"])}))
+    for ack in mine:
+        fleet.observe_ack(ack)
+    status = fleet.status(real.rollout_id, utcnow())
+    assert status.phase is RolloutPhase.SUCCEEDED, (status.phase, status.message, status.counts)
 
 
 async def test_a_replayed_signed_command_is_applied_once(

@@ -158,7 +158,10 @@ class CommandPath:
         try:
             admitted = self._gate.admit(command, record.value or b"")
         except CommandRejected as exc:
-            ctx = CommandContext(command.command_id, command.rollout_id, command.kind, received)
+            # No kind on the NACK, as on one of an unreadable record: a reader folds it as an
+            # anomaly, never as this worker's outcome of the command of that id (a forged record
+            # in front of the real command must not fail the rollout the real one succeeds in).
+            ctx = CommandContext(command.command_id, command.rollout_id, None, received)
             return await self._refuse_unremembered(ctx, exc)
         replay = await self._replay(command.command_id)
         if replay is not None:
