@@ -16,7 +16,7 @@ user's back.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
 from urllib.parse import quote
 
@@ -69,7 +69,7 @@ class Remote:
     async def _get(self, path: str, params: dict[str, Any] | None = None) -> httpx.Response:
         try:
             response = await self._client.get(path, params=params)
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise CoordinatorUnavailable(
                 f"coordinator API at {self.url} unreachable: {type(exc).__name__}: {exc}"
             ) from None
@@ -82,6 +82,36 @@ class Remote:
             )
         return response
 
+    async def _pages(self, path: str) -> AsyncIterator[list[dict[str, Any]]]:
+        """The rows of a paginated list, page by page, from ``path`` along ``Link: rel="next"``.
+        A link to another origin, a link seen before or a page of no rows that names a next one
+        is not the API's pagination: refused, never followed (no loop, no other host)."""
+        seen: set[str] = set()
+        next_path: str | None = path
+        while next_path is not None:
+            try:
+                url = self._client.base_url.join(next_path)
+            except httpx.InvalidURL:
+                url = httpx.URL()  # no origin: refused below
+            if (url.scheme, url.host, url.port) != (
+                self._client.base_url.scheme,
+                self._client.base_url.host,
+                self._client.base_url.port,
+            ) or str(url) in seen:
+                raise CoordinatorUnavailable(
+                    f"coordinator API at {self.url} paginated to {next_path!r}: not a next page"
+                )
+            seen.add(str(url))
+            page = await self._get(str(url.copy_set_param("limit", WORKERS_PAGE)))
+            rows = _json_list(page, self.url)
+            link = page.links.get("next", {}).get("url")
+            if link and not rows:
+                raise CoordinatorUnavailable(
+                    f"coordinator API at {self.url} answered an empty page with a next one"
+                )
+            yield rows
+            next_path = link or None
+
     async def status(self, rollout_id: str, *, workers: bool = True) -> RolloutStatus:
         """The rollout's status as the coordinator judges it now; with every worker when
         ``workers`` (the pages ``workers_next`` names), else the first page only."""
@@ -89,14 +119,15 @@ class Remote:
         first = await self._get(path, {"workers_limit": WORKERS_PAGE if workers else 0})
         body = _json_object(first, self.url)
         next_path = body.pop("workers_next", None)
-        listed: list[Any] = body.get("workers", [])
-        while workers and next_path:
-            page = await self._get(str(next_path), None)
-            rows = _json_list(page, self.url)
-            listed.extend({k: v for k, v in row.items() if k != "unexpected"} for row in rows)
-            link = page.links.get("next", {}).get("url")
-            next_path = _with_limit(link) if link else None
-        if workers and next_path is None and len(listed) < _expected(body):
+        listed = body.get("workers", [])
+        if not isinstance(listed, list) or not isinstance(next_path, str | None):
+            raise CoordinatorUnavailable(
+                f"coordinator API at {self.url} answered a rollout this CLI cannot read"
+            )
+        if workers and next_path:
+            async for rows in self._pages(next_path):
+                listed.extend({k: v for k, v in row.items() if k != "unexpected"} for row in rows)
+        if workers and len(listed) < _expected(body):
             raise CoordinatorUnavailable(
                 f"coordinator API at {self.url} listed {len(listed)} of the rollout's "
                 f"{_expected(body)} workers"
@@ -113,22 +144,18 @@ class Remote:
         heartbeat of each heard from, and each one's level (desired against reported)."""
         views: list[WorkerView] = []
         levels: list[WorkerLevel] = []
-        next_path: str | None = f"{API_PREFIX}/workers?limit={WORKERS_PAGE}"
-        while next_path:
-            page = await self._get(next_path)
-            try:
-                for row in _json_list(page, self.url):
+        try:
+            async for rows in self._pages(f"{API_PREFIX}/workers"):
+                for row in rows:
                     heartbeat = row.pop("heartbeat", None)
                     row.pop("target", None)
                     levels.append(WorkerLevel.model_validate(row))
                     if heartbeat is not None:
                         views.append(WorkerView.model_validate(heartbeat))
-            except ValueError as exc:
-                raise CoordinatorUnavailable(
-                    f"coordinator API at {self.url} answered workers this CLI cannot read: {exc}"
-                ) from None
-            link = page.links.get("next", {}).get("url")
-            next_path = _with_limit(link) if link else None
+        except ValueError as exc:
+            raise CoordinatorUnavailable(
+                f"coordinator API at {self.url} answered workers this CLI cannot read: {exc}"
+            ) from None
         return views, levels
 
     async def watch(
@@ -145,11 +172,6 @@ class Remote:
             if status.terminal:
                 return await self.status(rollout_id) if json_out else status
             await asyncio.sleep(max(0.0, WATCH_EVERY_S - (time.monotonic() - started)))
-
-
-def _with_limit(path: str) -> str:
-    url = httpx.URL(path)
-    return str(url.copy_set_param("limit", WORKERS_PAGE))
 
 
 def _expected(body: dict[str, Any]) -> int:

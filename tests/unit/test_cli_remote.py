@@ -72,3 +72,53 @@ async def test_a_refused_connection_is_unavailable() -> None:
         raise httpx.ConnectError("connection refused", request=request)
 
     assert "unreachable: ConnectError" in await unavailable(handler)
+
+
+def paged(link: str | None, rows: list[dict[str, Any]] | None = None) -> httpx.Response:
+    headers = {"Link": f'<{link}>; rel="next"'} if link else {}
+    return httpx.Response(200, json=rows if rows is not None else [{}], headers=headers)
+
+
+def first_page(request: httpx.Request, next_path: str) -> httpx.Response:
+    body = {"expected": 5, "workers": [], "workers_next": next_path}
+    return httpx.Response(200, json=body)
+
+
+async def test_a_next_link_seen_before_is_not_followed_again() -> None:
+    """A coordinator (or something else) that links a page to itself: refused, not a loop."""
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        if request.url.path.endswith("/workers"):
+            return paged("/api/v1/rollouts/r-1/workers?cursor=a")
+        return first_page(request, "/api/v1/rollouts/r-1/workers?cursor=a")
+
+    assert "not a next page" in await unavailable(handler)
+    assert len(seen) == 2  # the rollout and the page of workers; its link to itself refused
+
+
+async def test_a_next_link_to_another_host_is_not_followed() -> None:
+    asked: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(str(request.url))
+        return first_page(request, "http://elsewhere.test/api/v1/rollouts/r-1/workers")
+
+    assert "not a next page" in await unavailable(handler)
+    assert all(url.startswith(URL) for url in asked)
+
+
+async def test_an_empty_page_that_names_a_next_one_is_refused() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/workers"):
+            return paged(f"/api/v1/rollouts/r-1/workers?cursor={len(request.url.query)}", [])
+        return first_page(request, "/api/v1/rollouts/r-1/workers")
+
+    assert "empty page with a next one" in await unavailable(handler)
+
+
+async def test_workers_that_are_not_a_list_and_a_link_that_is_no_url() -> None:
+    bad = {"expected": 1, "workers": {"w1": {}}}
+    assert "cannot read" in await unavailable(lambda r: httpx.Response(200, json=bad))
+    assert "not a next page" in await unavailable(lambda r: first_page(r, "http://[::1"))
