@@ -388,6 +388,17 @@ class Manifest(msgspec.Struct, frozen=True):
         """How many records it covers (the sum of its offsets): the most is the best."""
         return sum(offset for _, _, offset in self.offsets)
 
+    def written(self) -> datetime:
+        """When it was written (SNAPSHOT_CORRUPT for a ``written_at`` that is no datetime: not
+        finite, or past the years 1-9999)."""
+        try:
+            return datetime.fromtimestamp(self.written_at, UTC)
+        except (ValueError, OverflowError, OSError):
+            raise SnapshotError(
+                f"the manifest's written_at {self.written_at!r} is no time",
+                code=LocalCode.SNAPSHOT_CORRUPT,
+            ) from None
+
     def offset_map(self) -> dict[tuple[str, int], int]:
         return {(t, p): o for t, p, o in self.offsets}
 
@@ -402,7 +413,7 @@ def chunked(payload: bytes, size: int = CHUNK_BYTES) -> list[bytes]:
 
 def read_manifest(value: bytes) -> Manifest:
     """A manifest from its record: SNAPSHOT_VERSION_UNKNOWN for another format,
-    SNAPSHOT_CORRUPT for anything that does not decode."""
+    SNAPSHOT_CORRUPT for anything that does not decode or a ``written_at`` that is no time."""
     try:
         raw = msgspec.json.decode(value)
     except msgspec.DecodeError as exc:
@@ -416,11 +427,13 @@ def read_manifest(value: bytes) -> Manifest:
             code=LocalCode.SNAPSHOT_VERSION_UNKNOWN,
         )
     try:
-        return msgspec.json.decode(value, type=Manifest)
+        manifest = msgspec.json.decode(value, type=Manifest)
     except msgspec.DecodeError as exc:
         raise SnapshotError(
             f"the manifest does not decode: {exc}", code=LocalCode.SNAPSHOT_CORRUPT
         ) from None
+    manifest.written()  # refused here, not once the fleet holds the state; ranked() reads it
+    return manifest
 
 
 def check(
@@ -664,19 +677,16 @@ class Snapshots:
                 )
                 await asyncio.sleep(0)
                 decoded = decode_payload(payload)
+                offsets = manifest.offset_map()
+                written_at = manifest.written()
             except SnapshotError as exc:
                 reason = f"{exc.code}: {key.decode(errors='replace')}: {exc.message}"
                 log.warning("error: %s; not restored from it", reason)
                 reasons.append(str(exc.code))
                 continue
-            if decoded.control is not None:
-                _check_fresh(self.control)
-            self.fleet.restore(decoded.fold)
-            if decoded.control is not None:
-                restore_control(self.control, decoded.control)
-            offsets = manifest.offset_map()
-            written_at = datetime.fromtimestamp(manifest.written_at, UTC)
-            self.info = SnapshotInfo(
+            # Everything that can fail before the fleet takes the state: a restore is all or
+            # nothing (the coordinator refuses to start on a half-restored fold).
+            info = SnapshotInfo(
                 started_from="snapshot",
                 writer=manifest.writer,
                 snapshot_id=manifest.snapshot_id,
@@ -684,8 +694,13 @@ class Snapshots:
                 age_s=round(time.time() - manifest.written_at, 3),
                 offsets=_offsets_shown(offsets),
                 bytes=manifest.size,
-                restore_s=round(time.monotonic() - started, 3),
             )
+            if decoded.control is not None:
+                _check_fresh(self.control)
+            self.fleet.restore(decoded.fold)  # checks the fleet is fresh before taking anything
+            if decoded.control is not None:
+                restore_control(self.control, decoded.control)
+            self.info = info.model_copy(update={"restore_s": round(time.monotonic() - started, 3)})
             log.info(
                 "restored the fold from snapshot %s of %s written %s (%d bytes, %d chunks); "
                 "folding the log from %s",

@@ -65,7 +65,7 @@ class History:
         self.base = (utcnow() - T0).total_seconds()  # factories' times are seconds after T0
 
     async def write(self, *messages: Any) -> None:
-        channels = {"Command": COMMANDS, "Ack": ACKS, "Heartbeat": HEARTBEATS}
+        channels: dict[str, Any] = {"Command": COMMANDS, "Ack": ACKS, "Heartbeat": HEARTBEATS}
         for message in messages:
             channel = channels.get(type(message).__name__, CONTROL)  # else a control record
             topic, key, value = channel.record(self.settings.topics, message)
@@ -275,6 +275,9 @@ async def damage(kafka: KafkaSettings, how: str, writer: str = "c1") -> None:
         elif how == "unknown version":
             manifest["format"] = 99
             await producer.send(topic, msgspec.json.encode(manifest), key=key)
+        elif how == "written in year 33658":
+            manifest["written_at"] = 1e12  # no datetime: it failed the restore past the fleet's
+            await producer.send(topic, msgspec.json.encode(manifest), key=key)
         elif how == "offsets below log start":
             await delete_acks_before(kafka, manifest)
         else:
@@ -305,6 +308,7 @@ async def delete_acks_before(kafka: KafkaSettings, manifest: dict[str, Any]) -> 
         ("missing chunk", LocalCode.SNAPSHOT_INCOMPLETE),
         ("unknown version", LocalCode.SNAPSHOT_VERSION_UNKNOWN),
         ("offsets below log start", LocalCode.SNAPSHOT_OFFSETS_GONE),
+        ("written in year 33658", LocalCode.SNAPSHOT_CORRUPT),
     ],
 )
 async def test_a_snapshot_that_cannot_be_used_means_a_full_replay(
@@ -382,6 +386,16 @@ async def test_healthz_and_the_metrics_say_what_the_start_restored_from(
     assert "controlplane_snapshots_written_total 0.0" in metrics
 
 
+async def snapshot_written(kafka: KafkaSettings, writer: str) -> dict[str, int]:
+    """Start a coordinator ``writer`` on the log as it is and stop it once its snapshot covers
+    the whole log (all but r-nack compacted); the snapshot's offsets."""
+    async with started(settings_for(kafka, writer, snapshot_interval_s=0.05)) as coordinator:
+        await wait_for(lambda: coordinator.fleet.stats().compacted == 3)
+        wanted = await ends(kafka)
+        await wait_for(lambda: coordinator.snapshots.info.last_offsets == wanted)
+    return wanted
+
+
 async def test_the_best_snapshot_refused_the_next_valid_one_is_restored(
     fleet: KafkaSettings, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -390,10 +404,7 @@ async def test_the_best_snapshot_refused_the_next_valid_one_is_restored(
     async with Producer(fleet) as producer:
         h = History(fleet, producer)
         await history_before(h)
-        async with started(settings_for(fleet, "c1", snapshot_interval_s=0.05)) as c1:
-            await wait_for(lambda: c1.fleet.stats().compacted == 3)
-            older = await ends(fleet)
-            await wait_for(lambda: c1.snapshots.info.last_offsets == older)
+        older = await snapshot_written(fleet, "c1")
         await history_between(h)
         async with started(settings_for(fleet, "c1b", snapshot_interval_s=0.05)) as c1b:
             newer = await ends(fleet)
@@ -407,4 +418,33 @@ async def test_the_best_snapshot_refused_the_next_valid_one_is_restored(
         info = restored.snapshots.info
         assert (info.started_from, info.writer, info.offsets) == ("snapshot", "c1", older)
         assert f"error: {LocalCode.SNAPSHOT_CORRUPT}: manifest/c1b" in caplog.text
+        await settled_alike(restored, replayed)
+
+
+async def test_a_manifest_written_at_no_datetime_is_refused_and_the_valid_one_restored(
+    fleet: KafkaSettings,
+) -> None:
+    """A copy of a valid manifest under another key, written_at 1e12 (year 33658): it covers as
+    much and looks newest, but it does not read (SNAPSHOT_CORRUPT), so it ranks last and the
+    valid one is restored, never a coordinator that fails to start with the fleet half restored
+    (alone on the topic, it means a full replay: test_a_snapshot_that_cannot_be_used_...)."""
+    async with Producer(fleet) as producer:
+        h = History(fleet, producer)
+        await history_before(h)
+        wanted = await snapshot_written(fleet, "c1")
+        await history_after(h)
+        records = await on_topic(fleet)
+        manifest = msgspec.json.decode(records[snapshot_key(MANIFEST, "c1")])
+        manifest["written_at"] = 1e12  # its chunks are c1's: the manifest names its writer
+        await producer.send(
+            fleet.topics.snapshots.name,
+            msgspec.json.encode(manifest),
+            key=snapshot_key(MANIFEST, "future"),
+        )
+    async with (
+        started(settings_for(fleet, "c2")) as restored,
+        started(settings_for(fleet, "c3", snapshot_restore=False)) as replayed,
+    ):
+        info = restored.snapshots.info
+        assert (info.started_from, info.writer, info.offsets) == ("snapshot", "c1", wanted)
         await settled_alike(restored, replayed)

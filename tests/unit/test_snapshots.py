@@ -205,7 +205,9 @@ FOLD: dict[str, float | int | None] = {"progress_deadline_s": 600.0, "max_ended_
 PARTS = {("t.commands", 0), ("t.acks", 0)}
 
 
-def _snapshot(payload: bytes, size: int = CHUNK_BYTES, **kw: Any) -> tuple[Manifest, dict]:
+def _snapshot(
+    payload: bytes, size: int = CHUNK_BYTES, **kw: Any
+) -> tuple[Manifest, dict[bytes, bytes]]:
     chunks = chunked(payload, size)
     fields: dict[str, Any] = {
         "format": FORMAT,
@@ -222,7 +224,7 @@ def _snapshot(payload: bytes, size: int = CHUNK_BYTES, **kw: Any) -> tuple[Manif
     return manifest, records
 
 
-def _check(manifest: Manifest, records: dict, **kw: Any) -> bytes:
+def _check(manifest: Manifest, records: dict[bytes, bytes], **kw: Any) -> bytes:
     bounds: dict[str, Any] = {
         "fold": FOLD,
         "partitions": PARTS,
@@ -327,6 +329,40 @@ def test_manifests_are_ranked_by_what_they_cover_then_by_age() -> None:
         b"manifest/new",
         b"manifest/old",
         b"manifest/bad",
+    ]
+
+
+@pytest.mark.parametrize("written_at", [1e12, -1e12, 1e308])
+def test_a_manifest_written_at_no_datetime_is_corrupt(written_at: float) -> None:
+    """A written_at that is no datetime (year 33658, before year 1) is refused on reading: it
+    would fail the restore after the fleet took the state, and rank first as the newest."""
+    manifest, _ = _snapshot(b"x", written_at=written_at)
+    with pytest.raises(SnapshotError) as exc:
+        read_manifest(msgspec.json.encode(manifest))
+    assert _code(exc) == LocalCode.SNAPSHOT_CORRUPT
+    assert "written_at" in exc.value.message
+
+
+@pytest.mark.parametrize("number", [b"NaN", b"Infinity", b"1e400", b"-1e400"])
+def test_a_manifest_written_at_no_finite_number_is_corrupt(number: bytes) -> None:
+    manifest, _ = _snapshot(b"x", written_at=123.0)
+    value = msgspec.json.encode(manifest).replace(b"123.0", number)
+    assert number in value
+    with pytest.raises(SnapshotError) as exc:
+        read_manifest(value)
+    assert _code(exc) == LocalCode.SNAPSHOT_CORRUPT
+
+
+def test_a_manifest_written_at_no_datetime_ranks_after_the_valid_ones() -> None:
+    def encoded(writer: str, written: float) -> tuple[bytes, bytes]:
+        manifest, _ = _snapshot(b"x", writer=writer, written_at=written)
+        return f"manifest/{writer}".encode(), msgspec.json.encode(manifest)
+
+    records = dict([encoded("future", 1e12), encoded("valid", 2.0), encoded("old", 1.0)])
+    assert [k for k, _ in ranked(records)] == [
+        b"manifest/valid",
+        b"manifest/old",
+        b"manifest/future",
     ]
 
 
