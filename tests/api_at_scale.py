@@ -13,10 +13,8 @@ Then it publishes one more rollout pinned to all N, folds its 3 N acks in batche
 loop free between two, as fetches are) and polls ``/api/v1/rollouts/{id}`` every 20 ms (as
 ``bench/scale`` does) until it shows ``succeeded``: the seconds after the last ack.
 
-``--proposed``: GET /rollouts/{id}, its workers' pages and its SSE stream served as the change
-to controlplane/api/app.py proposed in issue 18's closing note serves them (each page judged
-for its rows: ``Summaries.workers_page``, ``Summaries.status(workers_limit=...)``), installed
-here in front of the app's own routes. ``--profile``: under cProfile, the 40 costliest functions (cumulative) printed at the end.
+``--help``: this text. ``--profile``: under cProfile, the 40 costliest functions (cumulative)
+printed at the end.
 ``--timings``: the judgments and listeners that run on the event loop, timed in CPU time
 (count, total, median, longest): where the loop's time goes, whatever else the machine runs.
 It also prints where the loop was when it had not ticked for 200 ms (a watchdog thread's
@@ -42,20 +40,16 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
-from typing import Annotated, Any
+from typing import Any
 
 import httpx
-from fastapi import APIRouter, FastAPI, Query, Request, Response
+from fastapi import FastAPI
 from pydantic import SecretStr
 
-from controlplane.api import app as api
 from controlplane.api.app import create_app
-from controlplane.api.models import API, PAGE_DEFAULT, RolloutWorker, decode_cursor
 from controlplane.coordinator.follower import Batch
 from controlplane.coordinator.service import Coordinator, CoordinatorSettings
-from controlplane.coordinator.summary import Summaries, Want
 from controlplane.kafka.settings import KafkaSettings
-from controlplane.rollout.models import WorkerState
 from controlplane.wire.protocol import AckState
 from tests.fleet_at_scale import (
     BATCH,
@@ -308,46 +302,10 @@ def timings(out: dict[str, list[float]]) -> Hook:
     return hook
 
 
-def proposed(app: FastAPI, coordinator: Coordinator) -> None:
-    """Serve GET /rollouts/{id} and /rollouts/{id}/workers as the proposed app.py would."""
-    summaries: Summaries = app.state.summaries
-    router = APIRouter()
-
-    @router.get(f"{API}/rollouts/{{rollout_id}}")
-    async def get_rollout(rollout_id: str, workers_limit: int = 1000) -> Response:
-        status = await summaries.status(rollout_id, want=Want.BOUNDED, workers_limit=workers_limit)
-        shown = api.rollout_out(status, workers_limit)
-        return Response(api.rollout_json(shown), media_type="application/json")
-
-    @router.get(f"{API}/rollouts/{{rollout_id}}/workers")
-    async def rollout_workers(
-        request: Request,
-        response: Response,
-        rollout_id: str,
-        state: Annotated[list[WorkerState] | None, Query()] = None,
-        code: Annotated[list[str] | None, Query()] = None,
-        unexpected: bool | None = None,
-        limit: int = PAGE_DEFAULT,
-        cursor: str | None = None,
-    ) -> list[RolloutWorker]:
-        after = None if cursor is None else decode_cursor(cursor, 1)[0]
-        page, more = await summaries.workers_page(
-            rollout_id,
-            after=after,
-            limit=limit,
-            states=set(state) if state else None,
-            codes=set(code) if code else None,
-            unexpected=unexpected,
-        )
-        if more:
-            api._link_next(request, response, page[-1][0].worker_id)
-        return [RolloutWorker(**dict(detail), unexpected=flagged) for detail, flagged in page]
-
-    for route in reversed(router.routes):  # in front: matched before the app's own
-        app.router.routes.insert(0, route)
-
-
 def main(argv: list[str], hook: Hook | None = None) -> None:
+    if "--help" in argv or "-h" in argv:
+        print(__doc__)
+        return
     profile = "--profile" in argv
     if "--timings" in argv and hook is None:
         spent: dict[str, list[float]] = {}
@@ -360,17 +318,6 @@ def main(argv: list[str], hook: Hook | None = None) -> None:
                     f"  {name:45s} n={len(got):5d} CPU total {sum(got):6.2f} s  "
                     f"p50 {1000 * statistics.median(got):6.1f} ms  max {1000 * max(got):6.1f} ms"
                 )
-        return
-    if "--proposed" in argv:
-        argv = [a for a in argv if a != "--proposed"]
-        inner = hook
-
-        def both(app: FastAPI, coordinator: Coordinator) -> None:
-            proposed(app, coordinator)
-            if inner is not None:
-                inner(app, coordinator)
-
-        main(argv, both)
         return
     args = [float(a) for a in argv if not a.startswith("--")]
     defaults: tuple[float, ...] = (10_000, 10, 20.0)
