@@ -448,3 +448,22 @@ async def test_a_manifest_written_at_no_datetime_is_refused_and_the_valid_one_re
         info = restored.snapshots.info
         assert (info.started_from, info.writer, info.offsets) == ("snapshot", "c1", wanted)
         await settled_alike(restored, replayed)
+
+
+async def test_the_first_snapshot_after_a_replay_holds_the_compacted_fold(
+    fleet: KafkaSettings,
+) -> None:
+    """A coordinator that replayed a history writes its first snapshot only once it has
+    compacted: what a start restores from holds the old ended rollouts summarized (a snapshot
+    of the whole replayed history in full would make every later start as big)."""
+    async with Producer(fleet) as producer:
+        await history_before(History(fleet, producer))
+    async with started(settings_for(fleet, "c1", snapshot_interval_s=0.01)) as c1:
+        await wait_for(lambda: c1.snapshots.info.written >= 1)
+    reader = Coordinator(settings_for(fleet, "c2"))
+    try:
+        await reader._restore()  # what start() restores, before it folds anything itself
+        assert reader.snapshots.info.started_from == "snapshot"
+        assert reader.fleet.is_summarized("r-a") and reader.fleet.is_summarized("r-b")
+    finally:
+        await reader.stop()
