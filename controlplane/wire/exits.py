@@ -23,7 +23,8 @@ class CliExit(IntEnum):
     FAILED = 1
     TIMED_OUT = 2
     INVALID = 3
-    UNREACHABLE = 4  # Kafka (or --api's coordinator) unreachable; a publish failing so was not published
+    #: Kafka (or --api's coordinator) unreachable; a publish failing so was not published.
+    UNREACHABLE = 4
     INTERNAL = 5
     UNKNOWN = 6  # a publish not confirmed in time: it may be in the log (check status)
     ABORTED = 7  # a progressive rollout aborted (without rollback, or its rollback failed)
