@@ -164,12 +164,16 @@ def test_scale_quick(tmp_path: Path, pytestconfig: pytest.Config) -> None:
         assert api["dashboard"]["urls"] and number(api["dashboard"]["bytes"])
         assert api["healthz_under_load"]["healthz_s"]["n"] >= 1
         assert number(api["burst"]["visible_s"]), api["burst"]
+        assert api["status_one_api"]["exit_code"] == 0, api["status_one_api"]
+        restart = api["restart"]
+        assert restart["ready"] and number(restart["ready_s"]), restart
+        assert restart["snapshot"]["started_from"] == "snapshot", restart["snapshot"]
         assert api["burst"]["acks"] == 3 * params["n"]
         watcher = api["watcher"]
         assert watcher["polls"] >= 1
         assert {"alive_below_n_count", "in_progress_shown_ended_count"} <= watcher.keys()
         assert level["generator"]["sent"] >= params["n"]
         assert set(level["derived"]["ratios"]) == {"publish", "status_one", "status_all", "ready"}
-    per_level = 8
+    per_level = 11  # publish, status <id> (log, --api), ready and RSS (start, restart), ...
     assert len(data["targets"]) == per_level * len(data["levels"])
     assert {t["verdict"] for t in data["targets"]} <= {"met", "missed"}

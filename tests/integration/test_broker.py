@@ -19,13 +19,26 @@ from controlplane.kafka.broker import (
 )
 from controlplane.kafka.bus import probe_sync
 from controlplane.wire.errors import BrokerError, LocalCode
-from tests.conftest import free_port
+
+
+def _distinct_ports(n: int) -> list[int]:
+    """``n`` free ports, all different: held open together while chosen (a port freed by one
+    ``free_port()`` call can be handed out again by the next)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def _config(tmp_path: Path, **kw: object) -> BrokerConfig:
+    port, controller_port = _distinct_ports(2)
     return BrokerConfig(
-        port=free_port(),
-        controller_port=free_port(),
+        port=port,
+        controller_port=controller_port,
         data_dir=tmp_path / "data",
         **kw,  # type: ignore[arg-type]
     )
@@ -187,10 +200,11 @@ def test_a_cluster_id_that_starts_with_a_dash_formats(
 
 
 def _cluster_config(tmp_path: Path, nodes: int, **kw: object) -> ClusterConfig:
+    ports = _distinct_ports(2 * nodes)
     return ClusterConfig(
         nodes=nodes,
-        ports=[free_port() for _ in range(nodes)],
-        controller_ports=[free_port() for _ in range(nodes)],
+        ports=ports[:nodes],
+        controller_ports=ports[nodes:],
         data_dir=tmp_path / "cluster",
         heap_mb=256,
         **kw,  # type: ignore[arg-type]
@@ -265,7 +279,7 @@ def test_cli_starts_reports_and_stops_a_cluster(tmp_path: Path) -> None:
     import subprocess
 
     data_dir = str(tmp_path / "c")
-    port, cport = free_port(), free_port()
+    port, cport = _distinct_ports(2)
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

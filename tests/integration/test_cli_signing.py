@@ -82,20 +82,43 @@ def test_sign_refuses_what_a_worker_would_refuse_with_its_code(tmp_path: Path) -
 async def test_the_cli_signs_its_rollouts_and_an_unsigned_one_is_refused(
     kafka: KafkaSettings, tmp_path: Path, weights: Path
 ) -> None:
+    """The signed rollout succeeds; the unsigned one is refused by the worker, whose NACK
+    names no kind (a forgery's refusal must never count as the real command's outcome): the
+    rollout is shown with that NACK as an anomaly and waits (here until --wait-timeout: exit
+    2) until the coordinator verifies signatures itself (docs/signing.md, "Not yet")."""
     key, store = generated(tmp_path)
     runner = RecordingRunner()
     where = ("--bootstrap", kafka.bootstrap_servers, "--topic-prefix", kafka.topic_prefix)
     reload = ("reload-weights", str(weights / "model.safetensors"), "-s", "model=tiny")
-    wait = ("--wait", "--wait-timeout", "60", *where)
     async with running_agent(kafka, tmp_path, runner, trust_store=store):
         signed = await asyncio.to_thread(
-            cli, *reload, "--version", "v2", "--signing-key", str(key), "--key-id", "ci", *wait
+            cli,
+            *reload,
+            "--version",
+            "v2",
+            "--signing-key",
+            str(key),
+            "--key-id",
+            "ci",
+            "--wait",
+            "--wait-timeout",
+            "60",
+            *where,
         )
-        unsigned = await asyncio.to_thread(cli, *reload, "--version", "v3", *wait)
+        unsigned = await asyncio.to_thread(
+            cli, *reload, "--version", "v3", "--rollout-id", "r-unsigned", *where
+        )
+        assert unsigned.returncode == 0, unsigned.stdout + unsigned.stderr  # published
+        for _ in range(120):  # until the worker's NACK is in the log (a condition, polled)
+            shown = await asyncio.to_thread(cli, "status", "r-unsigned", "--json", *where)
+            if "SIGNATURE_MISSING" in shown.stdout:
+                break
     assert signed.returncode == 0, signed.stdout + signed.stderr
     assert "signed by key ci" in signed.stdout
-    assert unsigned.returncode == 1, unsigned.stdout + unsigned.stderr
-    assert "SIGNATURE_MISSING" in unsigned.stdout
+    status = json.loads(shown.stdout)
+    assert status["phase"] == "pending", status  # no worker acked the command it runs
+    assert [a["code"] for a in status["anomalies"]] == ["UNREADABLE_COMMAND_NACK"]
+    assert "SIGNATURE_MISSING" in status["anomalies"][0]["message"]
     assert runner.applied == ["v2"]
 
 
