@@ -39,25 +39,20 @@ import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import httpx
 from fastapi import FastAPI
-from pydantic import SecretStr
 
-from controlplane.api.app import create_app
 from controlplane.coordinator.follower import Batch
-from controlplane.coordinator.service import Coordinator, CoordinatorSettings
-from controlplane.kafka.settings import KafkaSettings
+from controlplane.coordinator.service import Coordinator
 from controlplane.wire.protocol import AckState
 from tests.fleet_at_scale import (
     BATCH,
-    NOW,
+    Served,
     _acks,
     _fold,
-    build,
-    heartbeat,
     rollout_command,
     worker_ids,
 )
@@ -84,37 +79,17 @@ async def _pages(client: httpx.AsyncClient, url: str) -> int:
 
 
 async def measure(workers: int, rollouts: int, seconds: float, hook: Hook | None = None) -> None:
-    origin = [time.monotonic()]
-
-    def clock() -> datetime:  # the judge time runs with the wall clock from NOW on
-        return NOW + timedelta(seconds=time.monotonic() - origin[0])
-
-    settings = CoordinatorSettings(
-        kafka=KafkaSettings(bootstrap_servers="127.0.0.1:9"), api_token=SecretStr("x")
-    )
-    coordinator = Coordinator(settings, clock=clock, current_as_of=clock)
-    app = create_app(coordinator)
-    started = time.perf_counter()
-    build(coordinator, workers=workers, rollouts=rollouts, active=1, replay=True)
+    served = Served(workers, rollouts, active=1)
+    coordinator, app, clock = served.coordinator, served.app, served.clock
     if hook is not None:  # after the build: what serving costs
         hook(app, coordinator)
     if FREEZE:
         gc.freeze()
-    print(f"built {workers} workers x {rollouts} rollouts in {time.perf_counter() - started:.1f} s")
-    origin[0] = time.monotonic()
-    coordinator.follower.caught_up.set()
+    print(f"built {workers} workers x {rollouts} rollouts in {served.build_s:.1f} s")
+    served.go_live()
     ids = worker_ids(workers)
     live = f"r{rollouts - 1:04d}"
-
-    async def heartbeats() -> None:  # every worker every 3 s: 1,000 every 0.3 s
-        i = 0
-        while True:
-            batch = Batch()
-            for _ in range(min(1000, workers)):
-                batch.heartbeats.append(heartbeat(ids[i % workers], i % workers, clock(), "v1"))
-                i += 1
-            _fold(coordinator, batch)
-            await asyncio.sleep(0.3)
+    heartbeats = served.heartbeats
 
     stalls: list[float] = []
     collected: dict[int, list[float]] = {}

@@ -168,44 +168,60 @@ def dashboard_paths(selected: str) -> list[str]:
 # --------------------------------------------------------------------------- measuring
 
 
-async def _measure(workers: int, rollouts: int, rounds: int, active: int) -> None:
-    import httpx
-    from pydantic import SecretStr
+class Served:
+    """An in-memory coordinator (no Kafka) with its app and the synthetic fleet built into it,
+    judged by a clock that runs with the wall clock from :data:`NOW` on once :meth:`go_live`
+    is called: what the scale scripts serve and measure."""
 
-    from controlplane.api.app import create_app
-    from controlplane.coordinator.service import CoordinatorSettings
-    from controlplane.kafka.settings import KafkaSettings
+    def __init__(self, workers: int, rollouts: int, active: int) -> None:
+        from pydantic import SecretStr
 
-    origin = [time.monotonic()]
+        from controlplane.api.app import create_app
+        from controlplane.coordinator.service import CoordinatorSettings
+        from controlplane.kafka.settings import KafkaSettings
 
-    def clock() -> datetime:  # the judge time runs with the wall clock from NOW on
-        return NOW + timedelta(seconds=time.monotonic() - origin[0])
+        self.workers = workers
+        self._origin = time.monotonic()
+        settings = CoordinatorSettings(
+            kafka=KafkaSettings(bootstrap_servers="127.0.0.1:9"), api_token=SecretStr("x")
+        )
+        self.coordinator = Coordinator(settings, clock=self.clock, current_as_of=self.clock)
+        self.app = create_app(self.coordinator)
+        started = time.perf_counter()
+        build(self.coordinator, workers=workers, rollouts=rollouts, active=active, replay=True)
+        self.build_s = time.perf_counter() - started
 
-    settings = CoordinatorSettings(
-        kafka=KafkaSettings(bootstrap_servers="127.0.0.1:9"), api_token=SecretStr("x")
-    )
-    coordinator = Coordinator(settings, clock=clock, current_as_of=clock)
-    app = create_app(coordinator)
-    started = time.perf_counter()
-    build(coordinator, workers=workers, rollouts=rollouts, active=active, replay=True)
-    print(
-        f"built {workers} workers x {rollouts} rollouts ({active} in progress) "
-        f"in {time.perf_counter() - started:.1f} s"
-    )
-    origin[0] = time.monotonic()
-    coordinator.follower.caught_up.set()
-    ids = worker_ids(workers)
+    def clock(self) -> datetime:
+        return NOW + timedelta(seconds=time.monotonic() - self._origin)
 
-    async def heartbeats() -> None:  # every worker every 3 s: 1,000 every 0.3 s
-        i = 0
+    def go_live(self) -> None:
+        """The clock starts at NOW now, and the coordinator counts as caught up."""
+        self._origin = time.monotonic()
+        self.coordinator.follower.caught_up.set()
+
+    async def heartbeats(self) -> None:
+        """Every worker every 3 s (1,000 every 0.3 s), folded as the follower would."""
+        ids, n, i = worker_ids(self.workers), self.workers, 0
         while True:
             batch = Batch()
-            for _ in range(min(1000, workers)):
-                worker_id = ids[i % workers]
-                batch.heartbeats.append(heartbeat(worker_id, i % workers, clock(), "v1"))
+            for _ in range(min(1000, n)):
+                batch.heartbeats.append(heartbeat(ids[i % n], i % n, self.clock(), "v1"))
                 i += 1
-            _fold(coordinator, batch)
+            _fold(self.coordinator, batch)
             await asyncio.sleep(0.3)
+
+
+async def _measure(workers: int, rollouts: int, rounds: int, active: int) -> None:
+    import httpx
+
+    live = Served(workers, rollouts, active)
+    coordinator, app = live.coordinator, live.app
+    print(
+        f"built {workers} workers x {rollouts} rollouts ({active} in progress) "
+        f"in {live.build_s:.1f} s"
+    )
+    live.go_live()
+    heartbeats = live.heartbeats
 
     health: list[float] = []
 
