@@ -15,6 +15,7 @@ import socket
 import time
 from collections.abc import AsyncGenerator, Callable
 from datetime import datetime
+from pathlib import Path
 from typing import Final
 
 from pydantic import Field, SecretStr
@@ -124,6 +125,31 @@ class CoordinatorSettings(BaseSettings):
         pattern=r"^[A-Za-z0-9._-]{1,128}$",
         description="This coordinator's id on the snapshots topic (its latest snapshot is "
         "kept under it); default: the host name. Give each coordinator of a fleet its own.",
+    )
+    trust_store: Path | None = Field(
+        default=None,
+        description="The command trust store (the workers' format, docs/signing.md): with one, "
+        "a command it does not verify never becomes or changes a rollout; it is listed as "
+        "COMMAND_UNVERIFIED. Give the coordinators the store the workers hold.",
+    )
+    signing_key: Path | None = Field(
+        default=None,
+        description="The Ed25519 private key (PEM) the coordinator signs its own commands with "
+        "(API posts, progressive waves, rollbacks); its public key must be in ``trust_store``.",
+    )
+    signing_key_id: str | None = Field(
+        default=None,
+        description="The id of ``signing_key`` in the trust store; default: its fingerprint.",
+    )
+    max_ttl_s: float = Field(
+        default=7 * 24 * 3600.0,
+        gt=0,
+        description="Commands that claim a longer ttl_s are unverified (the workers refuse them).",
+    )
+    api_read_token: SecretStr | None = Field(
+        default=None,
+        description="Bearer token for the API's reads (GET /api/v1/...); without one, reads are "
+        "open. The write token (api_token) reads too.",
     )
 
 

@@ -77,6 +77,9 @@ class AnomalyCode(StrEnum):
     VERSION_MISMATCH = "VERSION_MISMATCH"
     #: A NACK of an unreadable record (``kind`` null) carrying the ids of a readable command.
     UNREADABLE_COMMAND_NACK = "UNREADABLE_COMMAND_NACK"
+    #: A command the coordinator's trust store does not verify (unsigned, forged, out of its
+    #: key's scope): shown, never folded into a rollout.
+    COMMAND_UNVERIFIED = "COMMAND_UNVERIFIED"
 
 
 class _Out(BaseModel):

@@ -56,6 +56,11 @@ class WireCode(StrEnum):
     CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"
     CONFIG_KEY_REJECTED = "CONFIG_KEY_REJECTED"
     CONFIG_VALUE_INVALID = "CONFIG_VALUE_INVALID"
+    # Checkpoints signed with the OpenSSF model-signing format (OMS), checked before any copy.
+    #: Signed, but not by a trusted model key, or a file the signature does not name.
+    MODEL_SIGNATURE_INVALID = "MODEL_SIGNATURE_INVALID"
+    #: No signature where the worker requires one.
+    MODEL_SIGNATURE_MISSING = "MODEL_SIGNATURE_MISSING"
     # Failed while applying.
     WEIGHTS_CORRUPTED = "WEIGHTS_CORRUPTED"
     COMMAND_TIMEOUT = "COMMAND_TIMEOUT"
@@ -126,6 +131,13 @@ class LocalCode(StrEnum):
     #: The CLI's ``--api``: the coordinator's API did not answer as one does (unreachable,
     #: not ready, not the API).
     COORDINATOR_UNAVAILABLE = "COORDINATOR_UNAVAILABLE"
+    # A secured Kafka (SASL_SSL): what the client was told by the broker or the TLS handshake.
+    #: The broker refused the SASL credentials (wrong user or password).
+    KAFKA_AUTH_FAILED = "KAFKA_AUTH_FAILED"
+    #: The broker's certificate is not signed by a CA the client trusts (or names another host).
+    KAFKA_TLS_UNTRUSTED = "KAFKA_TLS_UNTRUSTED"
+    #: An ACL denies this principal the topic, group or transactional id.
+    KAFKA_ACCESS_DENIED = "KAFKA_ACCESS_DENIED"
 
 
 #: Codes for which the same command may succeed later without being changed.
