@@ -7,7 +7,7 @@ No I/O, no clock. The rules are documented in :mod:`controlplane.rollout.fleet`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 
 from controlplane.rollout.ledger import Report
@@ -18,6 +18,7 @@ from controlplane.rollout.models import (
     RolloutReason,
     RolloutStatus,
     StateCounts,
+    UnverifiedCommand,
     WorkerDetail,
     WorkerState,
 )
@@ -51,6 +52,37 @@ def unreadable_anomalies(rollout_id: str, nacks: Mapping[tuple[str, str], Report
             Anomaly(
                 code=AnomalyCode.UNREADABLE_COMMAND_NACK,
                 message=f"{len(nacks) - MAX_UNREADABLE_ANOMALIES} more such NACK(s) not listed",
+            )
+        )
+    return out
+
+
+def unverified_anomalies(
+    command: Command, unverified: Sequence[UnverifiedCommand]
+) -> list[Anomaly]:
+    """Commands carrying ``command``'s rollout id that the trust store did not verify: shown,
+    never the rollout (an earlier issued forgery does not take it over)."""
+    out = []
+    for entry in unverified[:MAX_UNREADABLE_ANOMALIES]:
+        nacks = f"; {entry.nacks} worker(s) refused it too" if entry.nacks else ""
+        out.append(
+            Anomaly(
+                code=AnomalyCode.COMMAND_UNVERIFIED,
+                command_id=entry.command_id,
+                message=(
+                    f"command {entry.command_id} ({entry.kind.value}, issued"
+                    f" {entry.issued_at.isoformat()} by {entry.issuer!r}) not verified:"
+                    f" {entry.code}: {entry.message}; ignored: rollout {command.rollout_id} is"
+                    f" command {command.command_id}{nacks}"
+                ),
+            )
+        )
+    if len(unverified) > MAX_UNREADABLE_ANOMALIES:
+        out.append(
+            Anomaly(
+                code=AnomalyCode.COMMAND_UNVERIFIED,
+                message=f"{len(unverified) - MAX_UNREADABLE_ANOMALIES} more unverified command(s)"
+                " not listed",
             )
         )
     return out

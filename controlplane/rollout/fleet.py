@@ -18,11 +18,11 @@ rely on them, and tests/unit/test_rollout*.py check them.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final
 
-from controlplane.rollout.anomalies import rejected, unreadable_anomalies
+from controlplane.rollout.anomalies import rejected, unreadable_anomalies, unverified_anomalies
 from controlplane.rollout.judge import (
     Tally,
     Verdict,
@@ -40,6 +40,7 @@ from controlplane.rollout.models import (
     OrphanAcks,
     RolloutPhase,
     RolloutStatus,
+    UnverifiedCommand,
     WorkerLevel,
 )
 from controlplane.rollout.registry import Registry, is_alive, seconds
@@ -68,6 +69,8 @@ class FleetStats:
     #: Ended rollouts kept only as a summary, and acks dropped because they were for one.
     compacted: int = 0
     dropped_acks: int = 0
+    #: Commands the trust store did not verify (distinct (rollout id, command id)).
+    unverified: int = 0
 
 
 @dataclass(slots=True)
@@ -90,6 +93,8 @@ class FoldState:
     commands_seen: int = 0
     acks_seen: int = 0
     dropped_acks: int = 0
+    #: rollout id -> command id -> the command the trust store did not verify (never folded)
+    unverified: dict[str, dict[str, UnverifiedCommand]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +148,10 @@ class Fleet:
         #: worker id -> (issued_at, rollout id, version) of the newest summarized reload rollout
         #: that desired a version for it (summaries keep no per-worker details).
         self._summary_desired: dict[str, tuple[datetime, str, str]] = {}
+        #: rollout id -> command id -> a command the trust store did not verify: never in
+        #: ``_commands`` (``_primary`` takes the earliest issued_at: a forgery would take the
+        #: rollout over), shown by :meth:`unverified` and on the rollout's anomalies.
+        self._unverified: dict[str, dict[str, UnverifiedCommand]] = {}
         self._n_commands = 0
         self._n_acks = 0
         self._n_heartbeats = 0
@@ -165,6 +174,27 @@ class Fleet:
         held = self._commands.setdefault(command.rollout_id, [])
         if command not in held:
             held.append(command)
+
+    def observe_unverified(
+        self, command: Command, code: str, message: str, key_id: str | None = None
+    ) -> None:
+        """Note a command the trust store did not verify (``code``: why). It never becomes or
+        changes a rollout; of several with one (rollout id, command id), the earliest issued
+        is kept (then the least code and message: the same whatever the order)."""
+        entry = UnverifiedCommand(
+            rollout_id=command.rollout_id,
+            command_id=command.command_id,
+            kind=command.kind,
+            issuer=command.issuer,
+            issued_at=command.issued_at,
+            key_id=key_id,
+            code=str(code),
+            message=message,
+        )
+        held = self._unverified.setdefault(command.rollout_id, {})
+        kept = held.get(command.command_id)
+        if kept is None or _unverified_order(entry) < _unverified_order(kept):
+            held[command.command_id] = entry
 
     def observe_ack(self, ack: AckLike) -> None:
         """Fold one ack: the pydantic :class:`~controlplane.wire.protocol.Ack` or the fast decoder's."""
@@ -215,14 +245,24 @@ class Fleet:
     # ------------------------------------------------------------------ queries
 
     def __contains__(self, rollout_id: object) -> bool:
+        """Whether a rollout has that id: a verified command, a summary, or NACKs of a
+        command no worker could read. Not an id known only from unverified commands (nor from
+        NACKs of those): the real issuer may still use it."""
         return (
             rollout_id in self._commands
             or rollout_id in self._summaries
-            or rollout_id in self._unreadable
+            or (isinstance(rollout_id, str) and self._nacks_only(rollout_id))
         )
 
     def rollout_ids(self) -> list[str]:
-        return sorted(self._commands.keys() | self._summaries.keys() | self._unreadable.keys())
+        return sorted(self._commands.keys() | self._summaries.keys() | self._nack_rollouts())
+
+    def unverified(self) -> list[UnverifiedCommand]:
+        """Every command the trust store did not verify, oldest issued first, each with the
+        NACKs (``kind`` null) workers sent for its command id when no verified command of its
+        rollout has that id. Empty without a trust store."""
+        out = [entry for rid in self._unverified for entry in self._unverified_of(rid)]
+        return sorted(out, key=lambda e: (e.issued_at, e.rollout_id, e.command_id))
 
     def command(self, rollout_id: str) -> Command:
         """The command that is the rollout. Raises KeyError for an unknown rollout (or one
@@ -238,7 +278,10 @@ class Fleet:
         summary = self._summaries.get(rollout_id)
         if summary is not None:
             return summary.status.issued_at
-        return min(r.sent_at for r in self._unreadable[rollout_id].values())
+        nacks = self._nacks(rollout_id)
+        if not nacks:
+            raise KeyError(rollout_id)
+        return min(r.sent_at for r in nacks.values())
 
     def status(self, rollout_id: str, now: datetime) -> RolloutStatus:
         """The rollout's status at ``now``. Raises KeyError when no command or NACK has that
@@ -248,10 +291,13 @@ class Fleet:
             summary = self._summaries.get(rollout_id)
             if summary is not None:
                 return summary.status.model_copy(update={"as_of": now})
-            return rejected(rollout_id, self._unreadable[rollout_id], now)
+            rejections = self._nacks(rollout_id)
+            if not rejections:
+                raise KeyError(rollout_id)
+            return rejected(rollout_id, rejections, now)
         command = _primary(commands)
         anomalies = self._command_anomalies(command, commands)
-        nacks = self._unreadable.get(rollout_id)
+        nacks = self._nacks(rollout_id)
         if nacks:
             anomalies += unreadable_anomalies(rollout_id, nacks)
         return judge(self._evaluate(command, now), anomalies)
@@ -264,7 +310,7 @@ class Fleet:
             return Tally.of(self.status(rollout_id, now))  # summarized, or NACKs only: small
         command = _primary(commands)
         anomalies = self._command_anomalies(command, commands)
-        nacks = self._unreadable.get(rollout_id)
+        nacks = self._nacks(rollout_id)
         if nacks:
             anomalies += unreadable_anomalies(rollout_id, nacks)
         ledger = self._ledgers.get((rollout_id, command.command_id))
@@ -403,6 +449,7 @@ class Fleet:
             orphan_acks=sum(v.acks for k, v in self._ledgers.items() if k not in known),
             compacted=len(self._summaries),
             dropped_acks=self._n_dropped_acks,
+            unverified=sum(len(held) for held in self._unverified.values()),
         )
 
     # ------------------------------------------------------------------ memory
@@ -426,7 +473,7 @@ class Fleet:
     def unended(self) -> list[str]:
         """Rollouts held in full and not known to have ended (what :meth:`check_ended` judges)."""
         ended = self._ended
-        return sorted(r for r in self._commands.keys() | self._unreadable.keys() if r not in ended)
+        return sorted(r for r in self._commands.keys() | self._nack_rollouts() if r not in ended)
 
     def ended(self, rollout_id: str) -> datetime | None:
         """When the rollout ended, if known (noted by :meth:`check_ended` or :meth:`note_ended`;
@@ -523,9 +570,12 @@ class Fleet:
                 expected = set(ids)
             else:
                 expected = self._evaluate(primary, now).tracks.keys()
+        forged = self._forged_ids(rollout_id)
         commands = self._commands.pop(rollout_id, [])
         command_ids = frozenset(c.command_id for c in commands)
-        nacks = self._unreadable.pop(rollout_id, {})
+        nacks = {
+            k: r for k, r in self._unreadable.pop(rollout_id, {}).items() if k[0] not in forged
+        }
         for command_id in command_ids:
             self._ledgers.pop((rollout_id, command_id), None)
             self._flights.pop((rollout_id, command_id), None)
@@ -566,12 +616,19 @@ class Fleet:
             commands_seen=self._n_commands,
             acks_seen=self._n_acks,
             dropped_acks=self._n_dropped_acks,
+            unverified=self._unverified,
         )
 
     def restore(self, state: FoldState) -> None:
         """Take ``state`` (a snapshot's) as what was folded so far from commands and acks; only
         on a fleet that has folded none (ValueError otherwise). Heartbeats are folded as usual."""
-        if self._commands or self._ledgers or self._unreadable or self._summaries:
+        if (
+            self._commands
+            or self._ledgers
+            or self._unreadable
+            or self._summaries
+            or self._unverified
+        ):
             raise ValueError("a snapshot is restored only into a fleet that folded no command")
         self._commands = state.commands
         self._ledgers = state.ledgers
@@ -583,6 +640,7 @@ class Fleet:
         self._n_commands = state.commands_seen
         self._n_acks = state.acks_seen
         self._n_dropped_acks = state.dropped_acks
+        self._unverified = state.unverified
 
     # ------------------------------------------------------------------ internals
 
@@ -595,6 +653,52 @@ class Fleet:
             for (worker_id, _), span in spans.items():
                 out.setdefault(worker_id, []).append(span)
         return out
+
+    def _forged_ids(self, rollout_id: str) -> frozenset[str]:
+        """The rollout's command ids known only from unverified commands."""
+        held = self._unverified.get(rollout_id)
+        if not held:
+            return frozenset()
+        verified = {c.command_id for c in self._commands.get(rollout_id, ())}
+        summary = self._summaries.get(rollout_id)
+        if summary is not None:
+            verified |= summary.command_ids
+        return frozenset(held.keys() - verified)
+
+    def _nacks(self, rollout_id: str) -> dict[tuple[str, str], Report] | None:
+        """The rollout's NACKs (``kind`` null) but those of unverified commands' ids: judged
+        when asked, never when folded (a NACK may come before its command)."""
+        nacks = self._unreadable.get(rollout_id)
+        forged = self._forged_ids(rollout_id) if nacks else None
+        if not forged or nacks is None:
+            return nacks
+        return {key: report for key, report in nacks.items() if key[0] not in forged}
+
+    def _nacks_only(self, rollout_id: str) -> bool:
+        """Whether the rollout is known from NACKs of a command no worker could read (not
+        only from NACKs of unverified ones)."""
+        return bool(self._nacks(rollout_id))
+
+    def _nack_rollouts(self) -> set[str]:
+        """The rollout ids NACKs make known (:meth:`_nacks_only`)."""
+        if not self._unverified:
+            return set(self._unreadable)
+        return {r for r in self._unreadable if self._nacks_only(r)}
+
+    def _unverified_of(self, rollout_id: str) -> list[UnverifiedCommand]:
+        """The rollout's unverified commands, each with the NACKs of its command id (when no
+        verified command has that id)."""
+        held = self._unverified.get(rollout_id, {})
+        nacks = self._unreadable.get(rollout_id, {})
+        forged = self._forged_ids(rollout_id)
+        counts: dict[str, int] = {}
+        for command_id, _ in nacks:
+            if command_id in forged:
+                counts[command_id] = counts.get(command_id, 0) + 1
+        return [
+            entry.model_copy(update={"nacks": counts[cid]}) if cid in counts else entry
+            for cid, entry in sorted(held.items())
+        ]
 
     def _command_anomalies(self, primary: Command, commands: list[Command]) -> list[Anomaly]:
         out = []
@@ -613,7 +717,13 @@ class Fleet:
                     f"is command {primary.command_id}{acks}"
                 )
             out.append(Anomaly(code=code, message=text, command_id=other.command_id))
+        if primary.rollout_id in self._unverified:
+            out += unverified_anomalies(primary, self._unverified_of(primary.rollout_id))
         return out
+
+
+def _unverified_order(entry: UnverifiedCommand) -> tuple[datetime, str, str, str]:
+    return (entry.issued_at, entry.code, entry.message, entry.key_id or "")
 
 
 def _primary(commands: list[Command]) -> Command:

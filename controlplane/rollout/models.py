@@ -207,3 +207,25 @@ class WorkerLevel(_Out):
     degraded: bool
     #: Not degraded, and reporting the desired version (or nothing is desired).
     in_sync: bool
+
+
+class UnverifiedCommand(_Out):
+    """A command the coordinator's trust store did not verify (unsigned, a bad signature, an
+    unknown or revoked key, out of its key's scope, or a ttl beyond ``max_ttl_s``). Never part
+    of a rollout: listed here, and as a ``COMMAND_UNVERIFIED`` anomaly on the rollout whose id
+    it carries when that rollout has a verified command."""
+
+    rollout_id: str
+    command_id: str
+    kind: CommandKind
+    issuer: str
+    issued_at: AwareDatetime
+    #: The signature's key id (None: unsigned).
+    key_id: str | None
+    #: Why it was refused: SIGNATURE_MISSING, SIGNATURE_INVALID, KEY_UNKNOWN, KEY_REVOKED,
+    #: SCOPE_DENIED or TTL_TOO_LONG.
+    code: str
+    message: str
+    #: NACKs of it by workers (``kind`` null: they refused it too), listed here rather than as
+    #: a rollout of their own.
+    nacks: int = 0

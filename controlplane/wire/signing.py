@@ -5,7 +5,8 @@ object that was received, not a re-encoding of our model), less its ``signature`
 any producer that writes a valid command (our CLI, kcat, a Java client) signs the same bytes a
 worker verifies. A :class:`TrustStore` says which keys a worker (or a coordinator) trusts, what
 each may command (kinds, the selectors it may target, the path roots of its reloads), and which
-key ids are revoked. No I/O: callers read key and store files themselves.
+key ids are revoked. One file read (:func:`read_trust_store`, at start-up); keys are read by
+their callers.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import base64
 import binascii
 import hashlib
 import json
+import posixpath
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Final
 
 import rfc8785
@@ -262,6 +265,39 @@ def parse_trust_store(data: bytes, *, source: str) -> TrustStore:
             f"{source}: not a valid trust store: {summarize(exc, limit=5)}",
             code=LocalCode.SETTINGS_INVALID,
         ) from None
+
+
+def read_trust_store(path: Path) -> TrustStore:
+    """The trust store at ``path`` (read once, at most :data:`MAX_TRUST_STORE_BYTES` + 1 bytes);
+    unreadable or invalid is SETTINGS_INVALID."""
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(MAX_TRUST_STORE_BYTES + 1)
+    except OSError as exc:
+        raise ControlPlaneError(
+            f"trust store {str(path)!r} cannot be read: {exc.strerror or exc}",
+            code=LocalCode.SETTINGS_INVALID,
+        ) from None
+    return parse_trust_store(data, source=f"trust store {str(path)!r}")
+
+
+def store_digest(store: TrustStore) -> str:
+    """The sha256 (hex) of a store's RFC 8785 JSON: equal for equal stores, however written."""
+    return hashlib.sha256(jcs(store.model_dump(mode="json"))).hexdigest()
+
+
+def lexically_within(path: str, roots: Iterable[str]) -> bool:
+    """Whether ``path``, ``..`` and ``.`` folded away without the filesystem, lies in one of
+    ``roots`` (absolute directories). A reader with no filesystem (the coordinator) checks a
+    key's ``path_roots`` so; a worker also resolves symlinks (workers/agent/trust.py)."""
+    if "\x00" in path or not posixpath.isabs(path):
+        return False
+    folded = posixpath.normpath(path)
+    for root in roots:
+        base = posixpath.normpath(root)
+        if posixpath.isabs(base) and (folded == base or folded.startswith(base.rstrip("/") + "/")):
+            return True
+    return False
 
 
 def narrower(selector: Selector, allowed: Selector) -> bool:

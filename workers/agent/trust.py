@@ -12,14 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from controlplane.wire.errors import CommandRejected, ControlPlaneError, LocalCode, WireCode
+from controlplane.wire.errors import CommandRejected, WireCode
 from controlplane.wire.protocol import Command, ReloadWeightsSpec
-from controlplane.wire.signing import (
-    MAX_TRUST_STORE_BYTES,
-    Verifier,
-    parse_trust_store,
-    wire_object,
-)
+from controlplane.wire.signing import Verifier, read_trust_store, wire_object
 from workers.weights.paths import resolve_weights_path
 
 
@@ -34,15 +29,7 @@ class Admitted:
 
 def load_verifier(path: Path) -> Verifier:
     """The trust store at ``path``; unreadable or invalid is SETTINGS_INVALID."""
-    try:
-        with path.open("rb") as handle:
-            data = handle.read(MAX_TRUST_STORE_BYTES + 1)
-    except OSError as exc:
-        raise ControlPlaneError(
-            f"trust store {str(path)!r} cannot be read: {exc.strerror or exc}",
-            code=LocalCode.SETTINGS_INVALID,
-        ) from None
-    return Verifier(parse_trust_store(data, source=f"trust store {str(path)!r}"))
+    return Verifier(read_trust_store(path))
 
 
 def scoped_roots(key_roots: Sequence[Path], worker_roots: Sequence[Path]) -> tuple[Path, ...]:
