@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import functools
 import gc
+import ssl
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -20,7 +21,7 @@ from aiokafka.helpers import create_ssl_context
 from controlplane.kafka.health import health, log
 from controlplane.kafka.lifecycle import AsyncService
 from controlplane.kafka.settings import KafkaSettings
-from controlplane.wire.errors import BusError, LocalCode
+from controlplane.wire.errors import BusError, ControlPlaneError, LocalCode
 
 #: ConsumerRecord.timestamp_type of a record stamped by the broker (topic config
 #: ``message.timestamp.type=LogAppendTime``); 0 is CreateTime (the producer's clock).
@@ -103,15 +104,43 @@ def client_options(settings: KafkaSettings) -> dict[str, Any]:
         "security_protocol": settings.security_protocol,
     }
     if settings.security_protocol in ("SSL", "SASL_SSL"):
-        opts["ssl_context"] = create_ssl_context(
-            cafile=settings.ssl_cafile, certfile=settings.ssl_certfile, keyfile=settings.ssl_keyfile
-        )
+        opts["ssl_context"] = ssl_context(settings)
     if settings.sasl_mechanism is not None:
         opts["sasl_mechanism"] = settings.sasl_mechanism
-        opts["sasl_plain_username"] = settings.sasl_username
-        if settings.sasl_password is not None:
-            opts["sasl_plain_password"] = settings.sasl_password.get_secret_value()
+        if settings.sasl_mechanism == "OAUTHBEARER":
+            opts["sasl_oauth_token_provider"] = settings.token_provider()
+        else:
+            opts["sasl_plain_username"] = settings.sasl_username
+            opts["sasl_plain_password"] = settings.sasl_secret()
     return opts
+
+
+def ssl_context(settings: KafkaSettings) -> ssl.SSLContext:
+    """The TLS context of ``settings``; a CA, certificate or key that cannot be loaded (missing,
+    not PEM, a wrong key password) is SETTINGS_INVALID naming the files."""
+    password = settings.ssl_key_password
+    try:
+        context: ssl.SSLContext = create_ssl_context(
+            cafile=settings.ssl_cafile,
+            certfile=settings.ssl_certfile,
+            keyfile=settings.ssl_keyfile,
+            password=None if password is None else password.get_secret_value(),
+        )
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        files = ", ".join(
+            f"{name}={value!r}"
+            for name, value in (
+                ("ssl_cafile", settings.ssl_cafile),
+                ("ssl_certfile", settings.ssl_certfile),
+                ("ssl_keyfile", settings.ssl_keyfile),
+            )
+            if value is not None
+        )
+        raise ControlPlaneError(
+            f"cannot load the TLS files ({files or 'the system CAs'}): {exc}",
+            code=LocalCode.SETTINGS_INVALID,
+        ) from None
+    return context
 
 
 def _close_after_bootstrap(client: Any, task: asyncio.Future[None]) -> None:

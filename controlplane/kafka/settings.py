@@ -1,17 +1,33 @@
 """Settings shared by every process that talks to Kafka; each process has its own model with an env prefix.
 
-No I/O. Security settings pass straight through to aiokafka (TLS and SASL).
+No I/O at validation but importing a named OAUTHBEARER token provider; a password file is read
+when a client is made (:meth:`KafkaSettings.sasl_secret`), so a rotated file is read again.
+Security settings pass through to aiokafka (TLS and SASL) once they make sense together: PLAIN
+in the clear, a SASL mechanism without credentials and OAUTHBEARER without a token provider are
+refused here, before any connection (aiokafka would send the password in the clear, fail at the
+broker, or raise a ``ValueError`` from inside its bootstrap).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
+from aiokafka.abc import AbstractTokenProvider
+from pydantic import (
+    BaseModel,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings.exceptions import SettingsError
 
-from controlplane.wire.errors import ControlPlaneError, WireCode
+from controlplane.wire.errors import ControlPlaneError, LocalCode, WireCode
 from controlplane.wire.topics import DEFAULT_PREFIX, Topics
 from controlplane.wire.validation import summarize
 
@@ -48,9 +64,30 @@ class KafkaSettings(BaseModel):
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None
     sasl_username: str | None = None
     sasl_password: SecretStr | None = None
+    sasl_password_file: Path | None = Field(
+        default=None,
+        description=(
+            "A file holding the SASL password (one trailing newline is dropped), read each "
+            "time a client is made; instead of sasl_password, never with it."
+        ),
+    )
+    sasl_oauth_token_provider: str | None = Field(
+        default=None,
+        description=(
+            "OAUTHBEARER's token provider as 'module:attr': an aiokafka.abc.AbstractTokenProvider "
+            "instance, or a subclass made with no arguments. Imported when the settings are read."
+        ),
+    )
+    allow_plain_without_tls: bool = Field(
+        default=False,
+        description="Allow the PLAIN mechanism over SASL_PLAINTEXT (the password in the clear).",
+    )
     ssl_cafile: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    ssl_key_password: SecretStr | None = Field(
+        default=None, description="The password of an encrypted ssl_keyfile."
+    )
     request_timeout_ms: int = Field(default=30_000, ge=1000)
     delivery_timeout_ms: int = Field(
         default=30_000,
@@ -62,6 +99,8 @@ class KafkaSettings(BaseModel):
         ),
     )
 
+    _token_provider: AbstractTokenProvider | None = PrivateAttr(default=None)
+
     @model_validator(mode="after")
     def _min_insync_fits(self) -> KafkaSettings:
         rf, min_isr = self.replication_factor, self.min_insync_replicas
@@ -72,6 +111,83 @@ class KafkaSettings(BaseModel):
             )
         return self
 
+    @field_validator("sasl_oauth_token_provider")
+    @classmethod
+    def _provider_imports(cls, value: str | None) -> str | None:
+        if value is not None:
+            import_token_provider(value)
+        return value
+
+    @model_validator(mode="after")
+    def _security_fits(self) -> KafkaSettings:
+        protocol, mechanism = self.security_protocol, self.sasl_mechanism
+        sasl = protocol.startswith("SASL_")
+        if mechanism is not None and not sasl:
+            raise ValueError(
+                f"sasl_mechanism {mechanism} is set but security_protocol is {protocol}: "
+                "SASL needs SASL_SSL (or SASL_PLAINTEXT)"
+            )
+        if sasl and mechanism is None:
+            raise ValueError(f"security_protocol {protocol} needs a sasl_mechanism")
+        if self.sasl_password is not None and self.sasl_password_file is not None:
+            raise ValueError("give sasl_password or sasl_password_file, not both")
+        if mechanism == "OAUTHBEARER":
+            if self.sasl_oauth_token_provider is None:
+                raise ValueError(
+                    "sasl_mechanism OAUTHBEARER needs sasl_oauth_token_provider "
+                    "('module:attr' naming an aiokafka.abc.AbstractTokenProvider)"
+                )
+        elif mechanism is not None:
+            if not self.sasl_username:
+                raise ValueError(f"sasl_mechanism {mechanism} needs sasl_username")
+            if self.sasl_password is None and self.sasl_password_file is None:
+                raise ValueError(
+                    f"sasl_mechanism {mechanism} needs sasl_password or sasl_password_file"
+                )
+        if (
+            mechanism == "PLAIN"
+            and protocol == "SASL_PLAINTEXT"
+            and not self.allow_plain_without_tls
+        ):
+            raise ValueError(
+                "sasl_mechanism PLAIN over SASL_PLAINTEXT sends the password in the clear: "
+                "use SASL_SSL, or set allow_plain_without_tls"
+            )
+        return self
+
+    def sasl_secret(self) -> str | None:
+        """The SASL password, from ``sasl_password`` or read now from ``sasl_password_file``;
+        an unreadable file is SETTINGS_INVALID."""
+        if self.sasl_password is not None:
+            return self.sasl_password.get_secret_value()
+        if self.sasl_password_file is None:
+            return None
+        try:
+            text = self.sasl_password_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ControlPlaneError(
+                f"sasl_password_file {str(self.sasl_password_file)!r} is unreadable: "
+                f"{exc.strerror if isinstance(exc, OSError) else exc}",
+                code=LocalCode.SETTINGS_INVALID,
+            ) from None
+        secret = text.removesuffix("\n").removesuffix("\r")
+        if not secret:
+            raise ControlPlaneError(
+                f"sasl_password_file {str(self.sasl_password_file)!r} is empty",
+                code=LocalCode.SETTINGS_INVALID,
+            )
+        return secret
+
+    def token_provider(self) -> AbstractTokenProvider | None:
+        """OAUTHBEARER's provider: the named instance, or one instance of the named subclass
+        made on first use and kept (it may cache its token across connections)."""
+        if self.sasl_oauth_token_provider is None:
+            return None
+        if self._token_provider is None:
+            named = import_token_provider(self.sasl_oauth_token_provider)
+            self._token_provider = named() if isinstance(named, type) else named
+        return self._token_provider
+
     @property
     def topics(self) -> Topics:
         return Topics(
@@ -79,6 +195,33 @@ class KafkaSettings(BaseModel):
             replication_factor=self.replication_factor,
             min_insync_replicas=self.min_insync_replicas,
         )
+
+
+def import_token_provider(
+    spec: str,
+) -> AbstractTokenProvider | type[AbstractTokenProvider]:
+    """What ``module:attr`` names, if it is a token provider (an instance, or a subclass);
+    anything else is a ``ValueError`` saying what it found."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{spec!r} is not 'module:attr'")
+    try:
+        named: object = importlib.import_module(module_name)
+    except Exception as exc:  # an import runs the module's code: anything may fail
+        raise ValueError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
+    for part in attr.split("."):
+        try:
+            named = getattr(named, part)
+        except AttributeError:
+            raise ValueError(f"{module_name!r} has no attribute {attr!r}") from None
+    if isinstance(named, AbstractTokenProvider):
+        return named
+    if isinstance(named, type) and issubclass(named, AbstractTokenProvider):
+        return named
+    raise ValueError(
+        f"{spec!r} is a {type(named).__name__}, not an aiokafka.abc.AbstractTokenProvider "
+        "(an instance, or a subclass made with no arguments)"
+    )
 
 
 def load_settings(factory: Callable[..., S], **values: Any) -> S:
