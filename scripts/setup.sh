@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up of everything the demo and the tests need, on a fresh machine or a warm one:
 # Java 17+ and Maven (Debian packages, only if missing), uv, the Python environment in .venv
-# (torch 2.9.0 + torch_xla 2.9.0 + the package, editable), and Apache Kafka's jars (cached).
+# (torch 2.9.0 + torch_xla 2.9.0 + model-signing + the package, editable), and Apache Kafka's jars (cached).
 # A second run downloads nothing: uv's cache and the jar cache live under ~/.cache.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,8 +24,8 @@ source scripts/uv.sh
 if [[ ! -x .venv/bin/python ]]; then
   uv venv -q -p "$PY" .venv
 fi
-echo "setup: Python environment .venv (torch 2.9.0 + torch_xla 2.9.0)"
-uv pip install -q -p .venv/bin/python -e ".[tpu,test]"
+echo "setup: Python environment .venv (torch 2.9.0 + torch_xla 2.9.0, model-signing 1.1.1)"
+uv pip install -q -p .venv/bin/python -e ".[tpu,test,verify]"
 
 echo "setup: Apache Kafka jars"
 .venv/bin/controlplane broker install

@@ -7,12 +7,13 @@ SETTINGS_INVALID. No I/O beyond reading the environment; passed explicitly to th
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from controlplane.kafka.settings import KafkaSettings, load_settings
 from controlplane.wire.errors import ControlPlaneError, LocalCode
@@ -29,6 +30,8 @@ from controlplane.wire.validation import Location, summarize
 from workers.runners.base import RUNNERS
 
 ENV_PREFIX = "FLEET_WORKER_"
+#: The runners whose loader checks model signatures (workers/weights/oms.py).
+_SIGNATURE_RUNNERS = ("torch", "xla")
 #: Heartbeat periods a heartbeat vouches for the worker when ``lease_s`` is not set.
 LEASE_PERIODS = 10
 
@@ -115,6 +118,18 @@ class WorkerSettings(BaseSettings):
             " applied. Unset: unsigned commands are accepted (said loudly at start-up)."
         ),
     )
+    model_trust: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list,
+        description=(
+            "Trusted model keys: ECDSA public keys (PEM files; in env one path or a JSON list). A"
+            " checkpoint with a model.sig (OpenSSF model signing) loads only if it verifies with one"
+            " of them and every byte copied matches it (workers/weights/oms.py); torch and xla."
+        ),
+    )
+    require_model_signature: bool = Field(
+        default=False,
+        description="Load only signed checkpoints (MODEL_SIGNATURE_MISSING otherwise).",
+    )
     restore_on_start: bool = Field(
         default=True, description="Re-apply the last applied weights and config after a restart."
     )
@@ -127,6 +142,35 @@ class WorkerSettings(BaseSettings):
                 f"unknown runner {name!r}; choose one of: {', '.join(sorted(RUNNERS))}"
             )
         return name
+
+    @field_validator("model_trust", mode="before")
+    @classmethod
+    def _one_key_or_many(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.lstrip().startswith("["):
+            try:
+                return json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"not a JSON list: {exc}") from None
+        return [value] if isinstance(value, str | Path) else value
+
+    @model_validator(mode="after")
+    def _model_trust_reaches_the_runner(self) -> WorkerSettings:
+        """The model keys go to the runner with its options (its own check reads them)."""
+        if not self.model_trust and not self.require_model_signature:
+            return self
+        if self.runner not in _SIGNATURE_RUNNERS:
+            raise ValueError(
+                f"model_trust / require_model_signature: runner {self.runner!r} does not check"
+                f" model signatures (only {', '.join(_SIGNATURE_RUNNERS)})"
+            )
+        if self.require_model_signature and not self.model_trust:
+            raise ValueError("require_model_signature is set but model_trust names no key")
+        self.runner_options = {
+            **self.runner_options,
+            "model_trust": [str(p.expanduser().resolve()) for p in self.model_trust],
+            "require_model_signature": self.require_model_signature,
+        }
+        return self
 
     @model_validator(mode="after")
     def _lease_covers_a_period(self) -> WorkerSettings:

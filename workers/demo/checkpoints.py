@@ -314,8 +314,19 @@ def write_command(
     model_kwargs: KwargsOpt = "{}",
     dtype: Annotated[str | None, typer.Option(help="Cast floating tensors, e.g. bfloat16.")] = None,
     manifest: Annotated[bool, typer.Option(help="Also print the sha256 manifest.")] = False,
+    sign: Annotated[
+        Path | None,
+        typer.Option(
+            "--sign",
+            metavar="KEY",
+            help="Sign the checkpoint's directory (model.sig, OpenSSF model signing) with this"
+            " ECDSA private key (PEM); needs the [verify] extra.",
+        ),
+    ] = None,
 ) -> None:
     """Write a checkpoint of the seeded model and print its path (and manifest) as JSON."""
+    if sign is not None and not sign.is_file():
+        raise typer.BadParameter(f"{str(sign)!r} is not a file", param_hint="--sign")
     path = write_checkpoint(
         out,
         factory=factory,
@@ -327,7 +338,27 @@ def write_command(
     result: dict[str, Any] = {"path": str(path)}
     if manifest:
         result["sha256"] = sha256_manifest(path)
+    if sign is not None:
+        result["signature"] = str(sign_written(path, sign))
     typer.echo(json.dumps(result))
+
+
+def sign_written(path: Path, key: Path) -> Path:
+    """Sign the directory of the checkpoint at ``path`` with ``key``; the signature's path."""
+    from workers.weights.oms import sign_checkpoint
+
+    directory = path if path.is_dir() else path.parent
+    try:
+        return sign_checkpoint(directory, key)
+    except ImportError as exc:
+        raise typer.BadParameter(
+            f"signing needs model-signing ({exc}): pip install 'fleet-controlplane[verify]'",
+            param_hint="--sign",
+        ) from None
+    except (ValueError, TypeError, OSError) as exc:
+        raise typer.BadParameter(
+            f"cannot sign with {str(key)!r}: {exc}", param_hint="--sign"
+        ) from None
 
 
 @checkpoint_app.command("broken")

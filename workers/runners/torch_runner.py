@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,7 +31,14 @@ from workers.runners.base import (
 )
 from workers.runners.tiny_lm import build_model, encode_text
 from workers.weights.digest import weights_digest
-from workers.weights.loaders import DEFAULT_STAGING_BYTES, load_checkpoint, module_targets
+from workers.weights.loaders import (
+    DEFAULT_STAGING_BYTES,
+    CopiedBytesMismatch,
+    load_checkpoint,
+    module_targets,
+)
+from workers.weights.oms import ModelTrust, SignedDigests, load_model_trust
+from workers.weights.stats import LoadStats
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -66,6 +74,14 @@ class TorchRunnerOptions(BaseModel):
         default=True,
         description="Read straight into device buffers that are host memory (XLA on PJRT's CPU).",
     )
+    model_trust: list[str] = Field(
+        default_factory=list,
+        description="Trusted model keys (ECDSA public keys, PEM files): a checkpoint's model.sig"
+        " must verify with one of them (workers/weights/oms.py).",
+    )
+    require_model_signature: bool = Field(
+        default=False, description="Refuse checkpoints without a model.sig (needs model_trust)."
+    )
 
     @field_validator("device")
     @classmethod
@@ -75,6 +91,18 @@ class TorchRunnerOptions(BaseModel):
         except RuntimeError as exc:
             raise ValueError(str(exc)) from None
         return value
+
+
+@dataclass(frozen=True)
+class _InForce:
+    """The checkpoint the weights in force came from, and what they were verified against:
+    loaded again, checked the same way, when a reload fails its check after copying began."""
+
+    path: Path
+    version: str
+    strict: bool
+    sha256: Mapping[str, str] | None
+    signed: SignedDigests | None
 
 
 class TorchConfig(RunnerConfig):
@@ -111,6 +139,13 @@ class TorchRunner:
         self._progress = (0, 0)
         self._last_reload: ReloadResult | None = None
         self._digest: str | None = None  # of the weights in force; None while degraded
+        self._in_force: _InForce | None = None  # None: seeded weights, nothing to restore
+        try:
+            self._trust: ModelTrust | None = load_model_trust(
+                self.options.model_trust, required=self.options.require_model_signature
+            )
+        except ValueError as exc:
+            raise ValueError(f"runner {self.name!r}: {exc}") from None
 
     # ------------------------------------------------------------------ hardware hooks
 
@@ -174,10 +209,12 @@ class TorchRunner:
                 tie()  # moving to XLA unties shared parameters
             self._device = device
             targets, aliases = module_targets(model)
+            in_force = None
             if self.options.initial_checkpoint is not None:
                 self._sync()  # nothing may still be writing the buffers aliased below
-                load_checkpoint(
-                    Path(self.options.initial_checkpoint),
+                initial = Path(self.options.initial_checkpoint)
+                stats = load_checkpoint(
+                    initial,
                     self._copy_targets(targets),
                     version=self.options.initial_version,
                     from_version=None,
@@ -185,7 +222,9 @@ class TorchRunner:
                     staging_bytes=self.options.staging_bytes,
                     sync=self._sync,
                     read_threads=self.options.read_threads,
+                    model_trust=self._trust,
                 )
+                in_force = _InForce(initial, self.options.initial_version, True, None, stats.signed)
             else:
                 self._sync()
             digest = self._weights_digest(targets)
@@ -194,6 +233,7 @@ class TorchRunner:
                 self._version = self.options.initial_version
                 self._degraded = None
                 self._digest = digest
+                self._in_force = in_force
 
     def _build_model(self) -> torch.nn.Module:
         try:
@@ -233,11 +273,12 @@ class TorchRunner:
                     progress=lambda done, total: self._on_copy_progress(done, total, cancel),
                     sync=self._sync,
                     read_threads=self.options.read_threads,
+                    model_trust=self._trust,
                 )
+            except CopiedBytesMismatch as exc:
+                self._restore_or_degrade(exc)  # raises
             except WeightsCorrupted as exc:
-                with self._state:
-                    self._degraded = DegradedInfo.of(exc)
-                    self._digest = None
+                self._mark_degraded(exc)
                 raise
             finally:
                 self._set_phase("idle", (0, 0))
@@ -248,7 +289,57 @@ class TorchRunner:
                 self._degraded = None
                 self._last_reload = result
                 self._digest = result.weights_digest
+                self._in_force = _InForce(
+                    path, spec.version, spec.strict, spec.sha256, stats.signed
+                )
             return result
+
+    def _mark_degraded(self, exc: WeightsCorrupted) -> None:
+        with self._state:
+            self._degraded = DegradedInfo.of(exc)
+            self._digest = None
+
+    def _restore_or_degrade(self, exc: CopiedBytesMismatch) -> None:
+        """The bytes copied were not the signed ones: load the checkpoint in force before again,
+        verified against the digests it was loaded with, and NACK CHECKSUM_MISMATCH with the
+        version unchanged. Degraded (WeightsCorrupted) when there is none (seeded weights) or
+        it cannot be restored. Always raises."""
+        before = self._in_force
+        if before is None:
+            self._mark_degraded(exc)
+            raise exc
+        self._set_phase("restoring", (0, 0))
+        try:
+            self._load_in_force(before, failed=exc.to_version)
+        except RunnerError as restore_failed:
+            corrupted = WeightsCorrupted(
+                f"{exc.message}; restoring {before.version!r} from {str(before.path)!r} failed"
+                f" too ({restore_failed.message})",
+                from_version=before.version,
+                to_version=exc.to_version,
+            )
+            self._mark_degraded(corrupted)
+            raise corrupted from exc
+        raise RunnerError(
+            f"{exc.message}; {before.version!r} was restored from {str(before.path)!r}",
+            code=WireCode.CHECKSUM_MISMATCH,
+        ) from exc
+
+    def _load_in_force(self, before: _InForce, *, failed: str) -> LoadStats:
+        return load_checkpoint(
+            before.path,
+            self._copy_targets(self._targets),
+            version=before.version,
+            from_version=failed,
+            strict=before.strict,
+            sha256=before.sha256,
+            aliases=self._aliases,
+            staging_bytes=self.options.staging_bytes,
+            sync=self._sync,
+            read_threads=self.options.read_threads,
+            model_trust=self._trust,
+            signed=before.signed,
+        )
 
     def _on_copy_progress(self, done: int, total: int, cancel: threading.Event | None) -> None:
         self._set_phase("copying", (done, total))

@@ -33,11 +33,14 @@ from workers.weights.copy import (
     default_read_threads,
     read_exact,
 )
+from workers.weights.oms import ModelTrust, SignedDigests, check_index_digest, signed_digests
 from workers.weights.paths import checkpoint_files, open_member, unreadable
 from workers.weights.stats import LoadStats
+from workers.weights.verify import CopiedBytesMismatch, check_copied
 
 __all__ = [  # what runners, tests and benchmarks import (or patch) here
     "DEFAULT_STAGING_BYTES",
+    "CopiedBytesMismatch",
     "_Copier",
     "_byte_view",
     "_read_exact",
@@ -109,6 +112,8 @@ def load_checkpoint(
     sync: Callable[[], None] | None = None,
     read_threads: int | None = None,
     read_chunk_bytes: int = DEFAULT_READ_CHUNK_BYTES,
+    model_trust: ModelTrust | None = None,
+    signed: SignedDigests | None = None,
 ) -> LoadStats:
     """Validate the checkpoint at ``path`` against ``targets``, then copy it into them in place.
 
@@ -120,6 +125,12 @@ def load_checkpoint(
     Contiguous host-memory targets (CPU tensors, or host aliases of device buffers) are read
     straight into, in ``read_chunk_bytes`` chunks from ``read_threads`` threads (default
     ``default_read_threads()``; 1 reads each tensor with a single reader).
+
+    Signed checkpoints (oms.py): with ``model_trust``, the signature is checked before anything
+    else (MODEL_SIGNATURE_MISSING / MODEL_SIGNATURE_INVALID, targets untouched), and the bytes
+    copied are then hashed against the signed digests: a difference raises CopiedBytesMismatch
+    (a WeightsCorrupted). ``signed``: check against these digests instead (the runner restoring
+    the checkpoint it had verified before). The digests used are in the result's ``signed``.
     """
     if read_threads is not None and read_threads < 1:
         raise ValueError(f"read_threads must be at least 1, not {read_threads}")
@@ -127,7 +138,17 @@ def load_checkpoint(
         raise ValueError(f"read_chunk_bytes must be at least 1, not {read_chunk_bytes}")
     readers = default_read_threads() if read_threads is None else read_threads
     started = time.perf_counter()
+    if signed is None:
+        signed = signed_digests(checkpoint_files(path), model_trust)
     with open_checkpoint(path) as ckpt:
+        if signed is not None:
+            unsigned = [f.name for f in ckpt.files.files if f not in signed.files]
+            if unsigned:
+                raise RunnerError(
+                    f"the signature does not name checkpoint file(s) {unsigned[:5]}",
+                    code=WireCode.MODEL_SIGNATURE_INVALID,
+                )
+            check_index_digest(ckpt.files, signed)
         plan = plan_copy(ckpt.entries, targets, strict=strict, aliases=aliases or {})
         if sha256:
             verify_sha256(ckpt, sha256, cancel)
@@ -139,6 +160,16 @@ def load_checkpoint(
         total = sum(entry.nbytes for entry, _ in plan)
         copier = Copier(staging_bytes, flush=sync, threads=readers, read_chunk=read_chunk_bytes)
         copy_plan(ckpt, plan, copier, version, from_version, cancel, progress, sync)
+        if signed is not None:
+            check_copied(
+                ckpt,
+                plan,
+                signed,
+                threads=readers,
+                version=version,
+                from_version=from_version,
+                cancel=cancel,
+            )
         finished = time.perf_counter()
     return LoadStats.measured(
         version,
@@ -148,4 +179,5 @@ def load_checkpoint(
         started=started,
         copy_started=copy_started,
         finished=finished,
+        signed=signed,
     )

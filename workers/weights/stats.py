@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Self
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Self
+
+if TYPE_CHECKING:
+    from workers.weights.oms import SignedDigests
 
 
 @dataclass(frozen=True)
@@ -18,6 +21,8 @@ class LoadStats:
     copy_s: float
     duration_s: float
     gbps: float
+    #: The signed digests the copied bytes were checked against (oms.py); None: not signed.
+    signed: SignedDigests | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def measured(
@@ -30,6 +35,7 @@ class LoadStats:
         started: float,
         copy_started: float,
         finished: float,
+        signed: SignedDigests | None = None,
     ) -> Self:
         """From ``time.perf_counter()`` readings: checks ran from ``started`` to
         ``copy_started``, the copy (or the engine's own load) from then to ``finished``."""
@@ -43,4 +49,5 @@ class LoadStats:
             copy_s=copy_s,
             duration_s=finished - started,
             gbps=nbytes / copy_s / 1e9 if copy_s > 0 else 0.0,
+            signed=signed,
         )

@@ -1,0 +1,274 @@
+"""Checkpoints signed in the OpenSSF model-signing format (OMS), checked before any tensor is copied.
+
+A signed checkpoint directory holds ``model.sig``: a Sigstore bundle whose DSSE envelope, signed
+with an ECDSA (P-256/384/521) key, carries an in-toto statement listing every file of the
+directory (or every shard of every file) with its sha256. Sign one with
+``fleet-worker checkpoint write --sign KEY`` or model-signing's own ``model_signing sign key``.
+
+Only the envelope is checked here, against the worker's trusted model keys
+(``FLEET_WORKER_MODEL_TRUST``): model-signing's public ``verify()`` would re-read and re-hash the
+whole directory, a second pass over the weights. The signed digests become the expected digests
+of what the loader copies (``workers.weights.verify``), so each byte is read from disk once.
+
+model-signing (the ``[verify]`` extra, pinned: the two modules used here are private) is imported
+only when a signature is checked or made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from controlplane.wire.errors import RunnerError, WireCode
+from workers.weights.paths import CheckpointFiles, check_member, open_member
+
+#: The signature's name in a signed checkpoint directory (what model-signing's CLI writes).
+SIGNATURE_NAME = "model.sig"
+#: Shard size used when signing: the loader's read chunk, so a shard is one read task.
+SIGN_SHARD_BYTES = 8 * 1024 * 1024
+_HASH_TYPE = "sha256"
+_METHODS = ("files", "shards")
+_INSTALL_HINT = "install the [verify] extra: pip install 'fleet-controlplane[verify]'"
+
+
+def _invalid(message: str) -> RunnerError:
+    return RunnerError(message, code=WireCode.MODEL_SIGNATURE_INVALID)
+
+
+@dataclass(frozen=True)
+class ModelTrust:
+    """The model keys a worker trusts (ECDSA public keys, PEM), and whether it loads only signed
+    checkpoints. Keys are checked when the runner starts (:func:`load_model_trust`)."""
+
+    keys: tuple[Path, ...]
+    required: bool = False
+
+
+@dataclass(frozen=True)
+class Span:
+    """A signed byte range ``[start, end)`` of one file, and the sha256 of its bytes."""
+
+    start: int
+    end: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class SignedDigests:
+    """What a trusted signature says a checkpoint's files hold: per file, its spans in order
+    (one span for the whole file under ``files`` serialization, shards under ``shards``)."""
+
+    files: dict[Path, tuple[Span, ...]]
+    key: str  # the trusted key file that verified it
+    manifest_sha256: str  # sha256 of the signed statement (the DSSE payload)
+
+
+def load_model_trust(keys: Iterable[str | Path], *, required: bool) -> ModelTrust | None:
+    """The trusted model keys, each read and checked now (a readable ECDSA public key on a curve
+    model-signing supports), and model-signing importable; ValueError otherwise.
+
+    None when there is no key and no requirement (signatures are then not checked).
+    """
+    paths = tuple(Path(k).expanduser() for k in keys)
+    if not paths:
+        if required:
+            raise ValueError("require_model_signature is set but no model key is trusted")
+        return None
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    for path in paths:
+        try:
+            key = serialization.load_pem_public_key(path.read_bytes())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"model key {str(path)!r}: {exc}") from None
+        if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name not in (
+            "secp256r1",
+            "secp384r1",
+            "secp521r1",
+        ):
+            raise ValueError(
+                f"model key {str(path)!r} is not an ECDSA P-256, P-384 or P-521 public key"
+            )
+    try:
+        _model_signing()
+    except ImportError as exc:
+        raise ValueError(
+            f"model keys are set but model-signing is missing ({exc}); {_INSTALL_HINT}"
+        ) from None
+    return ModelTrust(keys=paths, required=required)
+
+
+def _model_signing() -> tuple[Any, Any]:
+    """model-signing's private signature reader and ECDSA verifier (pinned ==1.1.1)."""
+    from model_signing._signing import sign_ec_key, sign_sigstore_pb
+
+    return sign_sigstore_pb.Signature, sign_ec_key.Verifier
+
+
+def signed_digests(files: CheckpointFiles, trust: ModelTrust | None) -> SignedDigests | None:
+    """The digests a trusted signature gives the checkpoint's files; None when it is unsigned
+    and no signature is required (or no key is trusted).
+
+    Raises RunnerError MODEL_SIGNATURE_MISSING (required, none there), MODEL_SIGNATURE_INVALID
+    (not signed by a trusted key, hashed other than with sha256 by file or shard, or a file the
+    loader reads that the signature does not name), CHECKSUM_MISMATCH (a file's size differs
+    from the signed one).
+    """
+    if trust is None:
+        return None
+    sig_path = files.base_dir / SIGNATURE_NAME
+    member = check_member(sig_path, files.within)
+    if member is None:
+        if trust.required:
+            raise RunnerError(
+                f"checkpoint {str(files.base_dir)!r} has no {SIGNATURE_NAME} and this worker"
+                " loads only signed checkpoints",
+                code=WireCode.MODEL_SIGNATURE_MISSING,
+            )
+        return None
+    try:
+        signature_type, verifier_type = _model_signing()
+    except ImportError as exc:
+        raise _invalid(f"cannot check {SIGNATURE_NAME}: {exc}; {_INSTALL_HINT}") from None
+    try:
+        signature = signature_type.read(member.real)
+    except Exception as exc:  # any malformed bundle is refused the same way
+        raise _invalid(f"{SIGNATURE_NAME} is not a model signature: {exc}") from None
+    manifest, key = None, None
+    failures: list[str] = []
+    for key_path in trust.keys:
+        try:
+            manifest = verifier_type(key_path).verify(signature)
+        except Exception as exc:  # a wrong key, a bad signature: try the next
+            failures.append(f"{key_path.name}: {type(exc).__name__}")
+            continue
+        key = str(key_path)
+        break
+    if manifest is None or key is None:
+        raise _invalid(
+            f"{SIGNATURE_NAME} of {str(files.base_dir)!r} is not signed by a trusted model key"
+            f" ({', '.join(failures)})"
+        )
+    spans = _spans(manifest)
+    payload = signature.bundle.dsse_envelope.payload
+    out = SignedDigests(
+        files=_required_files(files, spans),
+        key=key,
+        manifest_sha256=hashlib.sha256(payload).hexdigest(),
+    )
+    return out
+
+
+def _spans(manifest: Any) -> dict[PurePosixPath, list[Span]]:
+    params = manifest.serialization_type
+    method, hash_type = params.get("method"), params.get("hash_type")
+    if method not in _METHODS or hash_type != _HASH_TYPE:
+        raise _invalid(
+            f"the signature hashes with {method!r}/{hash_type!r}; this worker accepts only"
+            f" sha256 by file or by shard"
+        )
+    spans: dict[PurePosixPath, list[Span]] = {}
+    for rd in manifest.resource_descriptors():
+        algorithm = rd.digest.algorithm
+        if algorithm != _HASH_TYPE and not algorithm.startswith(f"{_HASH_TYPE}-sharded-"):
+            raise _invalid(f"{rd.identifier!r} is hashed with {algorithm!r}, not sha256")
+        name, start, end = rd.identifier, 0, -1
+        if method == "shards":
+            name, _, rest = rd.identifier.rpartition(":")
+            name, _, first = name.rpartition(":")
+            try:
+                start, end = int(first), int(rest)
+            except ValueError:
+                raise _invalid(f"signed shard {rd.identifier!r} is malformed") from None
+        spans.setdefault(PurePosixPath(name), []).append(Span(start, end, rd.digest.digest_hex))
+    return spans
+
+
+def _required_files(
+    files: CheckpointFiles, spans: dict[PurePosixPath, list[Span]]
+) -> dict[Path, tuple[Span, ...]]:
+    """The signed spans of every file the loader reads, each file covered exactly once."""
+    base = files.base_dir
+    reads = list(files.files) + ([files.index] if files.index is not None else [])
+    unsigned = [f.name for f in reads if _relative(base, f) not in spans]
+    if unsigned:
+        raise _invalid(f"the signature does not name checkpoint file(s) {unsigned[:5]}")
+    out: dict[Path, tuple[Span, ...]] = {}
+    for file in reads:
+        size = os.stat(files.members[file].real if file in files.members else file).st_size
+        ordered = sorted(spans[_relative(base, file)], key=lambda s: s.start)
+        if ordered[0].end == -1:  # files serialization: one digest for the whole file
+            ordered = [Span(0, size, ordered[0].sha256)]
+        covered = 0
+        for span in ordered:
+            if span.start != covered or span.end < span.start:
+                raise _invalid(f"the signed shards of {file.name!r} do not tile the file")
+            covered = span.end
+        if covered != size:
+            raise RunnerError(
+                f"{file.name!r} has {size} bytes, the signature says {covered}",
+                code=WireCode.CHECKSUM_MISMATCH,
+            )
+        out[file] = tuple(ordered)
+    return out
+
+
+def _relative(base: Path, file: Path) -> PurePosixPath:
+    return PurePosixPath(file.relative_to(base).as_posix())
+
+
+def check_index_digest(files: CheckpointFiles, signed: SignedDigests) -> None:
+    """The index json (read before the signature was checked) hashes to its signed digest."""
+    if files.index is None:
+        return
+    index = files.index
+    member = check_member(index, files.within)
+    if member is None:
+        raise _invalid(f"index {index.name!r} vanished")
+    fd = open_member(index, member, files.within)
+    try:
+        for span in signed.files[index]:
+            data = os.pread(fd, span.end - span.start, span.start)
+            if hashlib.sha256(data).hexdigest() != span.sha256:
+                raise RunnerError(
+                    f"index {index.name!r} differs from the signed one",
+                    code=WireCode.CHECKSUM_MISMATCH,
+                )
+    finally:
+        os.close(fd)
+
+
+def sign_checkpoint(
+    directory: Path, private_key: Path, *, shard_bytes: int = SIGN_SHARD_BYTES
+) -> Path:
+    """Sign every file of ``directory`` (sha256 by shard) with an ECDSA private key (PEM);
+    the signature is written to ``directory/model.sig``, which is returned."""
+    from model_signing import hashing, signing
+
+    target = directory / SIGNATURE_NAME
+    hashing_config = hashing.Config().use_shard_serialization(  # type: ignore[no-untyped-call]
+        hashing_algorithm="sha256", shard_size=shard_bytes
+    )
+    hashing_config.set_ignored_paths(paths=[SIGNATURE_NAME])
+    signer = signing.Config().use_elliptic_key_signer(  # type: ignore[no-untyped-call]
+        private_key=private_key
+    )
+    signer.set_hashing_config(hashing_config).sign(directory, target)
+    return target
+
+
+__all__ = [
+    "SIGNATURE_NAME",
+    "ModelTrust",
+    "SignedDigests",
+    "Span",
+    "check_index_digest",
+    "load_model_trust",
+    "sign_checkpoint",
+    "signed_digests",
+]
