@@ -49,6 +49,7 @@ from controlplane.wire.channels import COMMANDS, CONTROL
 from controlplane.wire.control import LeaderRecord
 from controlplane.wire.errors import BusError, LocalCode
 from controlplane.wire.messages import AckState
+from controlplane.wire.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +81,10 @@ class Controller:
         session_timeout_ms: int = 10_000,
         transaction_timeout_ms: int = 15_000,
         tick_s: float = DEFAULT_TICK_S,
+        signer: Signer | None = None,
     ) -> None:
-        """``now``: the instant to judge at (None: the replica has not caught up yet)."""
+        """``now``: the instant to judge at (None: the replica has not caught up yet);
+        ``signer``: signs every command it publishes (progressive waves, rollbacks, syncs)."""
         if follower.control is None:
             raise ValueError("the controller needs a follower that folds the controller topic")
         self.settings = settings
@@ -94,6 +97,7 @@ class Controller:
         self.session_timeout_ms = session_timeout_ms
         self.transaction_timeout_ms = transaction_timeout_ms
         self.tick_s = tick_s
+        self.signer = signer
         #: (rollout id, worker id) -> the probe answer of its succeeded ack.
         self.probes: dict[tuple[str, str], dict[str, Any]] = {}
         #: (rollout id, worker id) -> the weights digest of its succeeded ack.
@@ -205,6 +209,9 @@ class Controller:
                     probes=self.probes,
                     digests=self.digests,
                 )
+                if self.signer is not None:
+                    signer = self.signer
+                    decision.commands = [signer.sign(c) for c in decision.commands]
                 self._report_conflicts(now)
                 self._forget_ended()
                 spent = time.monotonic() - started

@@ -77,8 +77,9 @@ from controlplane.rollout.targets import ControlState
 from controlplane.wire.ack_codec import AckLike
 from controlplane.wire.channels import ACKS, CHANNELS, COMMANDS, CONTROL, HEARTBEATS, Channel
 from controlplane.wire.control import ControlRecord
-from controlplane.wire.errors import BusError, LocalCode, ProtocolError
-from controlplane.wire.protocol import Command, Heartbeat
+from controlplane.wire.errors import BusError, CommandRejected, LocalCode, ProtocolError, WireCode
+from controlplane.wire.protocol import Command, Heartbeat, ReloadWeightsSpec
+from controlplane.wire.signing import Verifier, lexically_within, wire_object
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,8 @@ log = logging.getLogger(__name__)
 #: compaction keeps one. Never a worker id (ids are identifiers: no NUL). Value: JSON
 #: ``{"probe": <reader id>, "sent_at": <unix seconds>}``.
 PROBE_KEY: Final = b"\x00probe"
+#: The longest TTL a verified command may claim: the workers' default ``max_ttl_s``.
+DEFAULT_MAX_TTL_S: Final = 7 * 24 * 3600.0
 
 
 @dataclass
@@ -93,6 +96,8 @@ class Batch:
     """What one fetch folded in, in log order per topic."""
 
     commands: list[Command] = field(default_factory=list)
+    #: Commands the trust store did not verify (folded as such: never into a rollout).
+    unverified: list[Command] = field(default_factory=list)
     #: :class:`~controlplane.wire.ack_codec.FastAck` from the log; anything ack-like from elsewhere.
     acks: list[AckLike] = field(default_factory=list)
     heartbeats: list[Heartbeat] = field(default_factory=list)
@@ -103,11 +108,20 @@ class Batch:
 
     @property
     def rollout_ids(self) -> set[str]:
-        return {c.rollout_id for c in self.commands} | {a.rollout_id for a in self.acks}
+        return (
+            {c.rollout_id for c in self.commands}
+            | {a.rollout_id for a in self.acks}
+            | {c.rollout_id for c in self.unverified}
+        )
 
     def __bool__(self) -> bool:
         return bool(
-            self.commands or self.acks or self.heartbeats or self.control or self.undecodable
+            self.commands
+            or self.acks
+            or self.heartbeats
+            or self.control
+            or self.undecodable
+            or self.unverified
         )
 
 
@@ -189,6 +203,8 @@ class Follower(AsyncService):
         rollouts: Collection[str] | None = None,
         start_at: Mapping[tuple[str, int], int] | None = None,
         tail: Collection[Channel[Any]] = (),
+        verifier: Verifier | None = None,
+        max_ttl_s: float = DEFAULT_MAX_TTL_S,
     ) -> None:
         """``decode_ack``: None, the acks channel's compiled decoder; ``protocol.decode_ack``
         gives the same acks as pydantic models, several times slower. ``probe``: write a probe record to
@@ -206,7 +222,11 @@ class Follower(AsyncService):
         partition at instead of its beginning; ``tail``, channels read from the end they had at
         start (only what is appended later: a publish's own command and acks). Caught up
         still means: at the end each partition had at start. The coordinator reads
-        everything: the defaults."""
+        everything: the defaults.
+
+        ``verifier``: fold only the commands it verifies (:func:`verify_command`, with
+        ``max_ttl_s``); the others are folded as unverified (``Fleet.observe_unverified``) and
+        listed in ``Batch.unverified``. None: every command, as before signing existed."""
         self.settings = settings
         self.probe = probe
         self.probe_interval_s = probe_interval_s
@@ -224,6 +244,10 @@ class Follower(AsyncService):
         self.records_read: dict[str, int] = {}
         self.undecodable = 0
         self.rollouts = frozenset(rollouts) if rollouts is not None else None
+        self.verifier = verifier
+        self.max_ttl_s = max_ttl_s
+        #: Commands the verifier refused (each record, redeliveries included).
+        self.unverified = 0
         #: What a record's bytes must contain to be decoded under ``rollouts``: one of the
         #: ids, or a backslash (a JSON escape: an id may be written ``r\/1`` or ``\u0072-1``).
         self._needles = (
@@ -484,6 +508,7 @@ class Follower(AsyncService):
             self._note_written(records, now)
         scope = None if heartbeats or kind == "control" else self.rollouts
         needles = self._needles
+        verifier = self.verifier if topic == self._commands_topic else None
         for record in records:
             value = record.value
             if value is None:  # a tombstone on the compacted workers topic: a worker gone
@@ -520,6 +545,8 @@ class Follower(AsyncService):
             if self.rollouts is not None and topic == self._commands_topic:
                 self._note_command(message.rollout_id, record.timestamp_ms)
             try:
+                if verifier is not None and self._unverified(verifier, message, value, batch):
+                    continue
                 if heartbeats:
                     observe(message, self._received_at(record, now, batch.replay))
                 else:
@@ -528,6 +555,27 @@ class Follower(AsyncService):
                 self._fold_failed(topic, partition, record.offset, "folding", exc)
                 continue
             append(message)
+
+    def _unverified(self, verifier: Verifier, command: Command, value: bytes, batch: Batch) -> bool:
+        """Whether ``command`` (decoded from ``value``) is refused by the verifier: then it
+        is folded as unverified, never into a rollout."""
+        try:
+            verify_command(verifier, command, wire_object(value), max_ttl_s=self.max_ttl_s)
+        except CommandRejected as exc:
+            signature = command.signature
+            key_id = None if signature is None else signature.key_id
+            self.fleet.observe_unverified(command, exc.code, exc.message, key_id)
+            batch.unverified.append(command)
+            self.unverified += 1
+            log.warning(
+                "command %s of rollout %s not verified (%s): %s",
+                command.command_id,
+                command.rollout_id,
+                exc.code,
+                exc.message,
+            )
+            return True
+        return False
 
     def _forget(self, key: bytes) -> None:
         try:
@@ -680,6 +728,33 @@ class Follower(AsyncService):
             if p is None or p.position is None or p.position < end:
                 return False
         return True
+
+
+def verify_command(
+    verifier: Verifier, command: Command, wire: Mapping[str, Any], *, max_ttl_s: float
+) -> None:
+    """What a worker with ``verifier``'s store would check of ``command`` (``wire``: its JSON
+    object as received) without its clock or filesystem: the signature, the key and its scope
+    (kinds, selectors, the reload path's ``path_roots`` lexically), and a TTL of at most
+    ``max_ttl_s``. Not EXPIRED nor ISSUED_IN_FUTURE: they depend on when it is read. Raises
+    CommandRejected with the code a worker would NACK."""
+    verified = verifier.verify(command, wire)
+    ttl = (command.expires_at - command.issued_at).total_seconds()
+    if ttl > max_ttl_s:
+        raise CommandRejected(
+            f"command TTL of {ttl:.0f}s (issued_at to expires_at) exceeds max_ttl_s"
+            f" ({max_ttl_s:g}s)",
+            code=WireCode.TTL_TOO_LONG,
+        )
+    roots = verified.scope.path_roots
+    spec = command.spec
+    path = spec.path if isinstance(spec, ReloadWeightsSpec) else None
+    if roots is not None and path is not None and not lexically_within(path, roots):
+        raise CommandRejected(
+            f"key {verified.key_id!r} may not name weights at {path!r}: its scope"
+            f" allows only paths under {roots}",
+            code=WireCode.SCOPE_DENIED,
+        )
 
 
 def _datetime(at: float | None) -> datetime | None:

@@ -14,6 +14,7 @@ import re
 import socket
 import time
 from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Final
@@ -42,9 +43,18 @@ from controlplane.rollout.fleet import (
 )
 from controlplane.rollout.targets import ControlState
 from controlplane.wire.channels import ACKS, COMMANDS, CONTROL
-from controlplane.wire.errors import ControlPlaneError
-from controlplane.wire.messages import WireModel
+from controlplane.wire.errors import ControlPlaneError, LocalCode
+from controlplane.wire.messages import CommandKind, WireModel
 from controlplane.wire.protocol import Command, CommandSpec, Selector, utcnow
+from controlplane.wire.signing import (
+    Signer,
+    Verifier,
+    fingerprint,
+    load_private_key,
+    public_key_text,
+    read_trust_store,
+    store_digest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +163,72 @@ class CoordinatorSettings(BaseSettings):
     )
 
 
+#: The kinds the coordinator's own commands have: its key's scope must allow both.
+SIGNED_KINDS: Final = (CommandKind.RELOAD_WEIGHTS, CommandKind.UPDATE_CONFIG)
+
+
+@dataclass(frozen=True)
+class Trust:
+    """What a coordinator verifies commands with, and signs its own with (None: nothing)."""
+
+    verifier: Verifier | None = None
+    signer: Signer | None = None
+    #: The sha256 of the trust store (a snapshot folded under another store is not restored).
+    digest: str | None = None
+
+
+def load_trust(settings: CoordinatorSettings) -> Trust:
+    """The trust store and signing key ``settings`` name, read once; SETTINGS_INVALID for one
+    that cannot be read, a key id without a key, a key without a store, or a key its own store
+    does not trust with reload_weights and update_config (its commands would be unverified by
+    itself, and refused by the workers)."""
+    if settings.signing_key is None:
+        if settings.signing_key_id is not None:
+            raise _invalid("signing_key_id without signing_key: give the key to sign with")
+        if settings.trust_store is None:
+            return Trust()
+    elif settings.trust_store is None:
+        raise _invalid(
+            "signing_key without trust_store: the coordinator verifies commands, its own too,"
+            " with the store the workers hold"
+        )
+    assert settings.trust_store is not None
+    store = read_trust_store(settings.trust_store)
+    trust = Trust(Verifier(store), None, store_digest(store))
+    if settings.signing_key is None:
+        return trust
+    path = settings.signing_key
+    try:
+        pem = path.read_bytes()
+    except OSError as exc:
+        raise _invalid(f"signing key {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+    key = load_private_key(pem, source=f"signing key {str(path)!r}")
+    key_id = settings.signing_key_id or fingerprint(key.public_key())
+    where = f"trust store {str(settings.trust_store)!r}"
+    trusted = store.keys.get(key_id)
+    if key_id in store.revoked:
+        raise _invalid(f"signing key id {key_id!r} is revoked in its own {where}")
+    if trusted is None:
+        raise _invalid(f"signing key id {key_id!r} is not in its own {where}")
+    if trusted.public_key != public_key_text(key.public_key()):
+        raise _invalid(
+            f"signing key {str(path)!r} is not the key {key_id!r} of its own {where}"
+            " (another public key)"
+        )
+    kinds = trusted.scope.kinds
+    missing = [k.value for k in SIGNED_KINDS if kinds is not None and k not in kinds]
+    if missing:
+        raise _invalid(
+            f"signing key {key_id!r} may not sign {', '.join(missing)} in its own {where}:"
+            " the coordinator's commands (API posts, progressive waves, rollbacks) need both"
+        )
+    return Trust(trust.verifier, Signer(key, key_id), trust.digest)
+
+
+def _invalid(message: str) -> ControlPlaneError:
+    return ControlPlaneError(message, code=LocalCode.SETTINGS_INVALID)
+
+
 class Coordinator(AsyncService):
     """``async with Coordinator(settings) as c:`` runs the follower in the background."""
 
@@ -167,6 +243,8 @@ class Coordinator(AsyncService):
         not known); the follower's by default. Tests pass their clock."""
         self.settings = settings
         self.clock = clock
+        self.trust = load_trust(settings)
+        self.signer = self.trust.signer
         self.fleet = Fleet(
             progress_deadline_s=settings.progress_deadline_s,
             max_ended_rollouts=settings.max_ended_rollouts,
@@ -180,6 +258,8 @@ class Coordinator(AsyncService):
             probe_interval_s=settings.probe_interval_s,
             control=self.control,
             control_optional=True,
+            verifier=self.trust.verifier,
+            max_ttl_s=settings.max_ttl_s,
         )
         self.follower.listeners.append(self._on_batch)
         self.controller: Controller | None = None
@@ -190,18 +270,22 @@ class Coordinator(AsyncService):
                 self.judge_time,
                 issuer=settings.issuer,
                 session_timeout_ms=settings.controller_session_timeout_ms,
+                signer=self.signer,
             )
         self._controller_task: asyncio.Task[None] | None = None
+        fold: dict[str, float | int | str | None] = {
+            "progress_deadline_s": settings.progress_deadline_s,
+            "max_ended_rollouts": settings.max_ended_rollouts,
+            "max_ended_workers": settings.max_ended_workers,
+        }
+        if self.trust.digest is not None:  # folded under another store, a snapshot is not used
+            fold["trust_store"] = self.trust.digest
         self.snapshots = Snapshots(
             settings.kafka,
             self.fleet,
             self.control,
             writer=settings.snapshot_writer or default_writer(),
-            fold={
-                "progress_deadline_s": settings.progress_deadline_s,
-                "max_ended_rollouts": settings.max_ended_rollouts,
-                "max_ended_workers": settings.max_ended_workers,
-            },
+            fold=fold,
         )
         #: The partitions a snapshot covers (commands, acks, controller), found at start.
         self._covered: set[tuple[str, int]] = set()
@@ -443,7 +527,12 @@ class Coordinator(AsyncService):
         those alive at :meth:`now`."""
         now = self.clock()
         command = prepare_rollout(
-            request, self.fleet, as_of=self.now(), now=now, issuer=issuer or self.settings.issuer
+            request,
+            self.fleet,
+            as_of=self.now(),
+            now=now,
+            issuer=issuer or self.settings.issuer,
+            signer=self.signer,
         )
         await publish(self.settings.kafka, command, self._producer)
         return command

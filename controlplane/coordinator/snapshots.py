@@ -12,7 +12,8 @@ On ``<prefix>.snapshots`` (compacted, one partition; ``topics.snapshots``), keys
   payload, a sequence of length-prefixed msgpack sections (:class:`_Section`);
 - ``manifest/<writer>``: JSON :class:`Manifest`, written once every chunk is confirmed: the
   format version, the offsets, each chunk's sha256, when and by whom it was written, and the
-  fold's settings.
+  fold's settings (with a trust store, its sha256: the commands a snapshot holds were verified
+  by that store, so one made under another is not restored and the log is replayed).
 
 Each writer's manifest key holds its latest snapshot; the writer tombstones its older chunks only
 after the new manifest is confirmed, so the latest manifest of a key always names chunks that
@@ -47,7 +48,7 @@ from controlplane.kafka.bus import Consumer, Producer, collector_paused
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.rollout.fleet import Fleet, FoldState
 from controlplane.rollout.ledger import CommandLedger, Report, WorkerLedger
-from controlplane.rollout.models import RolloutStatus
+from controlplane.rollout.models import RolloutStatus, UnverifiedCommand
 from controlplane.rollout.targets import ControlState, Rollout, StableEntry, Target
 from controlplane.rollout.track import Abort
 from controlplane.wire.codec import decode_command, encode
@@ -67,7 +68,7 @@ from controlplane.wire.topics import snapshot_key
 log = logging.getLogger(__name__)
 
 #: The payload's format; a manifest of another is rejected (SNAPSHOT_VERSION_UNKNOWN).
-FORMAT: Final = 1
+FORMAT: Final = 2
 #: The largest chunk: under Kafka's default 1 MiB ``max.message.bytes`` with room for the key.
 CHUNK_BYTES: Final = 900_000
 #: Rollouts' commands per section (a section is encoded in one go, the loop free between two;
@@ -98,6 +99,8 @@ class _FleetSection(msgspec.Struct, tag="fleet"):
     summary_desired: list[tuple[datetime, str, str, list[str]]]
     #: (rollout id, command id, worker id, its earliest NACK)
     unreadable: list[tuple[str, str, str, Report]]
+    #: The commands the trust store did not verify (each an UnverifiedCommand's JSON).
+    unverified: list[bytes]
 
 
 class _CommandsSection(msgspec.Struct, tag="commands"):
@@ -179,6 +182,11 @@ def sections(fold: FoldState, control: ControlState | None) -> Iterator[Callable
                     (r, c, w, report)
                     for r, nacks in fold.unreadable.items()
                     for (c, w), report in nacks.items()
+                ],
+                unverified=[
+                    entry.model_dump_json(round_trip=True).encode()
+                    for held in fold.unverified.values()
+                    for entry in held.values()
                 ],
             )
         )
@@ -296,6 +304,9 @@ def _decode_payload(payload: bytes) -> Decoded:
                         fold.summary_desired[worker_id] = (issued, rollout_id, version)
                 for r, c, w, report in section.unreadable:
                     fold.unreadable.setdefault(r, {})[(c, w)] = report
+                for entry_json in section.unverified:
+                    entry = UnverifiedCommand.model_validate_json(entry_json)
+                    fold.unverified.setdefault(entry.rollout_id, {})[entry.command_id] = entry
             case _CommandsSection():
                 for rollout_id, commands in section.rollouts:
                     fold.commands[rollout_id] = [_command(c) for c in commands]
@@ -381,7 +392,7 @@ class Manifest(msgspec.Struct, frozen=True):
     chunks: list[str]
     size: int
     #: The fold's settings it was made with (another coordinator's would judge otherwise).
-    fold: dict[str, float | int | None]
+    fold: dict[str, float | int | str | None]
 
     @property
     def covered(self) -> int:
@@ -440,7 +451,7 @@ def check(
     manifest: Manifest,
     records: Mapping[bytes, bytes],
     *,
-    fold: Mapping[str, float | int | None],
+    fold: Mapping[str, float | int | str | None],
     partitions: set[tuple[str, int]],
     starts: Mapping[tuple[str, int], int],
     ends: Mapping[tuple[str, int], int],
@@ -567,7 +578,7 @@ class Snapshots:
     #: This coordinator's writer id (its manifest key).
     writer: str
     #: The fold's settings: a snapshot made with others is not restored.
-    fold: dict[str, float | int | None]
+    fold: dict[str, float | int | str | None]
     info: SnapshotInfo = field(default_factory=SnapshotInfo)
     #: Chunk keys of this writer to tombstone once a newer manifest of it is confirmed.
     _own_chunks: list[bytes] = field(default_factory=list)

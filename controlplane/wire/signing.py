@@ -332,7 +332,7 @@ class Verifier:
         signature = command.signature
         if signature is None:
             raise CommandRejected(
-                "unsigned command refused: this worker requires signed commands (trust store)",
+                "unsigned command refused: its reader takes signed commands only (a trust store)",
                 code=WireCode.SIGNATURE_MISSING,
             )
         key_id = signature.key_id

@@ -289,12 +289,12 @@ def test_an_unknown_format_and_a_broken_manifest_are_refused_with_their_codes() 
     with pytest.raises(SnapshotError) as exc:
         read_manifest(newer)
     assert _code(exc) == LocalCode.SNAPSHOT_VERSION_UNKNOWN
-    for broken in (b"{not json", b'{"format": 1, "writer": 3}', b"[]"):
+    for broken in (b"{not json", b'{"format": %d, "writer": 3}' % FORMAT, b"[]"):
         with pytest.raises(SnapshotError) as exc:
             read_manifest(broken)
         assert _code(exc) in {LocalCode.SNAPSHOT_CORRUPT, LocalCode.SNAPSHOT_VERSION_UNKNOWN}
     with pytest.raises(SnapshotError) as exc:
-        read_manifest(b'{"format": 1, "writer": 3}')
+        read_manifest(b'{"format": %d, "writer": 3}' % FORMAT)
     assert _code(exc) == LocalCode.SNAPSHOT_CORRUPT
 
 
