@@ -10,18 +10,17 @@ import asyncio
 import contextlib
 import functools
 import gc
-import ssl
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from aiokafka.conn import CloseReason
 from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError
-from aiokafka.helpers import create_ssl_context
 
+from controlplane.kafka.diagnose import classify, diagnose_client
 from controlplane.kafka.health import health, log
 from controlplane.kafka.lifecycle import AsyncService
-from controlplane.kafka.settings import KafkaSettings
-from controlplane.wire.errors import BusError, ControlPlaneError, LocalCode
+from controlplane.kafka.settings import KafkaSettings, connection_options
+from controlplane.wire.errors import BusError, LocalCode
 
 #: ConsumerRecord.timestamp_type of a record stamped by the broker (topic config
 #: ``message.timestamp.type=LogAppendTime``); 0 is CreateTime (the producer's clock).
@@ -87,6 +86,9 @@ def translate(what: str) -> Iterator[None]:
             f"{what}: Kafka unreachable: {exc}", code=LocalCode.BROKER_UNAVAILABLE
         ) from exc
     except KafkaError as exc:
+        refused = classify(exc, what)  # an ACL's: KAFKA_ACCESS_DENIED
+        if refused is not None:
+            raise refused from exc
         retryable = bool(getattr(exc, "retriable", False))
         code = LocalCode.BROKER_UNAVAILABLE if retryable else LocalCode.KAFKA_ERROR
         raise BusError(f"{what}: {type(exc).__name__}: {exc}", code=code) from exc
@@ -97,50 +99,7 @@ def translate(what: str) -> Iterator[None]:
 
 def client_options(settings: KafkaSettings) -> dict[str, Any]:
     """Connection and security options shared by every aiokafka client (TLS/SASL pass through)."""
-    opts: dict[str, Any] = {
-        "bootstrap_servers": settings.bootstrap_servers,
-        "client_id": settings.client_id,
-        "request_timeout_ms": settings.request_timeout_ms,
-        "security_protocol": settings.security_protocol,
-    }
-    if settings.security_protocol in ("SSL", "SASL_SSL"):
-        opts["ssl_context"] = ssl_context(settings)
-    if settings.sasl_mechanism is not None:
-        opts["sasl_mechanism"] = settings.sasl_mechanism
-        if settings.sasl_mechanism == "OAUTHBEARER":
-            opts["sasl_oauth_token_provider"] = settings.token_provider()
-        else:
-            opts["sasl_plain_username"] = settings.sasl_username
-            opts["sasl_plain_password"] = settings.sasl_secret()
-    return opts
-
-
-def ssl_context(settings: KafkaSettings) -> ssl.SSLContext:
-    """The TLS context of ``settings``; a CA, certificate or key that cannot be loaded (missing,
-    not PEM, a wrong key password) is SETTINGS_INVALID naming the files."""
-    password = settings.ssl_key_password
-    try:
-        context: ssl.SSLContext = create_ssl_context(
-            cafile=settings.ssl_cafile,
-            certfile=settings.ssl_certfile,
-            keyfile=settings.ssl_keyfile,
-            password=None if password is None else password.get_secret_value(),
-        )
-    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-        files = ", ".join(
-            f"{name}={value!r}"
-            for name, value in (
-                ("ssl_cafile", settings.ssl_cafile),
-                ("ssl_certfile", settings.ssl_certfile),
-                ("ssl_keyfile", settings.ssl_keyfile),
-            )
-            if value is not None
-        )
-        raise ControlPlaneError(
-            f"cannot load the TLS files ({files or 'the system CAs'}): {exc}",
-            code=LocalCode.SETTINGS_INVALID,
-        ) from None
-    return context
+    return {"bootstrap_servers": settings.bootstrap_servers, **connection_options(settings)}
 
 
 def _close_after_bootstrap(client: Any, task: asyncio.Future[None]) -> None:
@@ -191,6 +150,9 @@ class ClientLifecycle(AsyncService):
     _closed = False
     #: The bootstrap of a start() that was cancelled, running on to its end.
     _abandoned_bootstrap: asyncio.Future[None] | None = None
+    #: aiokafka's client under this one (see :meth:`_finish_bootstrap_when_cancelled`): asked
+    #: why its bootstrap failed when that is not plain unreachability.
+    _kafka_client: Any = None
 
     def _finish_bootstrap_when_cancelled(self, client: Any) -> None:
         """Make a cancelled ``client.bootstrap()`` (of aiokafka's ``AIOKafkaClient`` under this
@@ -204,6 +166,7 @@ class ClientLifecycle(AsyncService):
         its steps is bounded by the request timeout), stop() waits for that, and whatever it
         opened is closed when it ends. A cancelled start is followed by stop(), never start().
         """
+        self._kafka_client = client
         original = client.bootstrap
 
         async def bootstrap() -> None:
@@ -222,7 +185,16 @@ class ClientLifecycle(AsyncService):
             raise BusError(f"{type(self).__name__} was stopped and cannot be reused")
         if self._started:
             return
-        await self._start()
+        try:
+            await self._start()
+        except BusError as exc:
+            if exc.code is LocalCode.BROKER_UNAVAILABLE and self._kafka_client is not None:
+                # On TLS or SASL, "Unable to bootstrap" may be a refusal: one connection says.
+                refused = await diagnose_client(self._kafka_client)
+                if refused is not None:
+                    health.failed(refused.message)
+                    raise refused from exc
+            raise
         self._started = True
 
     async def stop(self) -> None:

@@ -1,7 +1,8 @@
 """Settings shared by every process that talks to Kafka; each process has its own model with an env prefix.
 
-No I/O at validation but importing a named OAUTHBEARER token provider; a password file is read
-when a client is made (:meth:`KafkaSettings.sasl_secret`), so a rotated file is read again.
+No I/O at validation but importing a named OAUTHBEARER token provider; the TLS files and a
+password file are read when a client is made (:func:`connection_options`), so a rotated file is
+read again.
 Security settings pass through to aiokafka (TLS and SASL) once they make sense together: PLAIN
 in the clear, a SASL mechanism without credentials and OAUTHBEARER without a token provider are
 refused here, before any connection (aiokafka would send the password in the clear, fail at the
@@ -11,11 +12,13 @@ broker, or raise a ``ValueError`` from inside its bootstrap).
 from __future__ import annotations
 
 import importlib
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from aiokafka.abc import AbstractTokenProvider
+from aiokafka.helpers import create_ssl_context
 from pydantic import (
     BaseModel,
     Field,
@@ -195,6 +198,55 @@ class KafkaSettings(BaseModel):
             replication_factor=self.replication_factor,
             min_insync_replicas=self.min_insync_replicas,
         )
+
+
+def connection_options(settings: KafkaSettings) -> dict[str, Any]:
+    """What one connection to a broker of ``settings`` takes (aiokafka's ``create_conn``, and
+    every client with ``bootstrap_servers`` added): TLS and SASL pass through. Reads the TLS
+    files and the password file now; one that cannot be read is SETTINGS_INVALID."""
+    opts: dict[str, Any] = {
+        "client_id": settings.client_id,
+        "request_timeout_ms": settings.request_timeout_ms,
+        "security_protocol": settings.security_protocol,
+    }
+    if settings.security_protocol in ("SSL", "SASL_SSL"):
+        opts["ssl_context"] = ssl_context(settings)
+    if settings.sasl_mechanism is not None:
+        opts["sasl_mechanism"] = settings.sasl_mechanism
+        if settings.sasl_mechanism == "OAUTHBEARER":
+            opts["sasl_oauth_token_provider"] = settings.token_provider()
+        else:
+            opts["sasl_plain_username"] = settings.sasl_username
+            opts["sasl_plain_password"] = settings.sasl_secret()
+    return opts
+
+
+def ssl_context(settings: KafkaSettings) -> ssl.SSLContext:
+    """The TLS context of ``settings``; a CA, certificate or key that cannot be loaded (missing,
+    not PEM, a wrong key password) is SETTINGS_INVALID naming the files."""
+    password = settings.ssl_key_password
+    try:
+        context: ssl.SSLContext = create_ssl_context(
+            cafile=settings.ssl_cafile,
+            certfile=settings.ssl_certfile,
+            keyfile=settings.ssl_keyfile,
+            password=None if password is None else password.get_secret_value(),
+        )
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        files = ", ".join(
+            f"{name}={value!r}"
+            for name, value in (
+                ("ssl_cafile", settings.ssl_cafile),
+                ("ssl_certfile", settings.ssl_certfile),
+                ("ssl_keyfile", settings.ssl_keyfile),
+            )
+            if value is not None
+        )
+        raise ControlPlaneError(
+            f"cannot load the TLS files ({files or 'the system CAs'}): {exc}",
+            code=LocalCode.SETTINGS_INVALID,
+        ) from None
+    return context
 
 
 def import_token_provider(

@@ -4,22 +4,18 @@ line for the user; what is accepted reaches aiokafka (key password, password fil
 
 from __future__ import annotations
 
-import datetime as dt
 import ssl
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiokafka.abc import AbstractTokenProvider
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from typer.testing import CliRunner
 
 from controlplane.kafka.client import client_options
 from controlplane.kafka.settings import KafkaSettings, load_settings
 from controlplane.wire.errors import ControlPlaneError, LocalCode, WireCode
+from tests.unit.test_kafka_diagnose import write_cert
 from workers.cli import EXIT_SETTINGS
 from workers.cli import app as worker_app
 
@@ -131,34 +127,8 @@ def test_the_password_file_is_read_when_a_client_is_made(tmp_path: Path) -> None
     assert "sasl_password_file" in unreadable.value.message and "ci" not in unreadable.value.message
 
 
-def write_encrypted_key_and_cert(directory: Path, password: bytes) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "client")])
-    now = dt.datetime.now(dt.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=1))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .sign(key, hashes.SHA256())
-    )
-    key_path, cert_path = directory / "client.key", directory / "client.pem"
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.BestAvailableEncryption(password),
-        )
-    )
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return key_path, cert_path
-
-
 def test_an_encrypted_client_key_is_opened_with_its_password(tmp_path: Path) -> None:
-    key, cert = write_encrypted_key_and_cert(tmp_path, b"key-secret")
+    cert, key, _, _ = write_cert(tmp_path, "client", password=b"key-secret")
     tls = {"security_protocol": "SSL", "ssl_certfile": str(cert), "ssl_keyfile": str(key)}
     context = client_options(KafkaSettings(**tls, ssl_key_password="key-secret"))["ssl_context"]
     assert isinstance(context, ssl.SSLContext)
