@@ -1,0 +1,393 @@
+"""Verified checkpoints: OpenSSF model signatures (workers/weights/oms.py) checked before any copy,
+the copied bytes hashed against the signed digests (workers/weights/verify.py), and the previous
+checkpoint restored when they differ. Real torch modules, checkpoints written by the project.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from typer.testing import CliRunner
+
+from controlplane.wire.errors import RunnerError, WeightsCorrupted, WireCode
+from controlplane.wire.protocol import ReloadWeightsSpec
+from tests.component.conftest import TINY
+from workers.agent.settings import load_worker_settings
+from workers.demo.checkpoints import checkpoint_app, write_checkpoint
+from workers.runners.torch_runner import TorchRunner
+from workers.weights.loaders import CopiedBytesMismatch, load_checkpoint, module_targets
+from workers.weights.oms import SIGNATURE_NAME, load_model_trust, sign_checkpoint
+
+pytest.importorskip("model_signing", reason="the [verify] extra is not installed")
+
+#: Small shards, so that each tiny checkpoint file is signed as several of them.
+SHARD = 4096
+
+
+def _key_pair(where: Path, name: str) -> tuple[Path, Path]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    private, public = where / f"{name}.pem", where / f"{name}.pub.pem"
+    private.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    public.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return private, public
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> dict[str, tuple[Path, Path]]:
+    where = tmp_path / "keys"
+    where.mkdir()
+    return {name: _key_pair(where, name) for name in ("trusted", "stranger")}
+
+
+def checkpoint(tmp_path: Path, name: str, seed: int, *, shards: int = 1) -> Path:
+    return write_checkpoint(tmp_path / name, model_kwargs=TINY, seed=seed, shards=shards)
+
+
+def signed(tmp_path: Path, name: str, seed: int, key: Path, *, shards: int = 1) -> Path:
+    path = checkpoint(tmp_path, name, seed, shards=shards)
+    sign_checkpoint(tmp_path / name, key, shard_bytes=SHARD)
+    return path
+
+
+def runner(initial: Path | None, public: Path, *, required: bool = True) -> TorchRunner:
+    options: dict[str, Any] = {
+        "model_kwargs": TINY,
+        "seed": 0,
+        # One reader: each tensor is in before the next is read, so a progress callback that
+        # changes a later tensor's bytes runs before that tensor is copied.
+        "read_threads": 1,
+        "model_trust": [str(public)],
+        "require_model_signature": required,
+    }
+    if initial is not None:
+        options |= {"initial_checkpoint": str(initial), "initial_version": "v1"}
+    made = TorchRunner(options)
+    made.load()
+    return made
+
+
+def reload(made: TorchRunner, path: Path, version: str) -> None:
+    made.reload_weights(ReloadWeightsSpec(path=str(path), version=version), path)
+
+
+def weights(made: TorchRunner) -> dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in made._targets.items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def state(made: TorchRunner) -> tuple[str | None, object, Any]:
+    d = made.describe()
+    return d.weights_version, d.degraded, d.extra["weights_digest"]
+
+
+def tensor_offset(path: Path, index: int) -> int:
+    """The absolute offset of the ``index``-th tensor's data (in file order) in ``path``."""
+    import struct
+
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    spans = sorted(v["data_offsets"] for k, v in header.items() if k != "__metadata__")
+    return int(8 + length + spans[index][0])
+
+
+def test_signed_checkpoint_loads(tmp_path: Path, keys: dict[str, tuple[Path, Path]]) -> None:
+    private, public = keys["trusted"]
+    v1 = signed(tmp_path, "v1", 1, private)
+    v2 = signed(tmp_path, "v2", 2, private, shards=3)
+    made = runner(v1, public)
+    reload(made, v2, "v2")
+    assert made.describe().weights_version == "v2"
+    expected = TorchRunner({"model_kwargs": TINY, "seed": 2})
+    expected.load()
+    assert same(weights(made), weights(expected))
+
+
+def test_unsigned_refused_when_required(tmp_path: Path, keys: dict[str, tuple[Path, Path]]) -> None:
+    private, public = keys["trusted"]
+    made = runner(signed(tmp_path, "v1", 1, private), public)
+    before = weights(made)
+    unsigned = checkpoint(tmp_path, "v2", 2)
+    with pytest.raises(RunnerError) as caught:
+        reload(made, unsigned, "v2")
+    assert caught.value.code == WireCode.MODEL_SIGNATURE_MISSING
+    assert same(weights(made), before)
+    assert made.describe().weights_version == "v1"
+
+
+def test_unsigned_loads_when_not_required(
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]]
+) -> None:
+    made = runner(None, keys["trusted"][1], required=False)
+    reload(made, checkpoint(tmp_path, "v2", 2), "v2")
+    assert made.describe().weights_version == "v2"
+
+
+def test_untrusted_key_is_invalid(tmp_path: Path, keys: dict[str, tuple[Path, Path]]) -> None:
+    private, public = keys["trusted"]
+    made = runner(signed(tmp_path, "v1", 1, private), public)
+    before = weights(made)
+    foreign = signed(tmp_path, "v2", 2, keys["stranger"][0])
+    with pytest.raises(RunnerError) as caught:
+        reload(made, foreign, "v2")
+    assert caught.value.code == WireCode.MODEL_SIGNATURE_INVALID
+    assert "not signed by a trusted model key" in caught.value.message
+    assert same(weights(made), before)
+    assert made.describe().degraded is None
+
+
+def test_unlisted_file_is_invalid(tmp_path: Path, keys: dict[str, tuple[Path, Path]]) -> None:
+    """A shard added after signing (here: a whole checkpoint's file, so headers agree) is not
+    named by the signature: refused before anything is copied."""
+    private, public = keys["trusted"]
+    made = runner(signed(tmp_path, "v1", 1, private), public)
+    before = weights(made)
+    v2 = signed(tmp_path, "v2", 2, private)
+    # The signed directory now holds a second data file the loader would read.
+    shutil.copy(v2, v2.parent / "extra.safetensors")
+    with pytest.raises(RunnerError) as caught:
+        load_checkpoint(
+            v2.parent / "extra.safetensors",
+            module_targets(torch.nn.Linear(1, 1))[0],
+            version="x",
+            from_version=None,
+            model_trust=load_model_trust([public], required=True),
+        )
+    assert caught.value.code == WireCode.MODEL_SIGNATURE_INVALID
+    assert "does not name" in caught.value.message
+    # The directory as a whole, through the runner: refused the same way, nothing copied.
+    with pytest.raises(RunnerError) as caught:
+        reload(made, v2.parent, "v2")
+    assert caught.value.code == WireCode.MODEL_SIGNATURE_INVALID
+    assert same(weights(made), before)
+
+
+def test_other_hashing_than_sha256_is_invalid(
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]]
+) -> None:
+    from model_signing import hashing, signing
+
+    private, public = keys["trusted"]
+    made = runner(signed(tmp_path, "v1", 1, private), public)
+    v2 = checkpoint(tmp_path, "v2", 2)
+    config = hashing.Config().use_file_serialization(  # type: ignore[no-untyped-call]
+        hashing_algorithm="blake2"
+    )
+    config.set_ignored_paths(paths=[SIGNATURE_NAME])
+    signer = signing.Config().use_elliptic_key_signer(  # type: ignore[no-untyped-call]
+        private_key=private
+    )
+    signer.set_hashing_config(config).sign(v2.parent, v2.parent / SIGNATURE_NAME)
+    with pytest.raises(RunnerError) as caught:
+        reload(made, v2, "v2")
+    assert caught.value.code == WireCode.MODEL_SIGNATURE_INVALID
+    assert "sha256" in caught.value.message
+
+
+def test_tampered_shard_after_signing_is_nacked_and_previous_restored(
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]]
+) -> None:
+    private, public = keys["trusted"]
+    made = runner(signed(tmp_path, "v1", 1, private), public)
+    before, v1_state = weights(made), state(made)
+    v2 = signed(tmp_path, "v2", 2, private, shards=3)
+    shard = sorted(v2.parent.glob("*.safetensors"))[1]
+    with open(shard, "r+b") as fh:  # one byte inside a tensor: sizes and headers still agree
+        offset = tensor_offset(shard, 0) + 5
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(RunnerError) as caught:
+        reload(made, v2, "v2")
+    assert caught.value.code in (WireCode.CHECKSUM_MISMATCH, WireCode.MODEL_SIGNATURE_INVALID)
+    assert not isinstance(caught.value, WeightsCorrupted)
+    assert state(made) == v1_state
+    assert same(weights(made), before)
+
+
+def test_bytes_changed_during_copy_restore_previous_version(
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]]
+) -> None:
+    """The file changes after its signature was checked, while it is being copied: the bytes
+    copied are hashed, the difference found, v1 restored, and the reload NACKed."""
+    private, public = keys["trusted"]
+    made = runner(signed(tmp_path, "v1", 1, private), public)
+    before, v1_state = weights(made), state(made)
+    v2 = signed(tmp_path, "v2", 2, private)
+    later = tensor_offset(v2, -1) + 3  # inside the last tensor, copied after the first
+    fd = os.open(v2, os.O_RDWR)
+    calls: list[tuple[int, int]] = []
+    copy_progress = made._on_copy_progress
+
+    def progress(done: int, total: int, cancel: Any) -> None:
+        calls.append((done, total))
+        if done == 1:
+            os.pwrite(fd, b"\xde\xad", later)
+        copy_progress(done, total, cancel)
+
+    made._on_copy_progress = progress  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RunnerError) as caught:
+            reload(made, v2, "v2")
+    finally:
+        os.close(fd)
+    assert any(done == 1 for done, _ in calls), "the copy never reached its first tensor"
+    assert caught.value.code == WireCode.CHECKSUM_MISMATCH
+    assert isinstance(caught.value.__cause__, CopiedBytesMismatch)
+    assert "'v1' was restored" in caught.value.message
+    assert state(made) == v1_state
+    assert same(weights(made), before)
+    made._on_copy_progress = copy_progress  # type: ignore[method-assign]
+    # The runner still serves and reloads: a good v3 goes in.
+    reload(made, signed(tmp_path, "v3", 3, private), "v3")
+    assert made.describe().weights_version == "v3"
+
+
+def test_restore_failure_reports_degraded(
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]]
+) -> None:
+    """Seeded weights (no initial checkpoint) cannot be restored: the runner is degraded."""
+    private, public = keys["trusted"]
+    made = runner(None, public)
+    v2 = signed(tmp_path, "v2", 2, private)
+    later = tensor_offset(v2, -1)
+    fd = os.open(v2, os.O_RDWR)
+    copy_progress = made._on_copy_progress
+
+    def progress(done: int, total: int, cancel: Any) -> None:
+        if done == 1:
+            os.pwrite(fd, b"\x01\x02\x03", later)
+        copy_progress(done, total, cancel)
+
+    made._on_copy_progress = progress  # type: ignore[method-assign]
+    try:
+        with pytest.raises(WeightsCorrupted) as caught:
+            reload(made, v2, "v2")
+    finally:
+        os.close(fd)
+    assert caught.value.code == WireCode.WEIGHTS_CORRUPTED
+    assert made.describe().degraded is not None
+
+
+def test_restore_of_a_changed_previous_checkpoint_reports_degraded(
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]]
+) -> None:
+    """The previous checkpoint no longer matches the digests it was loaded with: degraded."""
+    private, public = keys["trusted"]
+    v1 = signed(tmp_path, "v1", 1, private)
+    made = runner(v1, public)
+    v2 = signed(tmp_path, "v2", 2, private)
+    with open(v1, "r+b") as fh:
+        fh.seek(tensor_offset(v1, 0))
+        fh.write(b"\x00\x00\x00\x00")
+    fd = os.open(v2, os.O_RDWR)
+    copy_progress = made._on_copy_progress
+
+    def progress(done: int, total: int, cancel: Any) -> None:
+        if done == 1:
+            os.pwrite(fd, b"\x01\x02\x03", tensor_offset(v2, -1))
+        copy_progress(done, total, cancel)
+
+    made._on_copy_progress = progress  # type: ignore[method-assign]
+    try:
+        with pytest.raises(WeightsCorrupted) as caught:
+            reload(made, v2, "v2")
+    finally:
+        os.close(fd)
+    assert "restoring 'v1'" in caught.value.message
+    assert made.describe().degraded is not None
+
+
+def test_bad_model_keys_are_refused_when_the_runner_is_built(
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]]
+) -> None:
+    private, _ = keys["trusted"]
+    with pytest.raises(ValueError, match="PUBLIC KEY"):
+        TorchRunner({"model_kwargs": TINY, "model_trust": [str(private)]})
+    with pytest.raises(ValueError, match="no model key"):
+        TorchRunner({"model_kwargs": TINY, "require_model_signature": True})
+    ed = tmp_path / "ed.pub.pem"
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    ed.write_bytes(
+        ed25519.Ed25519PrivateKey.generate()
+        .public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    with pytest.raises(ValueError, match="ECDSA"):
+        TorchRunner({"model_kwargs": TINY, "model_trust": [str(ed)]})
+
+
+def test_the_private_model_signing_modules_we_rely_on_are_there() -> None:
+    """oms.py reads a signature and checks its envelope with two private modules of
+    model-signing (pinned ==1.1.1): an upgrade that moves them must fail here, loudly."""
+    from model_signing import manifest
+    from model_signing._signing import sign_ec_key, sign_sigstore_pb
+
+    assert callable(sign_sigstore_pb.Signature.read)
+    assert callable(sign_ec_key.Verifier)
+    assert hasattr(sign_ec_key.Verifier, "verify")
+    assert hasattr(manifest.Manifest, "resource_descriptors")
+    assert hasattr(manifest.Manifest, "serialization_type")
+
+
+def test_checkpoint_write_sign_makes_a_checkpoint_the_worker_loads(
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]]
+) -> None:
+    private, public = keys["trusted"]
+    cli = CliRunner()
+    args = ["write", str(tmp_path / "v2"), "--seed", "2", "--model-kwargs", json.dumps(TINY)]
+    out = cli.invoke(checkpoint_app, [*args, "--shards", "2", "--sign", str(private)])
+    assert out.exit_code == 0, out.output
+    result = json.loads(out.output)
+    assert result["signature"] == str(tmp_path / "v2" / SIGNATURE_NAME)
+    made = runner(None, public)
+    reload(made, Path(result["path"]), "v2")
+    assert made.describe().weights_version == "v2"
+    # A public key cannot sign: a usage error, no traceback.
+    bad = cli.invoke(checkpoint_app, [*args, "--sign", str(public)])
+    assert bad.exit_code == 2 and "cannot sign" in bad.output
+    assert "Traceback" not in bad.output
+
+
+def test_worker_settings_give_the_model_keys_to_the_runner(
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from controlplane.wire.errors import ControlPlaneError, LocalCode
+
+    public = keys["trusted"][1]
+    monkeypatch.setenv("FLEET_WORKER_MODEL_TRUST", str(public))
+    monkeypatch.setenv("FLEET_WORKER_REQUIRE_MODEL_SIGNATURE", "true")
+    settings = load_worker_settings(worker_id="w1")
+    assert settings.runner_options["model_trust"] == [str(public.resolve())]
+    assert settings.runner_options["require_model_signature"] is True
+    monkeypatch.setenv("FLEET_WORKER_MODEL_TRUST", json.dumps([str(public), str(public)]))
+    assert len(load_worker_settings(worker_id="w1").model_trust) == 2
+    with pytest.raises(ControlPlaneError) as caught:
+        load_worker_settings(worker_id="w1", runner="fake")
+    assert caught.value.code == LocalCode.SETTINGS_INVALID
+    monkeypatch.delenv("FLEET_WORKER_MODEL_TRUST")
+    with pytest.raises(ControlPlaneError, match="names no key"):
+        load_worker_settings(worker_id="w1")
