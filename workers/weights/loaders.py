@@ -138,7 +138,7 @@ def load_checkpoint(
         raise ValueError(f"read_chunk_bytes must be at least 1, not {read_chunk_bytes}")
     readers = default_read_threads() if read_threads is None else read_threads
     started = time.perf_counter()
-    if signed is None:
+    if signed is None and model_trust is not None:  # checked before any header is parsed
         signed = signed_digests(checkpoint_files(path), model_trust)
     with open_checkpoint(path) as ckpt:
         if signed is not None:
