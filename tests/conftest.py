@@ -3,11 +3,14 @@
 Set KAFKA_BOOTSTRAP=host:port to run the Kafka tests against an existing cluster instead.
 ``kafka_cluster`` is a local 3-node KRaft cluster (started only by the tests that ask for it,
 once per session): tests may crash and restart its nodes, and must leave all three running;
-``kafka_on_cluster`` is ``kafka`` on it.
+``kafka_on_cluster`` is ``kafka`` on it. ``kafka_secure`` is a secured broker (SASL_SSL with
+SCRAM-SHA-512, ACLs enforced; started only by the tests that ask for it, once per session): the
+settings of each of its users on the topics of :data:`SECURE_PREFIX`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import uuid
@@ -18,6 +21,7 @@ import pytest
 
 from controlplane.kafka.broker import BrokerConfig, ClusterConfig, LocalBroker, LocalCluster
 from controlplane.kafka.bus import Admin, probe_sync
+from controlplane.kafka.secure import PRINCIPALS
 from controlplane.kafka.settings import KafkaSettings
 from tests.factories import free_port
 
@@ -107,6 +111,47 @@ def kafka_cluster(
         yield cluster
     finally:
         cluster.stop()
+
+
+#: The one topic prefix of ``kafka_secure`` (its ACLs name the topics: each grant is a JVM run,
+#: so they are made once); its tests tell themselves apart by worker and rollout ids.
+SECURE_PREFIX = "sec"
+
+
+async def _ensure_all_topics(settings: KafkaSettings) -> None:
+    """What ``topics ensure`` makes: the fleet's topics and the snapshots topic."""
+    async with Admin(settings) as admin:
+        await admin.ensure_topics(settings.topics)
+        await admin.ensure_topics(settings.topics.snapshots_only())
+
+
+@pytest.fixture(scope="session")
+def kafka_secure(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, KafkaSettings]]:
+    """A secured local broker: principal (admin, coordinator, ci, worker) -> its settings on
+    the topics of :data:`SECURE_PREFIX`, which admin made and the others hold ACLs on."""
+    broker = LocalBroker(
+        BrokerConfig(
+            port=free_port(),
+            controller_port=free_port(),
+            data_dir=tmp_path_factory.mktemp("kafka-secure"),
+            secure=True,
+        )
+    )
+    status = broker.start(timeout=120)
+    try:
+        settings = {p: broker.settings(p, topic_prefix=SECURE_PREFIX) for p in PRINCIPALS}
+        asyncio.run(_ensure_all_topics(settings["admin"]))
+        runs = broker.grant_acls(SECURE_PREFIX)
+        say(
+            request.config,
+            f"\n[kafka] started a secured Apache Kafka {status.kafka_version} (SASL_SSL, "
+            f"SCRAM-SHA-512, {runs} ACL grants; pid {status.pid}) at {status.bootstrap}",
+        )
+        yield settings
+    finally:
+        broker.stop()
 
 
 async def partition_leader(bootstrap: str, topic: str, partition: int = 0) -> int | None:

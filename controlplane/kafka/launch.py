@@ -3,6 +3,7 @@ cluster answers, process and port checks, the cluster id and the cache directory
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import socket
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Self
 
 if TYPE_CHECKING:
     from controlplane.kafka.admin import ClusterInfo
+    from controlplane.kafka.settings import KafkaSettings
 
 
 def default_cache_dir() -> Path:
@@ -52,10 +54,15 @@ def wait_for_metadata(
     exited: Callable[[], None],
     address: Callable[[], str | None],
     enough: Callable[[ClusterInfo], bool],
+    *,
+    probe: Callable[[str], ClusterInfo] | None = None,
 ) -> str | None:
     """Poll until a metadata request to ``address()`` (None: no port open yet) answers ``enough``;
-    None then, else (at ``timeout``) the last error. ``exited()`` raises when a process died."""
+    None then, else (at ``timeout``) the last error. ``exited()`` raises when a process died.
+    ``probe(bootstrap)`` asks (default: a plaintext :func:`~controlplane.kafka.admin.probe_sync`)."""
     from controlplane.kafka.admin import probe_sync  # the one place that speaks Kafka
+
+    ask = probe or (lambda bootstrap: probe_sync(bootstrap, timeout=5.0))
 
     deadline = time.monotonic() + timeout
     last_error = ""
@@ -64,12 +71,30 @@ def wait_for_metadata(
         bootstrap = address()
         if bootstrap is not None:
             try:
-                if enough(probe_sync(bootstrap, timeout=5.0)):
+                if enough(ask(bootstrap)):
                     return None
             except Exception as exc:  # not ready yet: keep polling until the deadline
                 last_error = str(exc)
         time.sleep(0.25)
     return last_error
+
+
+def probe_as(settings: KafkaSettings, bootstrap: str, *, timeout: float = 5.0) -> ClusterInfo:
+    """What the cluster at ``bootstrap`` says of itself, asked with ``settings``' security (a
+    secured broker answers only a client that authenticates)."""
+    from controlplane.kafka.admin import Admin, ClusterInfo
+
+    async def ask() -> ClusterInfo:
+        async with asyncio.timeout(timeout), Admin(settings) as admin:
+            info = await admin._admin.describe_cluster()
+        return ClusterInfo(
+            bootstrap=bootstrap,
+            brokers=len(info.get("brokers", [])),
+            controller_id=info.get("controller_id"),
+            cluster_id=info.get("cluster_id"),
+        )
+
+    return asyncio.run(ask())
 
 
 def new_cluster_id() -> str:

@@ -8,7 +8,10 @@ answers a metadata request, stops it with SIGTERM then SIGKILL. Every failure is
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import fcntl
+import functools
 import hashlib
 import os
 import re
@@ -20,6 +23,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from controlplane.kafka.launch import (
@@ -29,9 +33,20 @@ from controlplane.kafka.launch import (
     indented_tail,
     new_cluster_id,
     port_open,
+    probe_as,
     read_stripped,
     wait_for_metadata,
 )
+from controlplane.kafka.secure import (
+    ACL_COMMAND,
+    SECURE_DIR,
+    SecureFiles,
+    acl_grants,
+    ensure_secure_files,
+    scram_arguments,
+    server_properties,
+)
+from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.errors import BrokerError, LocalCode
 
 DEFAULT_KAFKA_VERSION = "4.1.1"
@@ -76,6 +91,10 @@ class BrokerConfig:
     quorum_voters: str = ""
     #: The cluster id to format storage with; None: a random one (a lone broker).
     cluster_id: str | None = None
+    #: SASL_SSL (SCRAM-SHA-512) for clients and the broker itself, SSL with client certificates
+    #: for the controller, ACLs enforced (:mod:`~controlplane.kafka.secure`). A data directory
+    #: is formatted secured or not, once: starting it the other way is SETTINGS_INVALID.
+    secure: bool = False
 
     @property
     def bootstrap(self) -> str:
@@ -139,6 +158,22 @@ class LocalBroker(Launched):
     def properties_file(self) -> Path:
         return self.data_dir / "server.properties"
 
+    @property
+    def secure_files(self) -> SecureFiles:
+        """The CA, keystore and passwords of a secured broker (made by its first start)."""
+        return SecureFiles(self.data_dir / SECURE_DIR)
+
+    @property
+    def _secure_marker(self) -> Path:
+        """Written once storage is formatted secured (with the SCRAM users)."""
+        return self.secure_files.directory / "FORMATTED"
+
+    def settings(self, principal: str = "admin", **values: object) -> KafkaSettings:
+        """How ``principal`` reaches this broker (a plaintext broker: anyone, as no one)."""
+        if not self.config.secure:
+            return KafkaSettings.model_validate({"bootstrap_servers": self.bootstrap, **values})
+        return self.secure_files.settings(principal, self.bootstrap, **values)
+
     # ------------------------------------------------------------------ prerequisites
 
     def check_java(self) -> int:
@@ -185,6 +220,17 @@ class LocalBroker(Launched):
         fingerprint = hashlib.sha256(pom.read_bytes()).hexdigest()[:16]
         if read_stripped(stamp) == fingerprint and any(libs.glob("kafka_2.13-*.jar")):
             return libs
+        libs.parent.mkdir(parents=True, exist_ok=True)
+        # Several test sessions may start brokers at once: one resolves, the others wait.
+        with open(libs.parent / "resolve.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if read_stripped(stamp) == fingerprint and any(libs.glob("kafka_2.13-*.jar")):
+                return libs
+            self._resolve(pom, libs, fingerprint)
+        return libs
+
+    def _resolve(self, pom: Traversable, libs: Path, fingerprint: str) -> None:
+        stamp = libs.parent / "RESOLVED"
         mvn = shutil.which(self.config.mvn)
         if mvn is None:
             raise BrokerError(
@@ -219,10 +265,14 @@ class LocalBroker(Launched):
                 f"Maven Central (mvn exit {proc.returncode}):\n{tail}",
                 code=LocalCode.JARS_UNRESOLVABLE,
             )
-        shutil.rmtree(libs, ignore_errors=True)
+        # Swapped, not removed then renamed: a JVM starting meanwhile still finds jars.
+        old = libs.parent / "libs.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if libs.exists():
+            libs.rename(old)
         staging.rename(libs)
+        shutil.rmtree(old, ignore_errors=True)
         stamp.write_text(fingerprint)
-        return libs
 
     def check_ports(self) -> None:
         for port in (self.config.port, self.config.controller_port):
@@ -255,6 +305,9 @@ class LocalBroker(Launched):
         """Check the ports, write the configs and format storage (once): all but starting."""
         self.check_ports()
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._check_formatted_as_configured()
+        if self.config.secure:
+            ensure_secure_files(self.secure_files.directory)
         self._write_configs()
         self._format(f"{libs}/*")
 
@@ -381,17 +434,50 @@ class LocalBroker(Launched):
             props["controller.quorum.voters"] = c.quorum_voters
         else:
             props["controller.quorum.bootstrap.servers"] = f"127.0.0.1:{c.controller_port}"
+        if c.secure:
+            props |= {
+                "listeners": f"SASL_SSL://127.0.0.1:{c.port},CONTROLLER://127.0.0.1:{c.controller_port}",
+                "advertised.listeners": f"SASL_SSL://127.0.0.1:{c.port}",
+                "inter.broker.listener.name": "SASL_SSL",
+                "listener.security.protocol.map": "CONTROLLER:SSL,SASL_SSL:SASL_SSL",
+                **server_properties(self.secure_files),
+            }
         props.update(c.overrides)
         return props
 
     def _write_configs(self) -> None:
         text = "".join(f"{k}={v}\n" for k, v in self._properties().items())
+        if self.config.secure:  # it holds the admin's password
+            self.properties_file.unlink(missing_ok=True)
+            self.properties_file.touch(mode=0o600)
         self.properties_file.write_text(text)
         (self.data_dir / "log4j2.xml").write_text(_LOG4J2)
 
+    def _formatted(self) -> bool:
+        log_dirs = self.config.overrides.get("log.dirs", str(self.data_dir / "kraft-logs"))
+        return (Path(log_dirs) / "meta.properties").exists()
+
+    def _check_formatted_as_configured(self) -> None:
+        """A data directory formatted secured (or not) is started the same way, or not at all:
+        its SCRAM users and ACLs live in its metadata, written once."""
+        if not self._formatted():
+            return
+        was_secure = self._secure_marker.exists()
+        if was_secure == self.config.secure:
+            return
+        raise BrokerError(
+            f"the broker's data directory {self.data_dir} was formatted "
+            + (
+                "secured (SASL_SSL and ACLs): start it with --secure"
+                if was_secure
+                else "without --secure: start it without --secure, or remove the directory "
+                "(its topics and records go) to make a secured broker there"
+            ),
+            code=LocalCode.SETTINGS_INVALID,
+        )
+
     def _format(self, classpath: str) -> None:
-        log_dir = Path(self._properties()["log.dirs"])
-        if (log_dir / "meta.properties").exists():
+        if self._formatted():
             return
         cluster_id = self.config.cluster_id or new_cluster_id()
         # A static quorum (controller.quorum.voters) formats without --standalone.
@@ -411,6 +497,9 @@ class LocalBroker(Launched):
                 f"--cluster-id={cluster_id}",
                 "-c",
                 str(self.properties_file),
+                # The SCRAM users, in the bootstrap metadata (KIP-900); their passwords are on
+                # this command line for the second it runs.
+                *(scram_arguments(self.secure_files) if self.config.secure else []),
             ],
             capture_output=True,
             text=True,
@@ -423,6 +512,8 @@ class LocalBroker(Launched):
                 + indented_tail((proc.stdout + proc.stderr).splitlines(), 15),
                 code=LocalCode.BROKER_DIED,
             )
+        if self.config.secure:
+            self._secure_marker.write_text("SCRAM-SHA-512 users added at format\n")
 
     def _wait_ready(self, timeout: float) -> None:
         def exited() -> None:
@@ -438,7 +529,8 @@ class LocalBroker(Launched):
         def address() -> str | None:
             return self.bootstrap if port_open(self.config.port) else None
 
-        last_error = wait_for_metadata(timeout, exited, address, lambda _: True)
+        probe = None if not self.config.secure else functools.partial(probe_as, self.settings())
+        last_error = wait_for_metadata(timeout, exited, address, lambda _: True, probe=probe)
         if last_error is None:
             return
         self.stop()
@@ -447,6 +539,55 @@ class LocalBroker(Launched):
             f"last lines of {self.log_file}:\n{self.log_tail()}",
             code=LocalCode.BROKER_START_TIMEOUT,
         )
+
+    def grant_acls(self, prefix: str, *, timeout: float = 120.0) -> int:
+        """Grant ci, worker and coordinator their ACLs on the topics of ``prefix`` (a secured
+        broker, running), with Kafka's AclCommand as admin; adding an ACL twice is a no-op.
+        Returns how many AclCommand runs it took (each a JVM: about 2 s of CPU)."""
+        if not self.config.secure:
+            raise BrokerError(
+                "ACLs are for a secured broker (--secure); this one lets every client do anything",
+                code=LocalCode.SETTINGS_INVALID,
+            )
+        libs = self.config.jars_dir
+        base = [
+            self.config.java,
+            "-Xmx128m",
+            "-XX:TieredStopAtLevel=1",
+            f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.xml'}",
+            "-cp",
+            f"{libs}/*",
+            ACL_COMMAND,
+            "--bootstrap-server",
+            self.bootstrap,
+            "--command-config",
+            str(self.secure_files.admin_properties),
+            "--add",
+        ]
+        grants = acl_grants(prefix)
+        # Two at a time: each JVM is mostly one core's work starting up.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            runs = list(
+                pool.map(
+                    lambda grant: subprocess.run(
+                        [*base, *grant.arguments()],
+                        capture_output=True,
+                        text=True,
+                        timeout=timeout,
+                        check=False,
+                    ),
+                    grants,
+                )
+            )
+        for grant, proc in zip(grants, runs, strict=True):
+            if proc.returncode != 0:
+                raise BrokerError(
+                    f"granting {' '.join(grant.arguments())} failed (AclCommand exit "
+                    f"{proc.returncode}):\n"
+                    + indented_tail((proc.stdout + proc.stderr).splitlines(), 15),
+                    code=LocalCode.KAFKA_ERROR,
+                )
+        return len(grants)
 
     def _read_pid(self) -> int | None:
         try:

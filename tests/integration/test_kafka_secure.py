@@ -1,0 +1,119 @@
+"""A fleet on a secured broker (``kafka_secure``: SASL_SSL, SCRAM-SHA-512, ACLs enforced), each
+part with its own Kafka user: a worker agent as ``worker``, the CLI's publish-and-wait as
+``ci``, a coordinator (its follower, probes, controller election and snapshots) as
+``coordinator``. And what an ACL refuses: the worker's user writing a command.
+
+All tests share the fixture's one topic prefix: each uses its own worker and rollout ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from contextlib import aclosing
+from pathlib import Path
+
+import pytest
+
+from controlplane.cli.rollout import _publish_and_maybe_wait
+from controlplane.coordinator.follower import Follower
+from controlplane.coordinator.publisher import RolloutRequest
+from controlplane.coordinator.service import Coordinator, CoordinatorSettings
+from controlplane.kafka.broker import BrokerConfig, LocalBroker
+from controlplane.kafka.settings import KafkaSettings
+from controlplane.rollout.models import RolloutPhase
+from controlplane.wire.errors import BrokerError, ControlPlaneError, LocalCode
+from controlplane.wire.exits import CliExit
+from controlplane.wire.protocol import ReloadWeightsSpec, Selector
+from tests.factories import free_port, running_agent, weights_dir
+from tests.fleet import make_command, publish
+from tests.integration.conftest import RecordingRunner
+
+pytestmark = [pytest.mark.kafka]
+
+
+async def until(coordinator: Coordinator, check: Callable[[], bool], what: str) -> None:
+    """Wait on the coordinator's change feed (every change, and a tick) until ``check()``."""
+    try:
+        async with asyncio.timeout(60), aclosing(coordinator.changes(tick_s=0.1)) as feed:
+            async for _ in feed:
+                if check():
+                    return
+    except TimeoutError:
+        raise AssertionError(f"never {what}") from None
+
+
+async def test_end_to_end_rollout_over_sasl_ssl(
+    kafka_secure: dict[str, KafkaSettings], tmp_path: Path
+) -> None:
+    ckpts = weights_dir(tmp_path)
+    runner = RecordingRunner()
+    rollout_id = "r-sec-e2e"
+    async with (
+        running_agent(
+            kafka_secure["worker"], tmp_path, runner, worker_id="sec-w1", labels={"model": "sec"}
+        ),
+        Coordinator(CoordinatorSettings(kafka=kafka_secure["coordinator"])) as coordinator,
+    ):
+        await coordinator.wait_ready(60)
+        code = await _publish_and_maybe_wait(
+            kafka_secure["ci"],
+            RolloutRequest(
+                ReloadWeightsSpec(path=str(ckpts / "model.safetensors"), version="v-sec"),
+                Selector(labels={"model": "sec"}),
+                rollout_id=rollout_id,
+            ),
+            wait=True,
+            wait_timeout=60,
+            as_json=True,
+        )
+        assert code == CliExit.OK
+
+        def succeeded() -> bool:
+            fleet = coordinator.fleet
+            return (
+                rollout_id in fleet
+                and fleet.status(rollout_id, coordinator.now()).phase is RolloutPhase.SUCCEEDED
+            )
+
+        await until(coordinator, succeeded, "the coordinator judged the rollout succeeded")
+        status = coordinator.fleet.status(rollout_id, coordinator.now())
+        assert [w.worker_id for w in status.workers] == ["sec-w1"]
+    assert runner.applied == ["v-sec"]
+
+
+async def test_worker_principal_writing_commands_is_denied(
+    kafka_secure: dict[str, KafkaSettings],
+) -> None:
+    forged = make_command(
+        ReloadWeightsSpec(path="/ckpt/forged", version="v-forged"),
+        selector=Selector(worker_ids=["sec-w1"]),
+        rollout_id="r-sec-forged",
+    )
+    with pytest.raises(ControlPlaneError) as caught:
+        await publish(kafka_secure["worker"], forged)
+    assert caught.value.code is LocalCode.KAFKA_ACCESS_DENIED, caught.value
+    # And nothing was written: the coordinator's user reads the commands topic.
+    async with Follower(kafka_secure["coordinator"]) as follower:
+        await follower.catch_up()
+        assert "r-sec-forged" not in follower.fleet
+
+
+@pytest.mark.parametrize("formatted_secure", [False, True], ids=["plaintext", "secured"])
+def test_a_data_dir_is_started_as_it_was_formatted(tmp_path: Path, formatted_secure: bool) -> None:
+    """Its users and ACLs are in its metadata, written at format: a plaintext data directory
+    started with --secure (or the reverse) is SETTINGS_INVALID, before anything starts."""
+
+    def broker(secure: bool) -> LocalBroker:
+        config = BrokerConfig(
+            port=free_port(), controller_port=free_port(), data_dir=tmp_path, secure=secure
+        )
+        return LocalBroker(config)
+
+    first = broker(formatted_secure)
+    first.prepare(first.ensure_jars())  # formats storage (a short JVM run), starts nothing
+    with pytest.raises(BrokerError) as info:
+        broker(not formatted_secure).start(timeout=30)
+    assert info.value.code is LocalCode.SETTINGS_INVALID
+    assert ("start it with --secure" in info.value.message) is formatted_secure
+    assert not (tmp_path / "broker.pid").exists()
