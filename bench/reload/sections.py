@@ -67,6 +67,11 @@ def section_torch(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) 
         ("naive: safe_open+get_tensor+copy_", naive_loop(path, targets, nothing)),
         ("load_file + load_state_dict", load_file_state_dict(path, runner._model, nothing)),
     ]
+    verified = verified_reload(runner, path)
+    if verified is None:
+        out["verified"] = "skipped: model-signing (the [verify] extra) is not installed"
+    else:
+        readers.insert(2, (VERIFIED, verified))
     for label, fn in readers:
         runs.append(measure(label, fn, nbytes, repeats=r, path=path))
     for label, fn in readers if c else []:
@@ -74,6 +79,59 @@ def section_torch(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) 
     out["last_reload"] = runner.describe().extra.get("last_reload")
     runner.close()
     return out
+
+
+#: The verified reload's row: the same runner, the checkpoint signed, every copied byte hashed.
+VERIFIED = "verified: the same reload, OMS-signed (sha256 shards, hashed after the copy)"
+
+
+def verified_reload(runner: Any, path: Path) -> Callable[[], None] | None:
+    """The runner's reload of ``path`` with its signature checked and the copied bytes hashed
+    against it (workers/weights/oms.py, verify.py); None without model-signing.
+
+    Signs the checkpoint's directory with a throwaway ECDSA key first (timed, printed: the cost
+    of ``fleet-worker checkpoint write --sign``). The runner trusts that key only while this row
+    runs (a benchmark-only swap of its trust), so every other row stays unverified.
+    """
+    try:
+        import model_signing  # noqa: F401
+    except ImportError:
+        return None
+    import tempfile
+
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from workers.weights.oms import load_model_trust, sign_checkpoint
+
+    keys = Path(tempfile.mkdtemp(prefix="bench-reload-keys-"))
+    key = ec.generate_private_key(ec.SECP256R1())
+    (keys / "k.pem").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    (keys / "k.pub.pem").write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    started = time.perf_counter()
+    sign_checkpoint(path.parent, keys / "k.pem")
+    print(f"signed {path.parent} in {time.perf_counter() - started:.2f} s", flush=True)
+    trust = load_model_trust([keys / "k.pub.pem"], required=True)
+    plain = runner_reload(runner, path)
+
+    def run() -> None:
+        runner._trust = trust  # a benchmark-only swap: this row verifies, the others do not
+        try:
+            plain()
+        finally:
+            runner._trust = None
+
+    return run
 
 
 def section_xla(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
