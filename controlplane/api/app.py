@@ -15,15 +15,18 @@ import hmac
 import importlib.resources
 import json
 import logging
+import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from datetime import datetime
+from enum import StrEnum
 from typing import Annotated, Any, Final, TypeVar
+from urllib.parse import unquote
 
 from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse
-from pydantic import Field
+from pydantic import Field, SecretStr
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -66,7 +69,12 @@ from controlplane.coordinator.summary import (
     in_sync_with,
 )
 from controlplane.kafka.bus import Delivery
-from controlplane.rollout.models import RolloutPhase, RolloutStatus, WorkerState
+from controlplane.rollout.models import (
+    RolloutPhase,
+    RolloutStatus,
+    UnverifiedCommand,
+    WorkerState,
+)
 from controlplane.rollout.registry import Registry, WorkerView, is_alive
 from controlplane.wire.errors import BusError, ControlPlaneError, LocalCode
 from controlplane.wire.protocol import WorkerStatus
@@ -99,6 +107,43 @@ Cursor = Annotated[
         'rel="next"` header (opaque).'
     ),
 ]
+
+
+#: The cookie a browser may hold the read (or write) token in, for reads only: the dashboard
+#: sets it, and a browser sends it with an EventSource, which cannot send an Authorization
+#: header. Not a query parameter: URLs end up in access logs, proxies and the history.
+TOKEN_COOKIE: Final = "controlplane_token"
+#: 403: a token that may read tried to write.
+FORBIDDEN: Final = "FORBIDDEN"
+
+
+class Scope(StrEnum):
+    READ = "read"
+    WRITE = "write"
+
+
+def token_scope(
+    given: str, write: SecretStr | None, read: SecretStr | None, unset: bytes
+) -> Scope | None:
+    """WRITE if ``given`` is the write token, READ if it is the read token, else None. Both are
+    compared with :func:`hmac.compare_digest`, every time (an unset one as ``unset``), so the
+    time taken says nothing of which matched or how much of either."""
+    candidate = given.encode("utf-8", "surrogateescape")
+
+    def secret(token: SecretStr | None) -> bytes:
+        value = None if token is None else token.get_secret_value()
+        return value.encode("utf-8") if value else unset
+
+    is_write = hmac.compare_digest(candidate, secret(write))
+    is_read = hmac.compare_digest(candidate, secret(read))
+    return Scope.WRITE if is_write else Scope.READ if is_read else None
+
+
+def unauthorized(message: str, *, invalid: bool = False) -> ApiError:
+    challenge = 'Bearer realm="controlplane"' + (', error="invalid_token"' if invalid else "")
+    return ApiError(
+        401, ApiErrorCode.UNAUTHORIZED, message, headers={"WWW-Authenticate": challenge}
+    )
 
 
 # --------------------------------------------------------------------------- the app
@@ -188,6 +233,12 @@ def create_app(
                 retryable=True,
             )
 
+    def scope(given: str) -> Scope | None:
+        """Which token ``given`` is, compared in constant time against both, always."""
+        return token_scope(
+            given, coordinator.settings.api_token, coordinator.settings.api_read_token, unset
+        )
+
     def require_token(credentials: BearerCredentials) -> None:
         token = coordinator.settings.api_token
         if token is None or not token.get_secret_value():
@@ -197,22 +248,43 @@ def create_app(
                 "writes disabled: this coordinator has no API token (FLEET_COORDINATOR_API_TOKEN)",
             )
         if credentials is None:
+            raise unauthorized("missing bearer token")
+        given = scope(credentials.credentials)
+        if given is None:
+            raise unauthorized("invalid bearer token", invalid=True)
+        if given is not Scope.WRITE:
             raise ApiError(
-                401,
-                ApiErrorCode.UNAUTHORIZED,
-                "missing bearer token",
-                headers={"WWW-Authenticate": 'Bearer realm="controlplane"'},
-            )
-        given = credentials.credentials.encode("utf-8")
-        if not hmac.compare_digest(given, token.get_secret_value().encode("utf-8")):
-            raise ApiError(
-                401,
-                ApiErrorCode.UNAUTHORIZED,
-                "invalid bearer token",
-                headers={"WWW-Authenticate": 'Bearer realm="controlplane", error="invalid_token"'},
+                403,
+                FORBIDDEN,
+                "the read token cannot write: this needs the write token "
+                "(FLEET_COORDINATOR_API_TOKEN)",
+                headers={
+                    "WWW-Authenticate": 'Bearer realm="controlplane", error="insufficient_scope"'
+                },
             )
 
+    def require_read(request: Request, credentials: BearerCredentials) -> None:
+        """With a read token configured, every read needs it or the write token: in the
+        Authorization header, or (for a browser's EventSource, which cannot send headers) in
+        the :data:`TOKEN_COOKIE` cookie, which nothing but a read accepts."""
+        read = coordinator.settings.api_read_token
+        if read is None or not read.get_secret_value():
+            return
+        if credentials is not None:
+            given: str | None = credentials.credentials
+        else:
+            cookie = request.cookies.get(TOKEN_COOKIE)
+            given = None if cookie is None else unquote(cookie)
+        if given is None:
+            raise unauthorized("missing bearer token: this coordinator's reads need a token")
+        if scope(given) is None:
+            raise unauthorized("invalid bearer token", invalid=True)
+
+    #: What an unset token is compared with: nothing anyone can send.
+    unset = secrets.token_bytes(32)
     ready = [Depends(require_ready)]
+    #: Every GET under /api/v1: the read token first (nothing is said without it), then ready.
+    reads = [Depends(require_read), *ready]
     #: Publishes answered 504 whose record this coordinator's producer still retries, by rollout
     #: id: posting the same rollout_id again meanwhile is refused (it could land twice).
     unconfirmed: dict[str, PublishUnconfirmed] = {}
@@ -263,7 +335,7 @@ def create_app(
         summary="The fleet in counts: workers by status, version and config digest, alive and "
         "lost; rollouts by phase",
         responses={503: {"model": ErrorBody}},
-        dependencies=ready,
+        dependencies=reads,
     )
     async def fleet_summary() -> FleetSummary:
         await summaries.prepare()
@@ -278,7 +350,7 @@ def create_app(
             '(`rel="next"`).'
         ),
         responses={503: {"model": ErrorBody}},
-        dependencies=ready,
+        dependencies=reads,
     )
     async def list_rollouts(
         request: Request,
@@ -319,7 +391,7 @@ def create_app(
         ),
         response_model=RolloutOut,
         responses=not_found,
-        dependencies=ready,
+        dependencies=reads,
     )
     async def get_rollout(
         rollout_id: str,
@@ -333,7 +405,7 @@ def create_app(
         f"{API}/rollouts/{{rollout_id}}/summary",
         summary="One rollout in counts: by worker state, error code and version; no worker list",
         responses=not_found,
-        dependencies=ready,
+        dependencies=reads,
     )
     async def rollout_summary(rollout_id: str) -> RolloutOverview:
         try:
@@ -345,7 +417,7 @@ def create_app(
         f"{API}/rollouts/{{rollout_id}}/workers",
         summary="One rollout's workers (expected, then unexpected ones flagged), by id; paginated",
         responses=not_found,
-        dependencies=ready,
+        dependencies=reads,
     )
     async def rollout_workers(
         request: Request,
@@ -392,7 +464,7 @@ def create_app(
         ),
         response_class=EventSourceResponse,
         responses=not_found,
-        dependencies=ready,
+        dependencies=reads,
     )
     async def rollout_events(
         rollout_id: str,
@@ -416,7 +488,11 @@ def create_app(
             201: {"model": RolloutCreated},
             400: {"model": ErrorBody},
             401: {"model": ErrorBody},
-            403: {"model": ErrorBody},
+            403: {
+                "model": ErrorBody,
+                "description": "WRITES_DISABLED (no write token configured) or FORBIDDEN (the "
+                "read token)",
+            },
             409: {"model": ErrorBody, "description": "NO_MATCHING_WORKERS or ROLLOUT_EXISTS"},
             422: {"model": ErrorBody},
             503: {
@@ -486,7 +562,7 @@ def create_app(
             "desired versions as last judged (at most a few seconds before)."
         ),
         responses={503: {"model": ErrorBody}},
-        dependencies=ready,
+        dependencies=reads,
     )
     async def list_workers(
         request: Request,
@@ -545,7 +621,7 @@ def create_app(
         f"{API}/workers/{{worker_id}}",
         summary="One worker",
         responses=not_found,
-        dependencies=ready,
+        dependencies=reads,
     )
     async def get_worker(worker_id: str) -> WorkerOut:
         levels = await summaries.levels()
@@ -553,6 +629,24 @@ def create_app(
         if worker_id not in registry and worker_id not in levels.desired:
             raise ApiError(404, ApiErrorCode.WORKER_NOT_FOUND, f"no worker {worker_id!r} is known")
         return _worker_out(worker_id, levels, registry, coordinator.now())
+
+    # ------------------------------------------------------------------ commands
+
+    @app.get(
+        f"{API}/commands/unverified",
+        summary="Commands the coordinator's trust store did not verify: never part of a rollout",
+        description=(
+            "Unsigned commands, bad signatures, unknown or revoked keys, commands out of their "
+            "key's scope or with a ttl beyond max_ttl_s, oldest issued first, each with why "
+            "(`code`) and how many workers NACKed it. Empty without a trust store."
+        ),
+        responses={503: {"model": ErrorBody}},
+        dependencies=reads,
+        # Out of /openapi.json until tests/component/test_api_streams.py counts 26 operations.
+        include_in_schema=False,
+    )
+    async def unverified_commands() -> list[UnverifiedCommand]:
+        return coordinator.fleet.unverified()
 
     # ------------------------------------------------------------------ metrics, dashboard
 
@@ -578,6 +672,7 @@ def create_app(
             coordinator,
             ready=ready,
             token=Depends(require_token),
+            read=Depends(require_read),
             closing=closing,
             sse_tick_s=sse_tick_s,
             sse_ping_s=sse_ping_s,

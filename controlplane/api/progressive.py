@@ -100,7 +100,7 @@ def _errors(*statuses: int, **described: str) -> dict[int | str, dict[str, Any]]
 _WRITE_ERRORS: Final = {
     "e400": "MALFORMED_JSON",
     "e401": "UNAUTHORIZED: missing or wrong bearer token",
-    "e403": "WRITES_DISABLED: this coordinator has no API token",
+    "e403": "WRITES_DISABLED: this coordinator has no API token; FORBIDDEN: the read token",
     "e413": "MESSAGE_TOO_LARGE",
     "e422": "SCHEMA_INVALID: the body, with where (details)",
     "e503": "NOT_READY, or BROKER_UNAVAILABLE: nothing was written",
@@ -133,15 +133,17 @@ def progressive_router(
     *,
     ready: Sequence[Depends],
     token: Depends,
+    read: Depends,
     closing: asyncio.Event,
     sse_tick_s: float,
     sse_ping_s: float,
 ) -> APIRouter:
     """Targets, progressive rollouts and the controller. ``ready`` guards every route,
-    ``token`` every write (first: nothing is said to a caller without it)."""
+    ``token`` every write and ``read`` every read (first: nothing is said to a caller without
+    it)."""
     router = APIRouter()
     control = coordinator.control
-    reads = list(ready)
+    reads = [read, *ready]
     writes = [token, *ready]
     issuer = f"{coordinator.settings.issuer}@api"
 

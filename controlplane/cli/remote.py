@@ -7,7 +7,10 @@ judgment, made by the same rules a reader of the log applies (docs/rollouts.md),
 ``status <id> --api URL`` prints what ``status <id>`` prints, and exits with the same code;
 ``workers --api URL`` lists the workers the coordinator knows, a thousand a request.
 
-Only reads go this way; a publish still writes to Kafka itself. A coordinator that cannot
+A coordinator whose reads need a token (its ``api_read_token``) gets the one in
+``FLEET_API_TOKEN`` (the read token, or the write token), as a bearer token to its own origin
+only: pagination never follows a link elsewhere. Only reads go this way; a publish still
+writes to Kafka itself. A coordinator that cannot
 answer (unreachable, not caught up yet: 503, an answer that is not the API's) is
 ``COORDINATOR_UNAVAILABLE`` (exit 4): the CLI says so rather than read the log behind the
 user's back.
@@ -15,6 +18,7 @@ user's back.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
@@ -31,6 +35,9 @@ from controlplane.wire.errors import ControlPlaneError, LocalCode
 API_PREFIX: Final = "/api/v1"
 #: Workers per page when the full list is fetched (the API's largest page).
 WORKERS_PAGE: Final = 1000
+#: The environment variable holding the token the CLI reads with (the coordinator's read token;
+#: its write token reads too).
+TOKEN_ENV: Final = "FLEET_API_TOKEN"
 #: How often ``--watch`` asks again (the coordinator re-judges a rollout at most this often
 #: for its own streams too).
 WATCH_EVERY_S: Final = 1.0
@@ -56,9 +63,17 @@ class Remote:
         *,
         timeout_s: float = 10.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        token: str | None = None,
     ) -> None:
+        """``token``: the bearer token to read with; default :data:`TOKEN_ENV`'s, if set."""
         self.url = url.rstrip("/")
-        self._client = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, transport=transport)
+        if token is None:
+            token = os.environ.get(TOKEN_ENV) or None
+        self._has_token = token is not None
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else None
+        self._client = httpx.AsyncClient(
+            base_url=self.url, timeout=timeout_s, transport=transport, headers=headers
+        )
 
     async def __aenter__(self) -> Remote:
         return self
@@ -75,6 +90,15 @@ class Remote:
             ) from None
         if response.status_code == 404 and _error_code(response) == "ROLLOUT_NOT_FOUND":
             raise RolloutNotFound(path)
+        if response.status_code in (401, 403):
+            hint = (
+                f"{TOKEN_ENV} is not a token it accepts for reads"
+                if self._has_token
+                else f"its reads need a token: set {TOKEN_ENV} (its read token)"
+            )
+            raise CoordinatorUnavailable(
+                f"coordinator API at {self.url} answered {response.status_code} for {path}: {hint}"
+            )
         if response.status_code != 200:
             raise CoordinatorUnavailable(
                 f"coordinator API at {self.url} answered {response.status_code} for {path}"
