@@ -18,8 +18,9 @@ from controlplane.kafka.broker import (
     LocalBroker,
     LocalCluster,
 )
+from controlplane.kafka.secure import MECHANISM
 from controlplane.kafka.settings import DEFAULT_BOOTSTRAP, KafkaSettings, load_settings
-from controlplane.wire.errors import ControlPlaneError
+from controlplane.wire.errors import BrokerError, ControlPlaneError, LocalCode
 
 broker_app = typer.Typer(help="A local Apache Kafka 4.x broker (KRaft) for development and tests.")
 topics_app = typer.Typer(help="The commands, acks and workers topics.")
@@ -33,7 +34,13 @@ app.add_typer(schema_app, name="schema")
 
 
 def _broker(
-    port: int, controller_port: int, data_dir: Path, java: str = "java", heap_mb: int = 512
+    port: int,
+    controller_port: int,
+    data_dir: Path,
+    java: str = "java",
+    heap_mb: int = 512,
+    *,
+    secure: bool = False,
 ) -> LocalBroker:
     return LocalBroker(
         BrokerConfig(
@@ -42,8 +49,72 @@ def _broker(
             data_dir=data_dir,
             java=java,
             heap_mb=heap_mb,
+            secure=secure,
         )
     )
+
+
+#: Who uses each Kafka user of a secured broker, and the env prefix of its settings.
+_USERS = (
+    ("worker", "worker agents", "FLEET_WORKER_"),
+    ("coordinator", "coordinators", "FLEET_COORDINATOR_"),
+    (
+        "ci",
+        "who publishes rollouts, with a Kafka client of its own (the controlplane CLI takes "
+        "no Kafka credentials yet: --bootstrap and --topic-prefix only)",
+        "FLEET_",
+    ),
+)
+
+
+def secure_env_lines(broker: LocalBroker, prefix: str) -> list[str]:
+    """For each user but admin, the environment its process connects with (a password file
+    each, mode 0600, never the password itself)."""
+    files = broker.secure_files
+    lines: list[str] = []
+    for principal, who, env in _USERS:
+        values = {
+            "BOOTSTRAP_SERVERS": broker.bootstrap,
+            "TOPIC_PREFIX": prefix,
+            "SECURITY_PROTOCOL": "SASL_SSL",
+            "SASL_MECHANISM": MECHANISM,
+            "SASL_USERNAME": principal,
+            "SASL_PASSWORD_FILE": str(files.password_file(principal)),
+            "SSL_CAFILE": str(files.ca),
+        }
+        lines.append(f"# {principal}: {who}")
+        lines += [f"{env}KAFKA__{k}={v}" for k, v in values.items()]
+    lines.append(
+        f"# admin: a super user (topics, ACLs); Kafka's own tools: --command-config "
+        f"{files.admin_properties}"
+    )
+    return lines
+
+
+def _start_secured(broker: LocalBroker, prefix: str, timeout: float) -> None:
+    """Start a secured broker; as admin, make the topics of ``prefix`` and grant the ACLs."""
+    from controlplane.kafka.bus import Admin
+
+    status = broker.start(timeout=timeout)
+    admin_settings = broker.settings("admin", topic_prefix=prefix)
+
+    async def ensure() -> None:
+        async with Admin(admin_settings) as admin:
+            await admin.ensure_topics(admin_settings.topics)
+            await admin.ensure_topics(admin_settings.topics.snapshots_only())
+
+    run(ensure())
+    try:
+        runs = broker.grant_acls(prefix)
+    except ControlPlaneError as exc:
+        raise fail(exc) from None
+    typer.echo(
+        f"Apache Kafka {status.kafka_version} running at {status.bootstrap}, secured: SASL_SSL "
+        f"with {MECHANISM}, ACLs on the topics {prefix}.* ({runs} grants); pid {status.pid}, "
+        f"data {status.data_dir}, log {status.log_file}"
+    )
+    for line in secure_env_lines(broker, prefix):
+        typer.echo(line)
 
 
 def _cluster(
@@ -108,9 +179,29 @@ def broker_start(
             "--port + 2(i-1) and --controller-port + 2(i-1), data in DATA_DIR/node-i).",
         ),
     ] = 1,
+    secure: Annotated[
+        bool,
+        typer.Option(
+            "--secure",
+            help="SASL_SSL (SCRAM-SHA-512) with a CA of its own and ACLs (users admin, "
+            "coordinator, ci, worker; secrets in DATA_DIR/secure, mode 0600); makes the topics "
+            "of --topic-prefix and their ACLs, and prints each user's environment. A data dir "
+            "is formatted secured or not, once.",
+        ),
+    ] = False,
+    prefix: PrefixOpt = "fleet",
 ) -> None:
     """Resolve Kafka's jars (cached), format KRaft storage, start, wait until it serves."""
     try:
+        if secure:
+            if nodes != 1 or LocalCluster.load(data_dir) is not None:
+                raise BrokerError(
+                    "--secure starts one broker, not a cluster (--nodes 1, a data dir of one)",
+                    code=LocalCode.SETTINGS_INVALID,
+                )
+            broker = _broker(port, controller_port, data_dir, java, heap_mb, secure=True)
+            _start_secured(broker, prefix, timeout)
+            return
         if nodes != 1 or LocalCluster.load(data_dir) is not None:
             cluster = _cluster(nodes, port, controller_port, data_dir, java, heap_mb)
             cstatus = cluster.start(timeout=max(timeout, 120.0))

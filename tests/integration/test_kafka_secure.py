@@ -8,9 +8,6 @@ All tests share the fixture's one topic prefix: each uses its own worker and rol
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
-from contextlib import aclosing
 from pathlib import Path
 
 import pytest
@@ -18,8 +15,8 @@ import pytest
 from controlplane.cli.rollout import _publish_and_maybe_wait
 from controlplane.coordinator.follower import Follower
 from controlplane.coordinator.publisher import RolloutRequest
-from controlplane.coordinator.service import Coordinator, CoordinatorSettings
 from controlplane.kafka.broker import BrokerConfig, LocalBroker
+from controlplane.kafka.bus import Producer
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.rollout.models import RolloutPhase
 from controlplane.wire.errors import BrokerError, ControlPlaneError, LocalCode
@@ -28,19 +25,9 @@ from controlplane.wire.protocol import ReloadWeightsSpec, Selector
 from tests.factories import free_port, running_agent, weights_dir
 from tests.fleet import make_command, publish
 from tests.integration.conftest import RecordingRunner
+from tests.integration.test_verdicts import coordinator_on, until
 
 pytestmark = [pytest.mark.kafka]
-
-
-async def until(coordinator: Coordinator, check: Callable[[], bool], what: str) -> None:
-    """Wait on the coordinator's change feed (every change, and a tick) until ``check()``."""
-    try:
-        async with asyncio.timeout(60), aclosing(coordinator.changes(tick_s=0.1)) as feed:
-            async for _ in feed:
-                if check():
-                    return
-    except TimeoutError:
-        raise AssertionError(f"never {what}") from None
 
 
 async def test_end_to_end_rollout_over_sasl_ssl(
@@ -53,9 +40,8 @@ async def test_end_to_end_rollout_over_sasl_ssl(
         running_agent(
             kafka_secure["worker"], tmp_path, runner, worker_id="sec-w1", labels={"model": "sec"}
         ),
-        Coordinator(CoordinatorSettings(kafka=kafka_secure["coordinator"])) as coordinator,
+        coordinator_on(kafka_secure["coordinator"]) as coordinator,
     ):
-        await coordinator.wait_ready(60)
         code = await _publish_and_maybe_wait(
             kafka_secure["ci"],
             RolloutRequest(
@@ -97,6 +83,18 @@ async def test_worker_principal_writing_commands_is_denied(
     async with Follower(kafka_secure["coordinator"]) as follower:
         await follower.catch_up()
         assert "r-sec-forged" not in follower.fleet
+
+
+async def test_ci_principal_writing_the_controller_topic_is_denied(
+    kafka_secure: dict[str, KafkaSettings],
+) -> None:
+    """The controller's records are unsigned: only the coordinator's user may write them."""
+    ci = kafka_secure["ci"]
+    with pytest.raises(ControlPlaneError) as caught:
+        async with Producer(ci) as producer:
+            await producer.send(ci.topics.controller.name, b"{}", key=b"forged")
+    assert caught.value.code is LocalCode.KAFKA_ACCESS_DENIED, caught.value
+    assert ci.topics.controller.name in caught.value.message
 
 
 @pytest.mark.parametrize("formatted_secure", [False, True], ids=["plaintext", "secured"])

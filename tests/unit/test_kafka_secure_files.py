@@ -118,3 +118,31 @@ def test_acl_grants_give_no_one_writes_on_commands_but_ci_and_the_coordinator() 
         if grant.prefixed:
             assert args[-2:] == ["--resource-pattern-type", "prefixed"]
     assert writers == {"ci", "coordinator"}
+
+
+def test_broker_start_secure_prints_environments_the_processes_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`broker start --secure`'s lines, as the environment of a worker and of a coordinator,
+    give each its user, password file and CA (no password printed)."""
+    from controlplane.cli.admin import secure_env_lines
+    from controlplane.coordinator.service import CoordinatorSettings
+    from controlplane.kafka.broker import BrokerConfig, LocalBroker
+    from workers.agent.settings import WorkerSettings
+
+    broker = LocalBroker(BrokerConfig(port=29092, data_dir=tmp_path, secure=True))
+    files = ensure_secure_files(broker.secure_files.directory)
+    lines = secure_env_lines(broker, "prod")
+    assert not any(password in "\n".join(lines) for password in files.passwords().values())
+    for line in lines:
+        if not line.startswith("#"):
+            name, _, value = line.partition("=")
+            monkeypatch.setenv(name, value)
+    monkeypatch.setenv("FLEET_WORKER_WORKER_ID", "w1")
+    worker = WorkerSettings().kafka
+    coordinator = CoordinatorSettings().kafka
+    for principal, kafka in (("worker", worker), ("coordinator", coordinator)):
+        assert kafka.bootstrap_servers == "127.0.0.1:29092" and kafka.topic_prefix == "prod"
+        assert (kafka.security_protocol, kafka.sasl_mechanism) == ("SASL_SSL", "SCRAM-SHA-512")
+        assert kafka.sasl_username == principal and kafka.ssl_cafile == str(files.ca)
+        assert kafka.sasl_secret() == files.passwords()[principal]
