@@ -391,3 +391,37 @@ def test_worker_settings_give_the_model_keys_to_the_runner(
     monkeypatch.delenv("FLEET_WORKER_MODEL_TRUST")
     with pytest.raises(ControlPlaneError, match="names no key"):
         load_worker_settings(worker_id="w1")
+
+
+def test_changed_during_copy_restores_on_every_runner(
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]], make_runner: Any
+) -> None:
+    """The same, on each runner kind (XLA reads into host aliases of its buffers; CUDA through
+    staging, its copied bytes hashed from the file again)."""
+    private, public = keys["trusted"]
+    v1 = signed(tmp_path, "v1", 1, private)
+    made = make_runner(
+        initial_checkpoint=str(v1),
+        initial_version="v1",
+        model_trust=[str(public)],
+        require_model_signature=True,
+        read_threads=1,
+    )
+    v1_state = state(made)
+    v2 = signed(tmp_path, "v2", 2, private)
+    fd = os.open(v2, os.O_RDWR)
+    copy_progress = made._on_copy_progress
+
+    def progress(done: int, total: int, cancel: Any) -> None:
+        if done == 1:
+            os.pwrite(fd, b"\xde\xad", tensor_offset(v2, -1) + 3)
+        copy_progress(done, total, cancel)
+
+    made._on_copy_progress = progress  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RunnerError) as caught:
+            reload(made, v2, "v2")
+    finally:
+        os.close(fd)
+    assert caught.value.code == WireCode.CHECKSUM_MISMATCH
+    assert state(made) == v1_state
