@@ -21,7 +21,8 @@ from typer.testing import CliRunner
 
 from controlplane.api.app import create_app
 from controlplane.api.server import ApiServer
-from controlplane.cli.main import app as cli
+from controlplane.cli import main as _registered  # noqa: F401  (registers the commands)
+from controlplane.cli.common import app as cli
 from controlplane.coordinator.service import Coordinator, CoordinatorSettings
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.rollout.models import AnomalyCode
@@ -128,7 +129,7 @@ async def test_forged_command_does_not_take_over_a_rollout(
         real = keys.ci.sign(
             make_command(spec, selector=TINY, rollout_id="r-1", command_id="c-real")
         )
-        earlier = {
+        earlier: dict[str, Any] = {
             "issued_at": real.issued_at - timedelta(minutes=1),
             "expires_at": real.expires_at,
         }

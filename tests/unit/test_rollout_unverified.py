@@ -113,7 +113,8 @@ async def test_an_id_known_only_from_unverified_commands_and_their_nacks_is_no_r
         nack("w1", 6, "SIGNATURE_MISSING", rollout_id="r2", command_id="f9"),
         nack("w2", 7, "SIGNATURE_MISSING", rollout_id="r2", command_id="f9"),
     ]
-    for order in itertools.permutations([[forged], nacks[:1], nacks[1:], [REAL]]):
+    units: list[list[Event]] = [[forged], nacks[:1], nacks[1:], [REAL]]
+    for order in itertools.permutations(units):
         f = (await fold([e for unit in order for e in unit], Verifier(STORE))).fleet
         assert f.rollout_ids() == ["r1"] and "r2" not in f
         assert f.unended() == ["r1"] and f.stats().rollouts == 1
