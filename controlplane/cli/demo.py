@@ -55,9 +55,12 @@ class Demo:
         self.broker: LocalBroker | None = None
         self.bootstrap = ""
         self.env = dict(os.environ)
-        #: Workers hold a trust store and the CLI signs (FLEET_DEMO_UNSIGNED=1: neither).
+        #: Workers and the coordinator hold a trust store, the CLI and the coordinator sign
+        #: (FLEET_DEMO_UNSIGNED=1: none of it).
         self.signed = os.environ.get("FLEET_DEMO_UNSIGNED", "") in ("", "0")
         self.trust_store: Path | None = None
+        #: The coordinator's own key (it signs its progressive waves and rollbacks).
+        self.coordinator_key: Path | None = None
 
     # ------------------------------------------------------------------ steps
 
@@ -74,13 +77,7 @@ class Demo:
             code = self._rollouts(ckpts)
             if self.signed:
                 code = self._unsigned_refused() or code
-                self._step("9-12. progressive rollouts: skipped in the signed demo")
-                self.out.print(
-                    "  the coordinator's controller does not sign its commands yet, and these"
-                    " workers refuse unsigned ones; FLEET_DEMO_UNSIGNED=1 runs them unsigned"
-                )
-            else:
-                code = self._progressive(ckpts) or code
+            code = self._progressive(ckpts) or code
             if self.vllm:
                 code = code or self._vllm()
             self._step("the fleet now")
@@ -135,16 +132,26 @@ class Demo:
         return paths
 
     def _make_keys(self) -> None:
-        """A signing key for this demo, a trust store holding it (the workers'), and the CLI
-        configured to sign with it (FLEET_SIGNING_KEY, FLEET_SIGNING_KEY_ID)."""
-        self._step("2b. a signing key; the workers will trust only commands it signs")
-        key = self.workdir / "keys" / "demo-ci.pem"
-        key.parent.mkdir()
-        args = ["keys", "generate", str(key), "--key-id", "demo-ci", "--path-root"]
-        args.append(str(self.workdir))
-        self.out.print(f"$ controlplane {shlex.join(args)} > trust.json", style="bold")
-        self.trust_store = self.workdir / "keys" / "trust.json"
-        self.trust_store.write_text(self._py("controlplane", *args))
+        """Two signing keys for this demo (the CLI's, the coordinator's), a trust store holding
+        both (the workers' and the coordinator's), and the CLI configured to sign with its own
+        (FLEET_SIGNING_KEY, FLEET_SIGNING_KEY_ID)."""
+        self._step("2b. signing keys; the workers and the coordinator trust only what they sign")
+        keys = self.workdir / "keys"
+        keys.mkdir()
+        key = keys / "demo-ci.pem"
+        self.coordinator_key = keys / "demo-coordinator.pem"
+        root = ["--path-root", str(self.workdir)]
+        both = ["--kind", "reload_weights", "--kind", "update_config"]
+        coordinator = ["--key-id", "demo-coordinator", *both, *root]
+        store: dict[str, dict[str, object]] = {"keys": {}}
+        for args in (
+            ["keys", "generate", str(key), "--key-id", "demo-ci", *root],
+            ["keys", "generate", str(self.coordinator_key), *coordinator],
+        ):
+            self.out.print(f"$ controlplane {shlex.join(args)} >> trust.json", style="bold")
+            store["keys"].update(json.loads(self._py("controlplane", *args))["keys"])
+        self.trust_store = keys / "trust.json"
+        self.trust_store.write_text(json.dumps(store, indent=2))
         self.out.print(self.trust_store.read_text().strip())
         self.env["FLEET_SIGNING_KEY"] = str(key)
         self.env["FLEET_SIGNING_KEY_ID"] = "demo-ci"
@@ -170,7 +177,8 @@ class Demo:
         after = asyncio.run(self._configs())
         self.out.print(
             f"exit code {code} (1 = failed: every worker refused it, SIGNATURE_MISSING);"
-            f" configs unchanged: {after == before}"
+            f" configs unchanged: {after == before}; the coordinator folds it into no rollout"
+            " and lists it (GET /api/v1/commands/unverified, COMMAND_UNVERIFIED)"
         )
         return 0 if code == 1 and after == before else 1
 
@@ -179,6 +187,10 @@ class Demo:
         port = free_port()
         token = secrets.token_urlsafe(16)
         env = {**self.env, "FLEET_COORDINATOR_API_TOKEN": token}
+        if self.trust_store is not None and self.coordinator_key is not None:
+            env["FLEET_COORDINATOR_TRUST_STORE"] = str(self.trust_store)
+            env["FLEET_COORDINATOR_SIGNING_KEY"] = str(self.coordinator_key)
+            env["FLEET_COORDINATOR_SIGNING_KEY_ID"] = "demo-coordinator"
         self._spawn(
             "coordinator",
             [
@@ -196,6 +208,12 @@ class Demo:
         url = f"http://127.0.0.1:{port}/"
         self._wait_http(url + "healthz", 60)
         self.out.print(f"coordinator at {url} (write token in FLEET_COORDINATOR_API_TOKEN)")
+        if self.trust_store is not None:
+            self.out.print(
+                f"  with FLEET_COORDINATOR_TRUST_STORE={self.trust_store}: commands it cannot"
+                " verify are no rollout; it signs its own with FLEET_COORDINATOR_SIGNING_KEY"
+                f"={self.coordinator_key} (key id demo-coordinator)"
+            )
         return url
 
     def _start_workers(self, ckpts: dict[str, Path]) -> None:
