@@ -307,6 +307,8 @@ class LocalBroker(Launched):
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._check_formatted_as_configured()
         if self.config.secure:
+            # Its records, and the users' salted SCRAM hashes in the metadata: the owner's only.
+            self.data_dir.chmod(0o700)
             ensure_secure_files(self.secure_files.directory)
         self._write_configs()
         self._format(f"{libs}/*")

@@ -8,6 +8,7 @@ All tests share the fixture's one topic prefix: each uses its own worker and rol
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,8 @@ def test_a_data_dir_is_started_as_it_was_formatted(tmp_path: Path, formatted_sec
 
     first = broker(formatted_secure)
     first.prepare(first.ensure_jars())  # formats storage (a short JVM run), starts nothing
+    if formatted_secure:  # its records and the users' salted hashes: the owner's only
+        assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o700
     with pytest.raises(BrokerError) as info:
         broker(not formatted_secure).start(timeout=30)
     assert info.value.code is LocalCode.SETTINGS_INVALID
