@@ -47,13 +47,15 @@ def unreadable_anomalies(rollout_id: str, nacks: Mapping[tuple[str, str], Report
                 ),
             )
         )
-    if len(nacks) > MAX_UNREADABLE_ANOMALIES:
-        out.append(
-            Anomaly(
-                code=AnomalyCode.UNREADABLE_COMMAND_NACK,
-                message=f"{len(nacks) - MAX_UNREADABLE_ANOMALIES} more such NACK(s) not listed",
-            )
-        )
+    return _capped(out, len(nacks), AnomalyCode.UNREADABLE_COMMAND_NACK, "such NACK(s)")
+
+
+def _capped(out: list[Anomaly], total: int, code: AnomalyCode, what: str) -> list[Anomaly]:
+    """``out`` (the first :data:`MAX_UNREADABLE_ANOMALIES` of ``total``) and one line
+    counting the rest."""
+    if total > MAX_UNREADABLE_ANOMALIES:
+        more = f"{total - MAX_UNREADABLE_ANOMALIES} more {what} not listed"
+        out.append(Anomaly(code=code, message=more))
     return out
 
 
@@ -77,15 +79,7 @@ def unverified_anomalies(
                 ),
             )
         )
-    if len(unverified) > MAX_UNREADABLE_ANOMALIES:
-        out.append(
-            Anomaly(
-                code=AnomalyCode.COMMAND_UNVERIFIED,
-                message=f"{len(unverified) - MAX_UNREADABLE_ANOMALIES} more unverified command(s)"
-                " not listed",
-            )
-        )
-    return out
+    return _capped(out, len(unverified), AnomalyCode.COMMAND_UNVERIFIED, "unverified command(s)")
 
 
 def rejected(

@@ -99,6 +99,19 @@ async def serving(settings: CoordinatorSettings) -> AsyncIterator[httpx.AsyncCli
             yield client
 
 
+@asynccontextmanager
+async def signed_fleet(
+    kafka: KafkaSettings, tmp_path: Path, n: int
+) -> AsyncIterator[tuple[Keys, httpx.AsyncClient]]:
+    """``n`` agents holding the trust store (w0, w1, ...: model=tiny, at v1), alive, and the
+    API of a coordinator holding it too and signing with its key."""
+    keys = Keys(tmp_path)
+    async with AsyncExitStack() as stack, serving(keys.settings(kafka)) as api:
+        await agents(stack, kafka, tmp_path, keys, n)
+        await until(api, "/api/v1/workers", lambda ws: sum(w["alive"] for w in ws) == n)
+        yield keys, api
+
+
 async def agents(
     stack: AsyncExitStack, kafka: KafkaSettings, tmp_path: Path, keys: Keys, n: int
 ) -> None:
@@ -119,10 +132,7 @@ async def agents(
 async def test_forged_command_does_not_take_over_a_rollout(
     kafka: KafkaSettings, tmp_path: Path
 ) -> None:
-    keys = Keys(tmp_path)
-    async with AsyncExitStack() as stack, serving(keys.settings(kafka)) as api:
-        await agents(stack, kafka, tmp_path, keys, 1)
-        await until(api, "/api/v1/workers", lambda ws: sum(w["alive"] for w in ws) == 1)
+    async with signed_fleet(kafka, tmp_path, 1) as (keys, api):
         # Issued once the worker is alive: a label selector expects the workers alive then.
         spec = ReloadWeightsSpec(path=keys.weights, version="v2")
         evil = ReloadWeightsSpec(path=keys.weights, version="v-evil")
@@ -166,10 +176,7 @@ async def test_forged_command_does_not_take_over_a_rollout(
 async def test_api_post_and_progressive_rollout_apply_on_workers_with_a_trust_store(
     kafka: KafkaSettings, tmp_path: Path
 ) -> None:
-    keys = Keys(tmp_path)
-    async with AsyncExitStack() as stack, serving(keys.settings(kafka)) as api:
-        await agents(stack, kafka, tmp_path, keys, 2)
-        await until(api, "/api/v1/workers", lambda ws: sum(w["alive"] for w in ws) == 2)
+    async with signed_fleet(kafka, tmp_path, 2) as (keys, api):
         body = {
             "kind": "reload_weights",
             "path": keys.weights,
