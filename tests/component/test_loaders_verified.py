@@ -67,7 +67,9 @@ def signed(tmp_path: Path, name: str, seed: int, key: Path, *, shards: int = 1) 
     return path
 
 
-def runner(initial: Path | None, public: Path, *, required: bool = True) -> TorchRunner:
+def runner(
+    initial: Path | None, public: Path, *, required: bool = True, **more: Any
+) -> TorchRunner:
     options: dict[str, Any] = {
         "model_kwargs": TINY,
         "seed": 0,
@@ -79,7 +81,7 @@ def runner(initial: Path | None, public: Path, *, required: bool = True) -> Torc
     }
     if initial is not None:
         options |= {"initial_checkpoint": str(initial), "initial_version": "v1"}
-    made = TorchRunner(options)
+    made = TorchRunner(options | more)
     made.load()
     return made
 
@@ -112,11 +114,15 @@ def tensor_offset(path: Path, index: int) -> int:
     return int(8 + length + spans[index][0])
 
 
-def test_signed_checkpoint_loads(tmp_path: Path, keys: dict[str, tuple[Path, Path]]) -> None:
+@pytest.mark.parametrize("readers", [1, 3])
+def test_signed_checkpoint_loads(
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]], readers: int
+) -> None:
+    """Hashed while copied, shard by shard, from one reader or several (small read chunks)."""
     private, public = keys["trusted"]
     v1 = signed(tmp_path, "v1", 1, private)
     v2 = signed(tmp_path, "v2", 2, private, shards=3)
-    made = runner(v1, public)
+    made = runner(v1, public, read_threads=readers)
     reload(made, v2, "v2")
     assert made.describe().weights_version == "v2"
     expected = TorchRunner({"model_kwargs": TINY, "seed": 2})
@@ -417,7 +423,7 @@ def test_changed_during_copy_restores_on_every_runner(
             os.pwrite(fd, b"\xde\xad", tensor_offset(v2, -1) + 3)
         copy_progress(done, total, cancel)
 
-    made._on_copy_progress = progress  # type: ignore[method-assign]
+    made._on_copy_progress = progress
     try:
         with pytest.raises(RunnerError) as caught:
             reload(made, v2, "v2")

@@ -67,12 +67,17 @@ def copy_plan(
     cancel: threading.Event | None,
     progress: Progress | None,
     sync: Callable[[], None] | None,
+    copied: Callable[[int], None] | None = None,
 ) -> None:
+    """Copy ``plan``; ``copied(n)`` is told each time more of its first ``n`` tensors are in
+    (the hashing of a signed checkpoint follows it), ``progress`` once per tensor."""
     reported = 0
 
     def report() -> None:
         # One call per tensor, in plan order, once every byte of it is in.
         nonlocal reported
+        if copied is not None and reported < copier.done:
+            copied(copier.done)
         if progress is None:
             reported = copier.done
             return

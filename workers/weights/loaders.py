@@ -36,7 +36,7 @@ from workers.weights.copy import (
 from workers.weights.oms import ModelTrust, SignedDigests, check_index_digest, signed_digests
 from workers.weights.paths import checkpoint_files, open_member, unreadable
 from workers.weights.stats import LoadStats
-from workers.weights.verify import CopiedBytesMismatch, check_copied
+from workers.weights.verify import CopiedBytesMismatch, CopyHasher
 
 __all__ = [  # what runners, tests and benchmarks import (or patch) here
     "DEFAULT_STAGING_BYTES",
@@ -159,17 +159,25 @@ def load_checkpoint(
         copy_started = time.perf_counter()
         total = sum(entry.nbytes for entry, _ in plan)
         copier = Copier(staging_bytes, flush=sync, threads=readers, read_chunk=read_chunk_bytes)
-        copy_plan(ckpt, plan, copier, version, from_version, cancel, progress, sync)
-        if signed is not None:
-            check_copied(
-                ckpt,
-                plan,
-                signed,
-                threads=readers,
-                version=version,
-                from_version=from_version,
-                cancel=cancel,
-            )
+        if signed is None:
+            copy_plan(ckpt, plan, copier, version, from_version, cancel, progress, sync)
+        else:
+            hasher = CopyHasher(ckpt, plan, signed, threads=readers, cancel=cancel)
+            try:
+                copy_plan(
+                    ckpt,
+                    plan,
+                    copier,
+                    version,
+                    from_version,
+                    cancel,
+                    progress,
+                    sync,
+                    hasher.advance,
+                )
+                hasher.finish(version=version, from_version=from_version)
+            finally:
+                hasher.close()
         finished = time.perf_counter()
     return LoadStats.measured(
         version,

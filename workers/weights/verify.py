@@ -1,7 +1,8 @@
-"""Check the bytes a reload copied against the digests a trusted signature gives (oms.py).
+"""Check the bytes a reload copies against the digests a trusted signature gives (oms.py).
 
-Every signed span (a shard, or a whole file) is hashed once the copy is done, by several threads
-(hashlib releases the GIL): tensor bytes are hashed from where they were copied to (host memory:
+Every signed span (a shard, or a whole file) is hashed as soon as every tensor it overlaps has
+been copied, while the copy goes on, by threads of its own (hashlib releases the GIL): tensor
+bytes are hashed from where they were copied to (host memory:
 the model's own parameters, so what is checked is what the model now holds), the header, gaps
 and tensors not copied (a tied weight's second name, device destinations) from the open file.
 The disk is read once; a byte changed in the file while it was copied is caught, since the
@@ -14,8 +15,9 @@ import bisect
 import hashlib
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -90,42 +92,85 @@ def _hash_span(fd: int, span: Span, regions: list[_Region], cancel: threading.Ev
     return digest.hexdigest()
 
 
-def check_copied(
-    ckpt: OpenCheckpoint,
-    plan: list[tuple[TensorEntry, torch.Tensor]],
-    signed: SignedDigests,
-    *,
-    threads: int,
-    version: str,
-    from_version: str | None,
-    cancel: threading.Event | None = None,
-) -> None:
-    """Hash every signed span of the data files as copied; CopiedBytesMismatch if one differs."""
-    regions = _regions(ckpt, plan)
-    units = [
-        (file, span, ckpt.fds[file]) for file in ckpt.files.files for span in signed.files[file]
-    ]
-    try:
-        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="reload-sha256") as pool:
-            hashed = list(
-                pool.map(lambda u: _hash_span(u[2], u[1], regions.get(u[2], []), cancel), units)
+@dataclass(frozen=True)
+class _Unit:
+    ready: int  # hashed once this many tensors of the plan are in (0: at once)
+    file: Path
+    span: Span
+    fd: int
+
+
+class CopyHasher:
+    """Hashes the signed spans while the copy goes on: each span as soon as every tensor it
+    overlaps is in (``advance``, from the copy's progress), on its own threads, so hashing
+    overlaps reading (a cold file); :meth:`finish` waits and compares. Close it in any case."""
+
+    def __init__(
+        self,
+        ckpt: OpenCheckpoint,
+        plan: list[tuple[TensorEntry, torch.Tensor]],
+        signed: SignedDigests,
+        *,
+        threads: int,
+        cancel: threading.Event | None = None,
+    ) -> None:
+        self._regions = _regions(ckpt, plan)
+        self._cancel = cancel
+        self._planned = len(plan)
+        units: list[_Unit] = []
+        for file in ckpt.files.files:
+            # Plan positions, in file order (the plan is sorted by file, then offset).
+            mine = [
+                (e.offset, e.offset + e.nbytes, i)
+                for i, (e, _) in enumerate(plan)
+                if e.file == file
+            ]
+            offsets = [o for o, _, _ in mine]
+            ends = [end for _, end, _ in mine]
+            for span in signed.files[file]:
+                lo = bisect.bisect_right(ends, span.start)
+                hi = bisect.bisect_left(offsets, span.end)
+                ready = max((i + 1 for _, _, i in mine[lo:hi]), default=0)
+                units.append(_Unit(ready, file, span, ckpt.fds[file]))
+        units.sort(key=lambda u: u.ready)
+        self._units = units
+        self._next = 0
+        self._hashed: list[tuple[_Unit, Future[str]]] = []
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="reload-sha256")
+
+    def advance(self, done: int) -> None:
+        """``done`` tensors of the plan are in: hash every span that needs no more."""
+        while self._next < len(self._units) and self._units[self._next].ready <= done:
+            unit = self._units[self._next]
+            regions = self._regions.get(unit.fd, [])
+            future = self._pool.submit(_hash_span, unit.fd, unit.span, regions, self._cancel)
+            self._hashed.append((unit, future))
+            self._next += 1
+
+    def finish(self, *, version: str, from_version: str | None) -> None:
+        """Every tensor is in: wait for every span's hash; CopiedBytesMismatch if one differs
+        from its signed digest (or could not be taken)."""
+        self.advance(self._planned)
+        wrong: list[str] = []
+        try:
+            for unit, future in self._hashed:
+                if future.result() != unit.span.sha256:
+                    wrong.append(f"{unit.file.name}[{unit.span.start}:{unit.span.end}]")
+        except (RunnerError, OSError) as exc:
+            raise CopiedBytesMismatch(
+                f"the bytes copied for {version!r} could not be checked ({failure_reason(exc)});"
+                f" the model may mix {from_version!r} and {version!r}",
+                from_version=from_version,
+                to_version=version,
+            ) from exc
+        if wrong:
+            raise CopiedBytesMismatch(
+                f"the bytes copied for {version!r} differ from the signed ones in {names(wrong)};"
+                f" the model mixes {from_version!r} and {version!r}",
+                from_version=from_version,
+                to_version=version,
             )
-    except (RunnerError, OSError) as exc:
-        raise CopiedBytesMismatch(
-            f"the bytes copied for {version!r} could not be checked ({failure_reason(exc)});"
-            f" the model may mix {from_version!r} and {version!r}",
-            from_version=from_version,
-            to_version=version,
-        ) from exc
-    wrong = [
-        f"{file.name}[{span.start}:{span.end}]"
-        for (file, span, _), got in zip(units, hashed, strict=True)
-        if got != span.sha256
-    ]
-    if wrong:
-        raise CopiedBytesMismatch(
-            f"the bytes copied for {version!r} differ from the signed ones in {names(wrong)};"
-            f" the model mixes {from_version!r} and {version!r}",
-            from_version=from_version,
-            to_version=version,
-        )
+
+    def close(self) -> None:
+        """No hashing thread outlives the reload (spans not started are dropped)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
