@@ -82,7 +82,7 @@ def section_torch(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) 
 
 
 #: The verified reload's row: the same runner, the checkpoint signed, every copied byte hashed.
-VERIFIED = "verified: the same reload, OMS-signed (sha256 shards, hashed after the copy)"
+VERIFIED = "verified: the same reload, OMS-signed (sha256 shards hashed as copied)"
 
 
 def verified_reload(runner: Any, path: Path) -> Callable[[], None] | None:

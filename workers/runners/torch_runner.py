@@ -301,9 +301,10 @@ class TorchRunner:
 
     def _restore_or_degrade(self, exc: CopiedBytesMismatch) -> None:
         """The bytes copied were not the signed ones: load the checkpoint in force before again,
-        verified against the digests it was loaded with, and NACK CHECKSUM_MISMATCH with the
-        version unchanged. Degraded (WeightsCorrupted) when there is none (seeded weights) or
-        it cannot be restored. Always raises."""
+        verified against the digests it was loaded with, and NACK CHECKSUM_MISMATCH (or
+        COMMAND_TIMEOUT, cancelled while hashing) with the version unchanged. Degraded
+        (WeightsCorrupted) when there is none (seeded weights) or it cannot be restored.
+        Always raises."""
         before = self._in_force
         if before is None:
             self._mark_degraded(exc)
@@ -322,7 +323,7 @@ class TorchRunner:
             raise corrupted from exc
         raise RunnerError(
             f"{exc.message}; {before.version!r} was restored from {str(before.path)!r}",
-            code=WireCode.CHECKSUM_MISMATCH,
+            code=exc.nack_code,
         ) from exc
 
     def _load_in_force(self, before: _InForce, *, failed: str) -> LoadStats:

@@ -32,8 +32,11 @@ _SCRATCH_BYTES = 8 * 1024 * 1024
 class CopiedBytesMismatch(WeightsCorrupted):
     """The bytes copied are not the signed ones: the model now mixes two checkpoints.
 
-    A runner that knows the checkpoint in force before restores it and NACKs CHECKSUM_MISMATCH.
+    A runner that knows the checkpoint in force before restores it and NACKs ``nack_code``:
+    CHECKSUM_MISMATCH, or COMMAND_TIMEOUT when the reload was cancelled while hashing.
     """
+
+    nack_code: WireCode = WireCode.CHECKSUM_MISMATCH
 
 
 @dataclass(frozen=True)
@@ -59,9 +62,12 @@ def _regions(
 
 def _hash_span(fd: int, span: Span, regions: list[_Region], cancel: threading.Event | None) -> str:
     digest = hashlib.sha256()
-    scratch = memoryview(bytearray(min(_SCRATCH_BYTES, max(1, span.end - span.start))))
+    scratch = memoryview(b"")  # for the bytes hashed from the file; most spans need none
 
     def from_file(start: int, end: int) -> None:
+        nonlocal scratch
+        if len(scratch) < min(_SCRATCH_BYTES, end - start):
+            scratch = memoryview(bytearray(min(_SCRATCH_BYTES, end - start)))
         while start < end:
             if cancel is not None and cancel.is_set():
                 raise RunnerError("cancelled while hashing", code=WireCode.COMMAND_TIMEOUT)
@@ -157,12 +163,15 @@ class CopyHasher:
                 if future.result() != unit.span.sha256:
                     wrong.append(f"{unit.file.name}[{unit.span.start}:{unit.span.end}]")
         except (RunnerError, OSError) as exc:
-            raise CopiedBytesMismatch(
+            unchecked = CopiedBytesMismatch(
                 f"the bytes copied for {version!r} could not be checked ({failure_reason(exc)});"
                 f" the model may mix {from_version!r} and {version!r}",
                 from_version=from_version,
                 to_version=version,
-            ) from exc
+            )
+            if isinstance(exc, RunnerError) and exc.code == WireCode.COMMAND_TIMEOUT:
+                unchecked.nack_code = WireCode.COMMAND_TIMEOUT
+            raise unchecked from exc
         if wrong:
             raise CopiedBytesMismatch(
                 f"the bytes copied for {version!r} differ from the signed ones in {names(wrong)};"
