@@ -24,6 +24,7 @@ from controlplane.api.server import ApiServer
 from controlplane.cli import main as _registered  # noqa: F401  (registers the commands)
 from controlplane.cli.common import app as cli
 from controlplane.coordinator.service import Coordinator, CoordinatorSettings
+from controlplane.coordinator.snapshots import FORMAT, Manifest, SnapshotError, check
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.rollout.models import AnomalyCode
 from controlplane.wire.errors import ControlPlaneError, LocalCode
@@ -247,3 +248,39 @@ def test_a_signing_key_its_own_store_does_not_trust_stops_the_coordinator_with_a
     result = CliRunner().invoke(cli, ["coordinator", "--bootstrap", "127.0.0.1:9"], env=env)
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert "SETTINGS_INVALID" in result.output
+
+
+async def test_a_snapshot_folded_under_another_trust_store_is_not_restored(
+    tmp_path: Path,
+) -> None:
+    """The commands a snapshot holds were verified by one store: the manifest's fold settings
+    carry its sha256, so a coordinator holding another (or none) replays the log instead."""
+    keys = Keys(tmp_path)
+    kafka = KafkaSettings(bootstrap_servers="127.0.0.1:9")
+    signed = Coordinator(keys.settings(kafka))
+    plain = Coordinator(CoordinatorSettings(kafka=kafka))
+    keys.store.write_text(json.dumps(json.loads(keys.store.read_text()), indent=4))
+    same = Coordinator(keys.settings(kafka))  # the same store, written otherwise
+    keys.write_store(["update_config", "reload_weights"])  # another scope: another store
+    other = Coordinator(keys.settings(kafka))
+    digest = signed.trust.digest
+    assert digest is not None and signed.snapshots.fold["trust_store"] == digest
+    assert "trust_store" not in plain.snapshots.fold
+    assert other.snapshots.fold["trust_store"] != digest
+    for coordinator in (signed, plain, same, other):
+        await coordinator.stop()  # never started: closes its clients
+    assert same.snapshots.fold == signed.snapshots.fold
+    manifest = Manifest(
+        format=FORMAT,
+        writer="a",
+        snapshot_id="s",
+        written_at=0.0,
+        offsets=[],
+        chunks=[],
+        size=0,
+        fold=dict(signed.snapshots.fold),
+    )
+    for reader in (plain, other):
+        with pytest.raises(SnapshotError) as exc:
+            check(manifest, {}, fold=reader.snapshots.fold, partitions=set(), starts={}, ends={})
+        assert exc.value.code is LocalCode.SNAPSHOT_MISMATCH
