@@ -36,17 +36,32 @@ DOCKERFILE = ROOT / "Dockerfile"
 CLI_APPS: dict[str, typer.Typer] = {"controlplane": controlplane_app, "fleet-worker": worker_app}
 PYTHON_MODULES: dict[str, str] = {"controlplane": "controlplane", "workers": "fleet-worker"}
 
-_VAR = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::?-(?P<default>[^}]*))?\}")
+_VAR = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
+
+#: What a user exports before `docker compose up` (docs/compose.md): the write token, required.
+UP_ENV: dict[str, str] = {"FLEET_COORDINATOR_API_TOKEN": "token-given-at-up"}
+
+
+class ComposeRefused(ValueError):
+    """``${NAME:?message}`` with NAME unset or empty: `docker compose` stops with the message."""
 
 
 def interpolate(value: str, env: Mapping[str, str]) -> str:
-    """Compose's ``${NAME}``, ``${NAME:-default}`` and ``$$``, as ``docker compose`` resolves them."""
+    """Compose's ``${NAME}``, ``${NAME:-default}``, ``${NAME:?error}`` (and their forms without
+    the colon, which only look at whether NAME is set) and ``$$``, as ``docker compose``
+    resolves them."""
 
     def one(match: re.Match[str]) -> str:
         if match.group(0) == "$$":
             return "$"
-        name, default = match.group("name"), match.group("default")
-        return env.get(name) or (default if default is not None else "")
+        name, op, arg = match.group("name"), match.group("op"), match.group("arg")
+        value = env.get(name)
+        missing = value is None or (op is not None and op.startswith(":") and not value)
+        if op is not None and op.endswith("?") and missing:
+            raise ComposeRefused(f"required variable {name} is missing a value: {arg}")
+        if op is not None and op.endswith("-") and missing:
+            return arg
+        return value or ""
 
     return _VAR.sub(one, value)
 
@@ -64,12 +79,13 @@ def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return found
 
 
-def environment(service: Mapping[str, Any], env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """A service's environment as the container gets it (list or map form, interpolated)."""
+def environment(service: Mapping[str, Any], env: Mapping[str, str] = UP_ENV) -> dict[str, str]:
+    """A service's environment as the container gets it (list or map form, interpolated with
+    ``env``: by default what docs/compose.md tells a user to export)."""
     raw = service.get("environment") or {}
     if isinstance(raw, list):
         raw = dict(item.split("=", 1) for item in raw)
-    return {str(k): interpolate(str(v), env or {}) for k, v in raw.items()}
+    return {str(k): interpolate(str(v), env) for k, v in raw.items()}
 
 
 def fleet_services(
@@ -231,11 +247,43 @@ def test_coordinator_environment_is_real_settings(
     # A token given at `docker compose up` replaces the placeholder.
     given = environment(coordinator, {"FLEET_COORDINATOR_API_TOKEN": "s3cret"})
     assert given["FLEET_COORDINATOR_API_TOKEN"] == "s3cret"
+    # Reads stay open unless a read token is given (an empty one is none).
+    assert settings.api_read_token is None or not settings.api_read_token.get_secret_value()
     # The published port is the port it serves on, and the one its healthcheck asks.
     targets = {int(str(p).rsplit(":", 1)[-1]) for p in coordinator["ports"]}
     assert targets == {settings.port}
     probe = " ".join(coordinator["healthcheck"]["test"])
     assert f"127.0.0.1:{settings.port}/readyz" in probe
+
+
+@pytest.mark.parametrize("env", [{}, {"FLEET_COORDINATOR_API_TOKEN": ""}])
+def test_compose_refuses_to_start_without_a_write_token(
+    services: dict[str, dict[str, Any]], env: dict[str, str]
+) -> None:
+    """No default token (it was "change-me", the same in every deployment): `docker compose
+    up` stops, naming the variable, unless one is exported."""
+    with pytest.raises(ComposeRefused, match="FLEET_COORDINATOR_API_TOKEN"):
+        environment(services["coordinator"], env)
+
+
+def test_a_read_token_reaches_the_coordinator_and_the_workers_healthcheck(
+    services: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The workers' healthcheck asks the coordinator's API, whose reads then need the token."""
+    up = {**UP_ENV, "FLEET_COORDINATOR_API_READ_TOKEN": "r3ad"}
+    settings = settings_from(
+        monkeypatch, environment(services["coordinator"], up), CoordinatorSettings
+    )
+    assert settings.api_read_token is not None
+    assert settings.api_read_token.get_secret_value() == "r3ad"
+    for name, service in fleet_services(services, "fleet-worker"):
+        if command(service)[:2] != ["fleet-worker", "run"]:
+            continue
+        env = environment(service, up)
+        probe = " ".join(service["healthcheck"]["test"])
+        (variable,) = re.findall(r"os\.environ\.get\('([A-Z_]+)'\)", probe)
+        assert env[variable] == "r3ad" and "'Authorization': 'Bearer ' +" in probe, name
+        assert not variable.startswith(WORKER_PREFIX), "not a worker setting"
 
 
 def test_worker_environment_is_real_settings(
