@@ -126,11 +126,12 @@ async def _ensure_all_topics(settings: KafkaSettings) -> None:
 
 
 @pytest.fixture(scope="session")
-def kafka_secure(
+def kafka_secure_broker(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, KafkaSettings]]:
-    """A secured local broker: principal (admin, coordinator, ci, worker) -> its settings on
-    the topics of :data:`SECURE_PREFIX`, which admin made and the others hold ACLs on."""
+) -> Iterator[LocalBroker]:
+    """A secured local broker (SASL_SSL, SCRAM-SHA-512, ACLs enforced, its controller on SSL
+    with client certificates), the topics of :data:`SECURE_PREFIX` made by admin, the other
+    users' ACLs on them granted."""
     broker = LocalBroker(
         BrokerConfig(
             port=free_port(),
@@ -141,17 +142,23 @@ def kafka_secure(
     )
     status = broker.start(timeout=120)
     try:
-        settings = {p: broker.settings(p, topic_prefix=SECURE_PREFIX) for p in PRINCIPALS}
-        asyncio.run(_ensure_all_topics(settings["admin"]))
+        asyncio.run(_ensure_all_topics(broker.settings("admin", topic_prefix=SECURE_PREFIX)))
         runs = broker.grant_acls(SECURE_PREFIX)
         say(
             request.config,
             f"\n[kafka] started a secured Apache Kafka {status.kafka_version} (SASL_SSL, "
             f"SCRAM-SHA-512, {runs} ACL grants; pid {status.pid}) at {status.bootstrap}",
         )
-        yield settings
+        yield broker
     finally:
         broker.stop()
+
+
+@pytest.fixture(scope="session")
+def kafka_secure(kafka_secure_broker: LocalBroker) -> dict[str, KafkaSettings]:
+    """``kafka_secure_broker``'s users (admin, coordinator, ci, worker) -> their settings on the
+    topics of :data:`SECURE_PREFIX`."""
+    return {p: kafka_secure_broker.settings(p, topic_prefix=SECURE_PREFIX) for p in PRINCIPALS}
 
 
 async def partition_leader(bootstrap: str, topic: str, partition: int = 0) -> int | None:

@@ -8,7 +8,10 @@ All tests share the fixture's one topic prefix: each uses its own worker and rol
 
 from __future__ import annotations
 
+import socket
+import ssl
 import stat
+import struct
 from pathlib import Path
 
 import pytest
@@ -96,6 +99,37 @@ async def test_ci_principal_writing_the_controller_topic_is_denied(
             await producer.send(ci.topics.controller.name, b"{}", key=b"forged")
     assert caught.value.code is LocalCode.KAFKA_ACCESS_DENIED, caught.value
     assert ci.topics.controller.name in caught.value.message
+
+
+def _api_versions(port: int, context: ssl.SSLContext) -> bytes:
+    """Send Kafka's ApiVersions v0 request over TLS to 127.0.0.1:``port``; the response's
+    first bytes (its correlation id), or an OSError when the broker refuses the connection."""
+    client_id = b"tests"
+    body = struct.pack(">hhih", 18, 0, 7, len(client_id)) + client_id
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=20) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        tls.sendall(struct.pack(">i", len(body)) + body)
+        header = tls.recv(8)
+        if len(header) < 8:
+            raise ConnectionResetError("the broker closed the connection")
+        return header[4:8]
+
+
+def test_controller_listener_requires_a_client_certificate(
+    kafka_secure_broker: LocalBroker,
+) -> None:
+    """Admin clients may talk to controllers (KIP-919): the controller listener lets in only a
+    client with a certificate of the broker's CA (the broker itself), never one without."""
+    files = kafka_secure_broker.secure_files
+    port = kafka_secure_broker.config.controller_port
+    anonymous = ssl.create_default_context(cafile=str(files.ca))
+    with pytest.raises((ssl.SSLError, OSError)):
+        _api_versions(port, anonymous)
+    with_cert = ssl.create_default_context(cafile=str(files.ca))
+    with_cert.load_cert_chain(files.keystore)
+    assert _api_versions(port, with_cert) == struct.pack(">i", 7)
 
 
 @pytest.mark.parametrize("formatted_secure", [False, True], ids=["plaintext", "secured"])
