@@ -5,8 +5,6 @@ fail a handshake); the broker's own refusals are tested in tests/integration/tes
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
-import ipaddress
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,51 +20,26 @@ from aiokafka.errors import (
     UnknownTopicOrPartitionError,
 )
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from controlplane.kafka.client import translate
 from controlplane.kafka.diagnose import classify, diagnose
 from controlplane.kafka.producer import Producer
+from controlplane.kafka.secure import make_broker_cert, make_ca
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.errors import BusError, LocalCode
 
 
-def write_cert(
+def write_pem(
     directory: Path,
     name: str,
+    key: ec.EllipticCurvePrivateKey,
+    cert: x509.Certificate,
     *,
-    issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None = None,
     password: bytes | None = None,
-) -> tuple[Path, Path, x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """``<name>.pem`` and ``<name>.key`` (PKCS#8, encrypted with ``password`` if given): a CA
-    when ``issuer`` is None, else a server certificate for localhost / 127.0.0.1 it signs."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = dt.datetime.now(dt.UTC)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=1))
-        .not_valid_after(now + dt.timedelta(days=1))
-    )
-    if issuer is None:
-        cert = (
-            builder.issuer_name(subject)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256())
-        )
-    else:
-        ca_cert, ca_key = issuer
-        san = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-        cert = (
-            builder.issuer_name(ca_cert.subject)
-            .add_extension(x509.SubjectAlternativeName(san), critical=False)
-            .sign(ca_key, hashes.SHA256())
-        )
+) -> tuple[Path, Path]:
+    """``<name>.pem`` and ``<name>.key`` (PKCS#8, encrypted with ``password`` if given)."""
     encryption: serialization.KeySerializationEncryption = (
         serialization.NoEncryption()
         if password is None
@@ -77,15 +50,23 @@ def write_cert(
     key_path.write_bytes(
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption)
     )
-    return cert_path, key_path, cert, key
+    return cert_path, key_path
+
+
+def server_cert(directory: Path, *, password: bytes | None = None) -> tuple[Path, Path, Path]:
+    """A CA and a certificate it signed for localhost / 127.0.0.1 (the secured broker's kind):
+    the CA's file, the certificate's and its key's."""
+    ca_key, ca = make_ca("a test server's CA")
+    key, cert = make_broker_cert(ca_key, ca)
+    ca_pem, _ = write_pem(directory, "server-ca", ca_key, ca)
+    return ca_pem, *write_pem(directory, "server", key, cert, password=password)
 
 
 @pytest.fixture
 async def tls_server(tmp_path: Path) -> AsyncIterator[tuple[int, Path]]:
     """A TLS server on 127.0.0.1 with a certificate its own CA signed: (port, that CA's file).
     It completes handshakes and closes; it speaks no Kafka."""
-    ca_pem, _, ca_cert, ca_key = write_cert(tmp_path, "server-ca")
-    cert_pem, key_pem, _, _ = write_cert(tmp_path, "server", issuer=(ca_cert, ca_key))
+    ca_pem, cert_pem, key_pem = server_cert(tmp_path)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert_pem, key_pem)
 
@@ -101,8 +82,8 @@ async def tls_server(tmp_path: Path) -> AsyncIterator[tuple[int, Path]]:
 @pytest.fixture
 def other_ca(tmp_path: Path) -> Path:
     """A CA that signed nothing the server holds."""
-    (tmp_path / "other").mkdir()
-    return write_cert(tmp_path / "other", "other-ca")[0]
+    key, cert = make_ca("a stranger's CA")
+    return write_pem(tmp_path, "other-ca", key, cert)[0]
 
 
 def tls_settings(port: int, cafile: Path, **values: object) -> KafkaSettings:

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from controlplane.kafka.client import client_options
 from controlplane.kafka.settings import KafkaSettings, load_settings
 from controlplane.wire.errors import ControlPlaneError, LocalCode, WireCode
-from tests.unit.test_kafka_diagnose import write_cert
+from tests.unit.test_kafka_diagnose import server_cert
 from workers.cli import EXIT_SETTINGS
 from workers.cli import app as worker_app
 
@@ -128,7 +128,7 @@ def test_the_password_file_is_read_when_a_client_is_made(tmp_path: Path) -> None
 
 
 def test_an_encrypted_client_key_is_opened_with_its_password(tmp_path: Path) -> None:
-    cert, key, _, _ = write_cert(tmp_path, "client", password=b"key-secret")
+    _, cert, key = server_cert(tmp_path, password=b"key-secret")
     tls = {"security_protocol": "SSL", "ssl_certfile": str(cert), "ssl_keyfile": str(key)}
     context = client_options(KafkaSettings(**tls, ssl_key_password="key-secret"))["ssl_context"]
     assert isinstance(context, ssl.SSLContext)
