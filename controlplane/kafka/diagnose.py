@@ -76,12 +76,24 @@ def classify(exc: BaseException, what: str, *, principal: str | None = None) -> 
         )
     for error, resource in DENIED.items():
         if isinstance(exc, error):
-            names = ", ".join(str(arg) for arg in exc.args) or "(not named)"
+            names = _names(exc.args)
+            on = f"{resource} {names}" if names else f"a {resource}"
             return BusError(
-                f"{what}: access denied to {_who(principal)} on {resource} {names}; {ACL_HINT}",
+                f"{what}: access denied to {_who(principal)} on {on}; {ACL_HINT}",
                 code=LocalCode.KAFKA_ACCESS_DENIED,
             )
     return None
+
+
+def _names(args: tuple[object, ...]) -> str:
+    """What aiokafka named in an authorization error: a name, or a set of them."""
+    names: list[str] = []
+    for arg in args:
+        if isinstance(arg, set | frozenset | list | tuple):
+            names += sorted(str(name) for name in arg)
+        elif arg is not None and str(arg):
+            names.append(str(arg))
+    return ", ".join(names)
 
 
 async def diagnose(settings: KafkaSettings) -> BusError | None:

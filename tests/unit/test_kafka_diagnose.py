@@ -144,7 +144,8 @@ async def test_nothing_listening_stays_broker_unavailable(other_ca: Path) -> Non
         (TopicAuthorizationFailedError("fleet.commands"), "topic fleet.commands"),
         (GroupAuthorizationFailedError("fleet.controller"), "consumer group fleet.controller"),
         (TransactionalIdAuthorizationFailed("fleet.controller"), "transactional id"),
-        (ClusterAuthorizationFailedError(), "cluster operation"),
+        (ClusterAuthorizationFailedError(), "on a cluster operation;"),
+        (TopicAuthorizationFailedError({"sec.commands", "sec.acks"}), "sec.acks, sec.commands;"),
     ],
 )
 def test_an_acl_refusal_is_kafka_access_denied(error: Exception, resource: str) -> None:
