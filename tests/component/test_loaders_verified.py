@@ -431,3 +431,92 @@ def test_changed_during_copy_restores_on_every_runner(
         os.close(fd)
     assert caught.value.code == WireCode.CHECKSUM_MISMATCH
     assert state(made) == v1_state
+
+
+# --------------------------------------------------------------------------- the command's sha256
+
+
+def plain_runner(initial: Path | None, **more: Any) -> TorchRunner:
+    options: dict[str, Any] = {"model_kwargs": TINY, "seed": 0, "read_threads": 1, **more}
+    if initial is not None:
+        options |= {"initial_checkpoint": str(initial), "initial_version": "v1"}
+    made = TorchRunner(options)
+    made.load()
+    return made
+
+
+@pytest.fixture(params=[None, 4096], ids=["segments-16MiB", "segments-4KiB"])
+def segment_bytes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole files are hashed in segments as their tensors come in; small ones cut every file."""
+    if request.param is not None:
+        import workers.weights.verify as verify
+
+        monkeypatch.setattr(verify, "_SEGMENT_BYTES", request.param)
+
+
+@pytest.mark.usefixtures("segment_bytes")
+def test_the_commands_sha256_is_checked_as_copied_when_the_runner_can_restore(
+    tmp_path: Path,
+) -> None:
+    from workers.demo.checkpoints import sha256_manifest
+
+    made = plain_runner(checkpoint(tmp_path, "v1", 1), read_threads=2)
+    v2 = checkpoint(tmp_path, "v2", 2, shards=2)
+    made.reload_weights(
+        ReloadWeightsSpec(path=str(v2), version="v2", sha256=sha256_manifest(v2)), v2
+    )
+    assert made.describe().weights_version == "v2"
+    v2_state, v2_weights = state(made), weights(made)
+    # A wrong digest is found once the copy is done: v2 comes back, CHECKSUM_MISMATCH.
+    v3 = checkpoint(tmp_path, "v3", 3)
+    wrong = {name: "0" * 64 for name in sha256_manifest(v3)}
+    with pytest.raises(RunnerError) as caught:
+        made.reload_weights(ReloadWeightsSpec(path=str(v3), version="v3", sha256=wrong), v3)
+    assert caught.value.code == WireCode.CHECKSUM_MISMATCH
+    assert isinstance(caught.value.__cause__, CopiedBytesMismatch)
+    assert state(made) == v2_state
+    assert same(weights(made), v2_weights)
+
+
+def test_sha256_bytes_changed_during_copy_restore_previous_version(tmp_path: Path) -> None:
+    """The command's manifest is right; the file changes while it is copied: v1 restored."""
+    from workers.demo.checkpoints import sha256_manifest
+
+    made = plain_runner(checkpoint(tmp_path, "v1", 1))
+    before, v1_state = weights(made), state(made)
+    v2 = checkpoint(tmp_path, "v2", 2)
+    manifest = sha256_manifest(v2)
+    fd = os.open(v2, os.O_RDWR)
+    copy_progress = made._on_copy_progress
+
+    def progress(done: int, total: int, cancel: Any) -> None:
+        if done == 1:
+            os.pwrite(fd, b"\xbe\xef", tensor_offset(v2, -1) + 1)
+        copy_progress(done, total, cancel)
+
+    made._on_copy_progress = progress  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RunnerError) as caught:
+            made.reload_weights(ReloadWeightsSpec(path=str(v2), version="v2", sha256=manifest), v2)
+    finally:
+        os.close(fd)
+    assert caught.value.code == WireCode.CHECKSUM_MISMATCH
+    assert "'v1' was restored" in caught.value.message
+    assert state(made) == v1_state
+    assert same(weights(made), before)
+
+
+def test_seeded_weights_check_the_commands_sha256_before_copying(tmp_path: Path) -> None:
+    """Nothing to restore: a wrong sha256 is refused before any byte is copied, as always."""
+    from workers.demo.checkpoints import sha256_manifest
+
+    made = plain_runner(None)
+    before = weights(made)
+    v2 = checkpoint(tmp_path, "v2", 2)
+    wrong = {name: "0" * 64 for name in sha256_manifest(v2)}
+    with pytest.raises(RunnerError) as caught:
+        made.reload_weights(ReloadWeightsSpec(path=str(v2), version="v2", sha256=wrong), v2)
+    assert caught.value.code == WireCode.CHECKSUM_MISMATCH
+    assert not isinstance(caught.value.__cause__, CopiedBytesMismatch)
+    assert same(weights(made), before)
+    assert made.describe().degraded is None

@@ -274,6 +274,8 @@ class TorchRunner:
                     sync=self._sync,
                     read_threads=self.options.read_threads,
                     model_trust=self._trust,
+                    # Hashed as copied (one read) when what is in force now can be restored.
+                    sha256_while_copying=self._in_force is not None,
                 )
             except CopiedBytesMismatch as exc:
                 self._restore_or_degrade(exc)  # raises

@@ -36,7 +36,7 @@ from workers.weights.copy import (
 from workers.weights.oms import ModelTrust, SignedDigests, check_index_digest, signed_digests
 from workers.weights.paths import checkpoint_files, open_member, unreadable
 from workers.weights.stats import LoadStats
-from workers.weights.verify import CopiedBytesMismatch, CopyHasher
+from workers.weights.verify import CopiedBytesMismatch, CopyHasher, whole_file_spans
 
 __all__ = [  # what runners, tests and benchmarks import (or patch) here
     "DEFAULT_STAGING_BYTES",
@@ -114,6 +114,7 @@ def load_checkpoint(
     read_chunk_bytes: int = DEFAULT_READ_CHUNK_BYTES,
     model_trust: ModelTrust | None = None,
     signed: SignedDigests | None = None,
+    sha256_while_copying: bool = False,
 ) -> LoadStats:
     """Validate the checkpoint at ``path`` against ``targets``, then copy it into them in place.
 
@@ -131,6 +132,9 @@ def load_checkpoint(
     copied are then hashed against the signed digests: a difference raises CopiedBytesMismatch
     (a WeightsCorrupted). ``signed``: check against these digests instead (the runner restoring
     the checkpoint it had verified before). The digests used are in the result's ``signed``.
+    ``sha256_while_copying``: the data files of the ``sha256`` manifest are hashed as they are
+    copied, not before (one read of each byte; a difference raises CopiedBytesMismatch): for a
+    caller that can restore what it had.
     """
     if read_threads is not None and read_threads < 1:
         raise ValueError(f"read_threads must be at least 1, not {read_threads}")
@@ -150,7 +154,14 @@ def load_checkpoint(
                 )
             check_index_digest(ckpt.files, signed)
         plan = plan_copy(ckpt.entries, targets, strict=strict, aliases=aliases or {})
-        if sha256:
+        digests = None if signed is None else signed.files
+        if sha256 and signed is None and sha256_while_copying:
+            # Every other file the manifest lists is hashed now; the data files as copied.
+            digests = whole_file_spans(ckpt, sha256)
+            verify_sha256(
+                ckpt, sha256, cancel, digests={f: s[0].sha256 for f, s in digests.items()}
+            )
+        elif sha256:
             verify_sha256(ckpt, sha256, cancel)
         if cancel is not None and cancel.is_set():
             raise RunnerError(
@@ -159,10 +170,10 @@ def load_checkpoint(
         copy_started = time.perf_counter()
         total = sum(entry.nbytes for entry, _ in plan)
         copier = Copier(staging_bytes, flush=sync, threads=readers, read_chunk=read_chunk_bytes)
-        if signed is None:
+        if digests is None:
             copy_plan(ckpt, plan, copier, version, from_version, cancel, progress, sync)
         else:
-            hasher = CopyHasher(ckpt, plan, signed, threads=readers, cancel=cancel)
+            hasher = CopyHasher(ckpt, plan, digests, threads=readers, cancel=cancel)
             try:
                 copy_plan(
                     ckpt,

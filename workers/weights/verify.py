@@ -15,18 +15,23 @@ import bisect
 import hashlib
 import os
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from controlplane.wire.errors import RunnerError, WeightsCorrupted, WireCode
 from workers.weights.checks import OpenCheckpoint, TensorEntry, failure_reason, names
 from workers.weights.copy import byte_view
-from workers.weights.oms import SignedDigests, Span
+from workers.weights.oms import Span
+from workers.weights.paths import relative_member
 
 _SCRATCH_BYTES = 8 * 1024 * 1024
+#: A span larger than this (a whole file's sha256) is hashed in segments as its tensors come in.
+_SEGMENT_BYTES = 16 * 1024 * 1024
 
 
 class CopiedBytesMismatch(WeightsCorrupted):
@@ -60,50 +65,98 @@ def _regions(
     return by_fd
 
 
-def _hash_span(fd: int, span: Span, regions: list[_Region], cancel: threading.Event | None) -> str:
-    digest = hashlib.sha256()
+def _feed(
+    digest: Any,
+    fd: int,
+    start: int,
+    end: int,
+    regions: list[_Region],
+    cancel: threading.Event | None,
+) -> None:
+    """Hash bytes ``[start, end)`` of the file at ``fd`` into ``digest``: those of copied tensors
+    from where they were copied to, the others from the file."""
     scratch = memoryview(b"")  # for the bytes hashed from the file; most spans need none
 
-    def from_file(start: int, end: int) -> None:
+    def from_file(begin: int, stop: int) -> None:
         nonlocal scratch
-        if len(scratch) < min(_SCRATCH_BYTES, end - start):
-            scratch = memoryview(bytearray(min(_SCRATCH_BYTES, end - start)))
-        while start < end:
+        if len(scratch) < min(_SCRATCH_BYTES, stop - begin):
+            scratch = memoryview(bytearray(min(_SCRATCH_BYTES, stop - begin)))
+        while begin < stop:
             if cancel is not None and cancel.is_set():
                 raise RunnerError("cancelled while hashing", code=WireCode.COMMAND_TIMEOUT)
-            n = os.preadv(fd, [scratch[: min(len(scratch), end - start)]], start)
+            n = os.preadv(fd, [scratch[: min(len(scratch), stop - begin)]], begin)
             if n == 0:
                 raise RunnerError("file ended while hashing", code=WireCode.CHECKSUM_MISMATCH)
             digest.update(scratch[:n])
-            start += n
+            begin += n
 
-    pos = span.start
+    pos = start
     starts = [r.offset for r in regions]
     i = max(0, bisect.bisect_right(starts, pos) - 1)
-    while pos < span.end and i < len(regions):
+    while pos < end and i < len(regions):
         region = regions[i]
         i += 1
         r_end = region.offset + region.nbytes
         if r_end <= pos:
             continue
-        if region.offset >= span.end:
+        if region.offset >= end:
             break
         if region.offset > pos:
             from_file(pos, region.offset)
             pos = region.offset
-        stop = min(r_end, span.end)
+        stop = min(r_end, end)
         digest.update(region.memory[pos - region.offset : stop - region.offset])
         pos = stop
-    from_file(pos, span.end)
-    return digest.hexdigest()
+    from_file(pos, end)
+
+
+class _SpanHash:
+    """One span's running sha256, fed segment by segment, in order."""
+
+    def __init__(self) -> None:
+        self.digest = hashlib.sha256()
+        self.last: Future[str | None] | None = None
+
+
+def _hash_segment(
+    unit: _Unit,
+    prev: Future[str | None] | None,
+    regions: list[_Region],
+    cancel: threading.Event | None,
+) -> str | None:
+    if prev is not None:
+        prev.result()  # the segment before (started earlier: the pool runs tasks in order)
+    _feed(unit.state.digest, unit.fd, unit.start, unit.end, regions, cancel)
+    return unit.state.digest.hexdigest() if unit.end == unit.span.end else None
 
 
 @dataclass(frozen=True)
 class _Unit:
-    ready: int  # hashed once this many tensors of the plan are in (0: at once)
+    """A segment ``[start, end)`` of a span, hashed once ``ready`` tensors of the plan are in."""
+
+    ready: int
     file: Path
     span: Span
     fd: int
+    start: int
+    end: int
+    state: _SpanHash
+
+
+def _segments(span: Span, tensors: list[tuple[int, int, int]], file: Path, fd: int) -> list[_Unit]:
+    """``span`` cut after a tensor every ``_SEGMENT_BYTES`` or so (a whole file is hashed as
+    it comes in, not once it is all in); ``tensors``: (offset, end, plan index) overlapping it."""
+    state = _SpanHash()
+    units: list[_Unit] = []
+    start, ready = span.start, 0
+    for _, end, index in tensors:
+        ready = max(ready, index + 1)
+        cut = min(end, span.end)
+        if cut - start >= _SEGMENT_BYTES and cut < span.end:
+            units.append(_Unit(ready, file, span, fd, start, cut, state))
+            start = cut
+    units.append(_Unit(ready, file, span, fd, start, span.end, state))
+    return units
 
 
 class CopyHasher:
@@ -115,7 +168,7 @@ class CopyHasher:
         self,
         ckpt: OpenCheckpoint,
         plan: list[tuple[TensorEntry, torch.Tensor]],
-        signed: SignedDigests,
+        digests: Mapping[Path, tuple[Span, ...]],
         *,
         threads: int,
         cancel: threading.Event | None = None,
@@ -133,15 +186,14 @@ class CopyHasher:
             ]
             offsets = [o for o, _, _ in mine]
             ends = [end for _, end, _ in mine]
-            for span in signed.files[file]:
+            for span in digests[file]:
                 lo = bisect.bisect_right(ends, span.start)
                 hi = bisect.bisect_left(offsets, span.end)
-                ready = max((i + 1 for _, _, i in mine[lo:hi]), default=0)
-                units.append(_Unit(ready, file, span, ckpt.fds[file]))
-        units.sort(key=lambda u: u.ready)
+                units.extend(_segments(span, mine[lo:hi], file, ckpt.fds[file]))
+        units.sort(key=lambda u: u.ready)  # stable: a span's segments stay in order
         self._units = units
         self._next = 0
-        self._hashed: list[tuple[_Unit, Future[str]]] = []
+        self._hashed: list[tuple[_Unit, Future[str | None]]] = []
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="reload-sha256")
 
     def advance(self, done: int) -> None:
@@ -149,8 +201,10 @@ class CopyHasher:
         while self._next < len(self._units) and self._units[self._next].ready <= done:
             unit = self._units[self._next]
             regions = self._regions.get(unit.fd, [])
-            future = self._pool.submit(_hash_span, unit.fd, unit.span, regions, self._cancel)
-            self._hashed.append((unit, future))
+            future = self._pool.submit(_hash_segment, unit, unit.state.last, regions, self._cancel)
+            unit.state.last = future
+            if unit.end == unit.span.end:
+                self._hashed.append((unit, future))
             self._next += 1
 
     def finish(self, *, version: str, from_version: str | None) -> None:
@@ -183,3 +237,20 @@ class CopyHasher:
     def close(self) -> None:
         """No hashing thread outlives the reload (spans not started are dropped)."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def whole_file_spans(
+    ckpt: OpenCheckpoint, sha256: Mapping[str, str]
+) -> dict[Path, tuple[Span, ...]]:
+    """The data files' expected sha256 from a command's manifest, as one span per file (a file
+    the manifest does not list is left to ``verify_sha256``, which refuses it)."""
+    base = ckpt.files.base_dir
+    wanted = {
+        relative_member(base, name, "sha256 manifest entry"): hexd.lower()
+        for name, hexd in sha256.items()
+    }
+    return {
+        file: (Span(0, os.fstat(ckpt.fds[file]).st_size, wanted[file]),)
+        for file in ckpt.files.files
+        if file in wanted
+    }
