@@ -211,10 +211,13 @@ async def test_api_post_and_progressive_rollout_apply_on_workers_with_a_trust_st
         levels = (await api.get("/api/v1/workers")).json()
         assert sorted(w["reported_version"] for w in levels) == ["v3", "v3"]
         assert (await api.get("/api/v1/commands/unverified")).json() == []
-    written = await commands_on_the_topic(kafka)
-    assert done["command_id"] in {c.command_id for c in written}
-    waves = [c for c in written if c.rollout_id.startswith("r-prog.")]
-    assert waves and all(c.signature and c.signature.key_id == "coordinator" for c in written)
+        written = await commands_on_the_topic(kafka)
+        assert done["command_id"] in {c.command_id for c in written}
+        waves = [c for c in written if c.rollout_id.startswith("r-prog.")]
+        assert waves and all(c.signature and c.signature.key_id == "coordinator" for c in written)
+        for wave in waves:  # folded once by the controller, once read back: one command
+            shown = (await api.get(f"/api/v1/rollouts/{wave.rollout_id}")).json()
+            assert (shown["phase"], shown["anomalies"]) == ("succeeded", []), shown
 
 
 @pytest.mark.parametrize(
