@@ -147,7 +147,8 @@ def kafka_secure_broker(
         say(
             request.config,
             f"\n[kafka] started a secured Apache Kafka {status.kafka_version} (SASL_SSL, "
-            f"SCRAM-SHA-512, {runs} ACL grants; pid {status.pid}) at {status.bootstrap}",
+            f"SCRAM-SHA-512, ACLs granted in {runs} JVM run(s); pid {status.pid}) at "
+            f"{status.bootstrap}",
         )
         yield broker
     finally:

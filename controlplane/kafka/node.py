@@ -38,6 +38,8 @@ from controlplane.kafka.launch import (
     wait_for_metadata,
 )
 from controlplane.kafka.secure import (
+    ACL_BATCH_SEPARATOR,
+    ACL_BATCH_SOURCE,
     ACL_COMMAND,
     SECURE_DIR,
     SecureFiles,
@@ -545,21 +547,25 @@ class LocalBroker(Launched):
     def grant_acls(self, prefix: str, *, timeout: float = 120.0) -> int:
         """Grant ci, worker and coordinator their ACLs on the topics of ``prefix`` (a secured
         broker, running), with Kafka's AclCommand as admin; adding an ACL twice is a no-op.
-        Returns how many AclCommand runs it took (each a JVM: about 2 s of CPU)."""
+
+        Every grant in one JVM (:data:`~controlplane.kafka.secure.ACL_BATCH_SOURCE`, run by
+        Java's source launcher: a JDK's compiler); where that fails (a JRE, or a grant
+        refused), one AclCommand JVM per grant, which names the grant that fails (about 2 s of
+        CPU each). Returns how many JVMs it took."""
         if not self.config.secure:
             raise BrokerError(
                 "ACLs are for a secured broker (--secure); this one lets every client do anything",
                 code=LocalCode.SETTINGS_INVALID,
             )
-        libs = self.config.jars_dir
-        base = [
+        java = [
             self.config.java,
             "-Xmx128m",
             "-XX:TieredStopAtLevel=1",
             f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.xml'}",
             "-cp",
-            f"{libs}/*",
-            ACL_COMMAND,
+            f"{self.config.jars_dir}/*",
+        ]
+        common = [
             "--bootstrap-server",
             self.bootstrap,
             "--command-config",
@@ -567,20 +573,20 @@ class LocalBroker(Launched):
             "--add",
         ]
         grants = acl_grants(prefix)
+
+        def run(args: list[str]) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [*java, *args], capture_output=True, text=True, timeout=timeout, check=False
+            )
+
+        source = self.secure_files.directory / "AclBatch.java"
+        source.write_text(ACL_BATCH_SOURCE)
+        batch = [arg for g in grants for arg in [*common, *g.arguments(), ACL_BATCH_SEPARATOR]]
+        if run([str(source), *batch]).returncode == 0:
+            return 1
         # Two at a time: each JVM is mostly one core's work starting up.
         with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-            runs = list(
-                pool.map(
-                    lambda grant: subprocess.run(
-                        [*base, *grant.arguments()],
-                        capture_output=True,
-                        text=True,
-                        timeout=timeout,
-                        check=False,
-                    ),
-                    grants,
-                )
-            )
+            runs = list(pool.map(lambda g: run([ACL_COMMAND, *common, *g.arguments()]), grants))
         for grant, proc in zip(grants, runs, strict=True):
             if proc.returncode != 0:
                 raise BrokerError(
@@ -589,7 +595,7 @@ class LocalBroker(Launched):
                     + indented_tail((proc.stdout + proc.stderr).splitlines(), 15),
                     code=LocalCode.KAFKA_ERROR,
                 )
-        return len(grants)
+        return 1 + len(grants)
 
     def _read_pid(self) -> int | None:
         try:

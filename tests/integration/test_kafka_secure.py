@@ -19,13 +19,16 @@ import pytest
 from controlplane.cli.rollout import _publish_and_maybe_wait
 from controlplane.coordinator.follower import Follower
 from controlplane.coordinator.publisher import RolloutRequest
+from controlplane.kafka import node
 from controlplane.kafka.broker import BrokerConfig, LocalBroker
 from controlplane.kafka.bus import Producer
+from controlplane.kafka.secure import Grant, acl_grants
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.rollout.models import RolloutPhase
 from controlplane.wire.errors import BrokerError, ControlPlaneError, LocalCode
 from controlplane.wire.exits import CliExit
 from controlplane.wire.protocol import ReloadWeightsSpec, Selector
+from tests.conftest import SECURE_PREFIX
 from tests.factories import free_port, running_agent, weights_dir
 from tests.fleet import make_command, publish
 from tests.integration.conftest import RecordingRunner
@@ -130,6 +133,24 @@ def test_controller_listener_requires_a_client_certificate(
     with_cert = ssl.create_default_context(cafile=str(files.ca))
     with_cert.load_cert_chain(files.keystore)
     assert _api_versions(port, with_cert) == struct.pack(">i", 7)
+
+
+def test_acls_are_granted_in_one_jvm_or_else_one_per_grant(
+    kafka_secure_broker: LocalBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Granting again is a no-op, in one JVM. Where the batch cannot run (a JRE has no compiler
+    for Java's source launcher), each grant runs AclCommand itself; a grant the tool refuses is
+    KAFKA_ERROR naming it."""
+    assert kafka_secure_broker.grant_acls(SECURE_PREFIX) == 1
+    monkeypatch.setattr(node, "ACL_BATCH_SOURCE", "this is not Java")
+    monkeypatch.setattr(node, "acl_grants", lambda prefix: acl_grants(prefix)[:1])
+    assert kafka_secure_broker.grant_acls(SECURE_PREFIX) == 2
+    cluster_write = Grant(("ci",), ("Write",), (("--cluster", ""),))  # not an operation on it
+    monkeypatch.setattr(node, "acl_grants", lambda prefix: [cluster_write])
+    with pytest.raises(BrokerError) as info:
+        kafka_secure_broker.grant_acls(SECURE_PREFIX)
+    assert info.value.code is LocalCode.KAFKA_ERROR
+    assert "--allow-principal User:ci --operation Write --cluster" in info.value.message
 
 
 @pytest.mark.parametrize("formatted_secure", [False, True], ids=["plaintext", "secured"])
