@@ -537,7 +537,10 @@ class Fleet:
         keep = self.max_ended_rollouts
         if keep is None:
             return []
-        newest_first = sorted(self._ended.items(), key=lambda kv: (kv[1], kv[0]), reverse=True)
+        ended: Iterable[tuple[str, datetime]] = self._ended.items()
+        if self._unverified:  # a NACK-only rollout found ended, then its command came unverified
+            ended = [(r, at) for r, at in ended if r in self]
+        newest_first = sorted(ended, key=lambda kv: (kv[1], kv[0]), reverse=True)
         kept = min(keep, len(newest_first))
         budget = self.max_ended_workers
         if budget is not None:

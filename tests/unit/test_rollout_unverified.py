@@ -188,3 +188,18 @@ async def test_what_the_coordinator_checks_without_clock_or_filesystem() -> None
     unscoped = TrustStore(keys={"ci": STORE.keys["ci"].model_copy(update={"scope": KeyScope()})})
     pinned = CI.sign(command(issued=0, expires=timedelta(days=1).total_seconds()))
     verify_command(Verifier(unscoped), pinned, command_object(pinned), max_ttl_s=86400.0)
+
+
+async def test_a_rollout_found_ended_from_nacks_then_known_forged_is_never_summarized() -> None:
+    """Compaction judged a NACK-only rollout ended; its command then came, unverified: the
+    id is no rollout, and compaction neither summarizes nor trips over it."""
+    refused = nack("w1", 6, "SIGNATURE_MISSING", rollout_id="r2", command_id="f9")
+    follower = await fold([refused], Verifier(STORE))
+    f = follower.fleet
+    f.max_ended_rollouts = 0
+    assert f.check_ended("r2", at(100)) == at(6) and f.excess() == ["r2"]
+    follower.fold(
+        [Record(SETTINGS.topics.commands.name, 0, 9, None, encode(command("r2", "f9")), 0)]
+    )
+    assert f.excess() == [] and f.compact(at(200)) == 0
+    assert "r2" not in f and [u.nacks for u in f.unverified()] == [1]
