@@ -20,7 +20,8 @@ import yaml
 from pydantic import BaseModel
 from typer.testing import CliRunner
 
-from controlplane.cli.main import app as controlplane_app
+from controlplane.cli import main as _registered  # noqa: F401  (registers the commands)
+from controlplane.cli.common import app as controlplane_app
 from controlplane.coordinator.service import ENV_PREFIX as COORDINATOR_PREFIX
 from controlplane.coordinator.service import CoordinatorSettings
 from workers.agent.settings import ENV_PREFIX as WORKER_PREFIX
