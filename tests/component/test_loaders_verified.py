@@ -520,3 +520,52 @@ def test_seeded_weights_check_the_commands_sha256_before_copying(tmp_path: Path)
     assert not isinstance(caught.value.__cause__, CopiedBytesMismatch)
     assert same(weights(made), before)
     assert made.describe().degraded is None
+
+
+# --------------------------------------------------------------------------- more refusals
+
+
+def test_a_file_grown_after_signing_is_refused_before_copying(
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]]
+) -> None:
+    private, public = keys["trusted"]
+    made = runner(signed(tmp_path, "v1", 1, private), public)
+    before = weights(made)
+    v2 = signed(tmp_path, "v2", 2, private)
+    with open(v2, "ab") as fh:  # trailing bytes: the header still reads
+        fh.write(b"\0" * 16)
+    with pytest.raises(RunnerError) as caught:
+        reload(made, v2, "v2")
+    assert caught.value.code == WireCode.CHECKSUM_MISMATCH
+    assert "the signature says" in caught.value.message
+    assert not isinstance(caught.value.__cause__, CopiedBytesMismatch)  # found before copying
+    assert same(weights(made), before)
+
+
+def test_an_index_changed_after_signing_is_refused(
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]]
+) -> None:
+    private, public = keys["trusted"]
+    made = runner(signed(tmp_path, "v1", 1, private), public)
+    index = signed(tmp_path, "v2", 2, private, shards=2)
+    data = json.loads(index.read_text())
+    data["metadata"]["note"] = "edited"
+    index.write_text(json.dumps(data))
+    with pytest.raises(RunnerError) as caught:
+        reload(made, index, "v2")
+    assert caught.value.code == WireCode.CHECKSUM_MISMATCH
+    assert "index" in caught.value.message
+    assert made.describe().weights_version == "v1"
+
+
+def test_model_keys_without_model_signing_are_a_settings_error(
+    keys: dict[str, tuple[Path, Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import workers.weights.oms as oms
+
+    def missing() -> Any:
+        raise ImportError("No module named 'model_signing'")
+
+    monkeypatch.setattr(oms, "_model_signing", missing)
+    with pytest.raises(ValueError, match=r"\[verify\] extra"):
+        TorchRunner({"model_kwargs": TINY, "model_trust": [str(keys["trusted"][1])]})
