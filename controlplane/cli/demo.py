@@ -76,7 +76,7 @@ class Demo:
             self._start_workers(ckpts)
             code = self._rollouts(ckpts)
             if self.signed:
-                code = self._unsigned_refused() or code
+                code = self._unsigned_refused(api) or code
             code = self._progressive(ckpts) or code
             if self.vllm:
                 code = code or self._vllm()
@@ -157,9 +157,10 @@ class Demo:
         self.env["FLEET_SIGNING_KEY_ID"] = "demo-ci"
         self.out.print(f"  the CLI signs with {key} (FLEET_SIGNING_KEY, FLEET_SIGNING_KEY_ID)")
 
-    def _unsigned_refused(self) -> int:
+    def _unsigned_refused(self, api: str) -> int:
         """An unsigned command, as anyone who can write to the topic could publish: refused by
-        every worker (SIGNATURE_MISSING), nothing changed."""
+        every worker (SIGNATURE_MISSING, a NACK naming no kind: never the worker's outcome of a
+        command), nothing changed; the coordinator makes no rollout of it and lists it."""
         self._step("8b. an unsigned command (anyone with write access could publish it): refused")
         before = asyncio.run(self._configs())
         unsigned = {k: v for k, v in self.env.items() if not k.startswith("FLEET_SIGNING_")}
@@ -169,18 +170,43 @@ class Demo:
             "max_new_tokens=64",
             "--selector",
             "model=tiny-lm",
+            "--rollout-id",
+            "demo-unsigned",
             "--wait",
             "--wait-timeout",
-            "120",
+            "10",
             env=unsigned,
         )
         after = asyncio.run(self._configs())
+        listed = self._unverified(api, "demo-unsigned", timeout=30)
         self.out.print(
-            f"exit code {code} (1 = failed: every worker refused it, SIGNATURE_MISSING);"
-            f" configs unchanged: {after == before}; the coordinator folds it into no rollout"
-            " and lists it (GET /api/v1/commands/unverified, COMMAND_UNVERIFIED)"
+            f"exit code {code} (2 = gave up waiting: a reader without the trust store sees it"
+            f" pending, every worker's refusal an anomaly); configs unchanged: {after == before};"
+            f" the coordinator (with the trust store) shows no rollout of it and lists it in"
+            f" GET /api/v1/commands/unverified: {listed}"
         )
-        return 0 if code == 1 and after == before else 1
+        refused = listed is not None and listed.get("nacks") == self.n_workers
+        return 0 if code == 2 and after == before and refused else 1
+
+    def _unverified(self, api: str, rollout_id: str, timeout: float) -> dict[str, object] | None:
+        """The coordinator's entry for the unverified command of ``rollout_id``, once every
+        worker's refusal is counted in it (or as it is at ``timeout``; None: not listed)."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        entry: dict[str, object] | None = None
+        while True:
+            with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError):
+                answer = httpx.get(api + "api/v1/commands/unverified", timeout=5).json()
+                mine = [u for u in answer if u.get("rollout_id") == rollout_id]
+                entry = (
+                    {k: mine[0].get(k) for k in ("command_id", "code", "nacks")} if mine else None
+                )
+            if entry is not None and entry["nacks"] == self.n_workers:
+                return entry
+            if time.monotonic() > deadline:
+                return entry
+            time.sleep(0.5)
 
     def _start_coordinator(self) -> str:
         self._step("3. the coordinator (status from the log, HTTP API, dashboard)")
