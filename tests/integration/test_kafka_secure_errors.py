@@ -97,3 +97,13 @@ def test_untrusted_ca_is_kafka_tls_untrusted(
     assert code != 0 and "ssl_cafile" in line and "not trusted" in line, output
     settings = kafka_secure["ci"].model_copy(update={"ssl_cafile": str(stranger)})
     assert start_refused(settings).code is LocalCode.KAFKA_TLS_UNTRUSTED
+
+
+def test_a_worker_run_as_a_user_without_its_acls_is_kafka_access_denied(
+    kafka_secure: dict[str, KafkaSettings], tmp_path: Path
+) -> None:
+    """The `ci` user may not read a worker's consumer group: the worker's start is refused by
+    an ACL, and says so with the resource, not with a traceback."""
+    code, output = run_worker(tmp_path, worker_env(kafka_secure["ci"]))
+    line = error_line(output, LocalCode.KAFKA_ACCESS_DENIED)
+    assert code != 0 and "ACLs" in line, output
