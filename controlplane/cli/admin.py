@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from controlplane.cli.common import BootstrapOpt, Exit, PrefixOpt, app, fail, run
+from controlplane.cli.common import BootstrapOpt, Exit, PrefixOpt, app, fail, kafka_settings, run
 from controlplane.kafka.broker import (
     DEFAULT_CONTROLLER_PORT,
     DEFAULT_PORT,
@@ -19,7 +19,7 @@ from controlplane.kafka.broker import (
     LocalCluster,
 )
 from controlplane.kafka.secure import MECHANISM
-from controlplane.kafka.settings import DEFAULT_BOOTSTRAP, KafkaSettings, load_settings
+from controlplane.kafka.settings import DEFAULT_BOOTSTRAP
 from controlplane.wire.errors import BrokerError, ControlPlaneError, LocalCode
 
 broker_app = typer.Typer(help="A local Apache Kafka 4.x broker (KRaft) for development and tests.")
@@ -58,13 +58,10 @@ def _broker(
 _USERS = (
     ("worker", "worker agents", "FLEET_WORKER_"),
     ("coordinator", "coordinators", "FLEET_COORDINATOR_"),
-    (
-        "ci",
-        "who publishes rollouts, with a Kafka client of its own (the controlplane CLI takes "
-        "no Kafka credentials yet: --bootstrap and --topic-prefix only)",
-        "FLEET_",
-    ),
+    ("ci", "who publishes rollouts: the controlplane CLI (or a Kafka client of its own)", "FLEET_"),
 )
+#: The CLI's flags read these (``--bootstrap``, ``--topic-prefix``); the rest, FLEET_KAFKA__*.
+_CLI_FLAG_ENV = {"BOOTSTRAP_SERVERS": "FLEET_KAFKA_BOOTSTRAP", "TOPIC_PREFIX": "FLEET_TOPIC_PREFIX"}
 
 
 def secure_env_lines(broker: LocalBroker, prefix: str) -> list[str]:
@@ -83,7 +80,11 @@ def secure_env_lines(broker: LocalBroker, prefix: str) -> list[str]:
             "SSL_CAFILE": str(files.ca),
         }
         lines.append(f"# {principal}: {who}")
-        lines += [f"{env}KAFKA__{k}={v}" for k, v in values.items()]
+        for key, value in values.items():
+            name = f"{env}KAFKA__{key}"
+            if principal == "ci":
+                name = _CLI_FLAG_ENV.get(key, name)
+            lines.append(f"{name}={value}")
     lines.append(
         f"# admin: a super user (topics, ACLs); Kafka's own tools: --command-config "
         f"{files.admin_properties}"
@@ -306,16 +307,12 @@ def topics_ensure(
     """Create the topics, or check that existing ones match (exit 1 listing differences)."""
     from controlplane.kafka.bus import Admin
 
-    try:
-        settings = load_settings(
-            KafkaSettings,
-            bootstrap_servers=bootstrap,
-            topic_prefix=prefix,
-            replication_factor=replication_factor,
-            min_insync_replicas=min_insync_replicas,
-        )
-    except ControlPlaneError as exc:
-        raise fail(exc) from None
+    settings = kafka_settings(
+        bootstrap,
+        prefix,
+        replication_factor=replication_factor,
+        min_insync_replicas=min_insync_replicas,
+    )
 
     async def go() -> None:
         async with Admin(settings) as admin:

@@ -11,8 +11,10 @@ from collections.abc import Coroutine
 from typing import Annotated, Any, TypeVar
 
 import typer
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from controlplane.kafka.settings import KafkaSettings
+from controlplane.kafka.settings import KafkaSettings, load_settings
 from controlplane.wire.errors import ControlPlaneError
 from controlplane.wire.exits import APP_SETTINGS, CliExit, cli_exit, error_line, internal_line
 
@@ -64,14 +66,35 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
         raise typer.Exit(CliExit.INTERNAL) from None
 
 
-def kafka_settings(
-    bootstrap: str, prefix: str, *, delivery_timeout_s: float | None = None
-) -> KafkaSettings:
-    """The CLI's Kafka settings; ``delivery_timeout_s`` (at least 1 s) bounds each publish."""
-    if delivery_timeout_s is None:
-        return KafkaSettings(bootstrap_servers=bootstrap, topic_prefix=prefix)
-    return KafkaSettings(
-        bootstrap_servers=bootstrap,
-        topic_prefix=prefix,
-        delivery_timeout_ms=round(delivery_timeout_s * 1000),
+class _ClientEnv(BaseSettings):
+    """The CLI's Kafka client settings beyond its flags: TLS, SASL credentials, timeouts, from
+    ``FLEET_KAFKA__*`` (e.g. ``FLEET_KAFKA__SECURITY_PROTOCOL=SASL_SSL``: the lines `broker
+    start --secure` prints for ci)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="FLEET_", env_nested_delimiter="__", extra="ignore"
     )
+
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+
+
+def kafka_settings(
+    bootstrap: str,
+    prefix: str,
+    *,
+    delivery_timeout_s: float | None = None,
+    **overrides: Any,
+) -> KafkaSettings:
+    """The CLI's Kafka settings: ``FLEET_KAFKA__*`` from the environment, then the flags
+    (``--bootstrap`` and ``--topic-prefix`` always win); ``delivery_timeout_s`` (at least 1 s)
+    bounds each publish. Invalid settings end the command with one coded line."""
+    values: dict[str, Any] = {"bootstrap_servers": bootstrap, "topic_prefix": prefix}
+    if delivery_timeout_s is not None:
+        values["delivery_timeout_ms"] = round(delivery_timeout_s * 1000)
+    try:
+        env = load_settings(_ClientEnv).kafka
+        return load_settings(
+            KafkaSettings, **{**env.model_dump(exclude_unset=True), **values, **overrides}
+        )
+    except ControlPlaneError as exc:
+        raise fail(exc) from None

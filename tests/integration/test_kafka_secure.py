@@ -8,14 +8,18 @@ All tests share the fixture's one topic prefix: each uses its own worker and rol
 
 from __future__ import annotations
 
+import asyncio
+import os
 import socket
 import ssl
 import stat
 import struct
+import sys
 from pathlib import Path
 
 import pytest
 
+from controlplane.cli.admin import secure_env_lines
 from controlplane.cli.rollout import _publish_and_maybe_wait
 from controlplane.coordinator.follower import Follower
 from controlplane.coordinator.publisher import RolloutRequest
@@ -35,6 +39,8 @@ from tests.integration.conftest import RecordingRunner
 from tests.integration.test_verdicts import coordinator_on, until
 
 pytestmark = [pytest.mark.kafka]
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 async def test_end_to_end_rollout_over_sasl_ssl(
@@ -173,3 +179,64 @@ def test_a_data_dir_is_started_as_it_was_formatted(tmp_path: Path, formatted_sec
     assert info.value.code is LocalCode.SETTINGS_INVALID
     assert ("start it with --secure" in info.value.message) is formatted_secure
     assert not (tmp_path / "broker.pid").exists()
+
+
+async def _cli(env: dict[str, str], *args: str) -> tuple[int, str, str]:
+    """The real CLI in a child process with ``env`` (on top of PATH and HOME only)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "controlplane",
+        *args,
+        cwd=REPO,
+        env={k: os.environ[k] for k in ("PATH", "HOME", "PJRT_DEVICE") if k in os.environ} | env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_the_cli_publishes_and_waits_as_ci_with_the_printed_environment(
+    kafka_secure_broker: LocalBroker, kafka_secure: dict[str, KafkaSettings], tmp_path: Path
+) -> None:
+    """`broker start --secure`'s lines for ci, as the CLI's whole environment (no flags): the
+    CLI reaches the secured broker, publishes as ci and waits for the worker's ack; a wrong
+    password in the same environment is KAFKA_AUTH_FAILED's one line, not a traceback."""
+    env: dict[str, str] = {}
+    lines = secure_env_lines(kafka_secure_broker, SECURE_PREFIX)
+    start = next(i for i, line in enumerate(lines) if line.startswith("# ci:"))
+    for line in lines[start + 1 :]:
+        if line.startswith("#"):
+            break
+        name, _, value = line.partition("=")
+        env[name] = value
+    assert env["FLEET_KAFKA_BOOTSTRAP"] == kafka_secure_broker.bootstrap
+    ckpts = weights_dir(tmp_path)
+    runner = RecordingRunner()
+    async with running_agent(
+        kafka_secure["worker"], tmp_path, runner, worker_id="sec-cli-w1", labels={"model": "cli"}
+    ):
+        code, out, err = await _cli(
+            env,
+            "reload-weights",
+            str(ckpts / "model.safetensors"),
+            "--version",
+            "v-cli",
+            "--worker",
+            "sec-cli-w1",
+            "--rollout-id",
+            "r-sec-cli",
+            "--wait",
+            "--wait-timeout",
+            "60",
+        )
+        assert code == CliExit.OK, (out, err)
+    assert runner.applied == ["v-cli"]
+
+    wrong = env | {"FLEET_KAFKA__SASL_PASSWORD": "not-the-password"}
+    del wrong["FLEET_KAFKA__SASL_PASSWORD_FILE"]
+    code, out, err = await _cli(wrong, "workers")
+    assert code != CliExit.OK
+    assert "KAFKA_AUTH_FAILED" in err and "Traceback" not in err, err

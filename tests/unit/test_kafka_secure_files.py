@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import ssl
 import stat
 from pathlib import Path
@@ -146,3 +147,27 @@ def test_broker_start_secure_prints_environments_the_processes_read(
         assert (kafka.security_protocol, kafka.sasl_mechanism) == ("SASL_SSL", "SCRAM-SHA-512")
         assert kafka.sasl_username == principal and kafka.ssl_cafile == str(files.ca)
         assert kafka.sasl_secret() == files.passwords()[principal]
+    # ci's lines are the CLI's: its flags' variables, and FLEET_KAFKA__* for the rest.
+    from controlplane.cli.common import kafka_settings
+
+    cli = kafka_settings(os.environ["FLEET_KAFKA_BOOTSTRAP"], os.environ["FLEET_TOPIC_PREFIX"])
+    assert cli.bootstrap_servers == "127.0.0.1:29092" and cli.topic_prefix == "prod"
+    assert (cli.security_protocol, cli.sasl_mechanism) == ("SASL_SSL", "SCRAM-SHA-512")
+    assert cli.sasl_username == "ci" and cli.ssl_cafile == str(files.ca)
+    assert cli.sasl_secret() == files.passwords()["ci"]
+
+
+def test_the_clis_kafka_settings_refuse_bad_environment_with_one_coded_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import typer
+
+    from controlplane.cli.common import kafka_settings
+
+    monkeypatch.setenv("FLEET_KAFKA__SECURITY_PROTOCOL", "SASL_SSL")
+    monkeypatch.setenv("FLEET_KAFKA__SASL_MECHANISM", "SCRAM-SHA-512")  # and no credentials
+    with pytest.raises(typer.Exit) as caught:
+        kafka_settings("127.0.0.1:1", "p")
+    assert caught.value.exit_code != 0
+    err = capsys.readouterr().err
+    assert "invalid settings" in err and "Traceback" not in err
