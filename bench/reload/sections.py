@@ -82,7 +82,7 @@ def section_torch(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) 
 
 
 #: The verified reload's row: the same runner, the checkpoint signed, every copied byte hashed.
-VERIFIED = "verified: the same reload, OMS-signed (sha256 shards hashed as copied)"
+VERIFIED = "verified: the same reload, OMS-signed (8 MiB sha256 shards hashed as copied)"
 
 
 def verified_reload(runner: Any, path: Path) -> Callable[[], None] | None:
@@ -102,7 +102,7 @@ def verified_reload(runner: Any, path: Path) -> Callable[[], None] | None:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    from workers.weights.oms import load_model_trust, sign_checkpoint
+    from workers.weights.oms import SIGN_SHARD_BYTES, load_model_trust, sign_checkpoint
 
     keys = Path(tempfile.mkdtemp(prefix="bench-reload-keys-"))
     key = ec.generate_private_key(ec.SECP256R1())
@@ -119,7 +119,7 @@ def verified_reload(runner: Any, path: Path) -> Callable[[], None] | None:
         )
     )
     started = time.perf_counter()
-    sign_checkpoint(path.parent, keys / "k.pem")
+    sign_checkpoint(path.parent, keys / "k.pem", shard_bytes=SIGN_SHARD_BYTES)
     print(f"signed {path.parent} in {time.perf_counter() - started:.2f} s", flush=True)
     trust = load_model_trust([keys / "k.pub.pem"], required=True)
     plain = runner_reload(runner, path)

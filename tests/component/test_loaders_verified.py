@@ -61,10 +61,22 @@ def checkpoint(tmp_path: Path, name: str, seed: int, *, shards: int = 1) -> Path
     return write_checkpoint(tmp_path / name, model_kwargs=TINY, seed=seed, shards=shards)
 
 
-def signed(tmp_path: Path, name: str, seed: int, key: Path, *, shards: int = 1) -> Path:
+def signed(
+    tmp_path: Path,
+    name: str,
+    seed: int,
+    key: Path,
+    *,
+    shards: int = 1,
+    shard_bytes: int | None = SHARD,
+) -> Path:
     path = checkpoint(tmp_path, name, seed, shards=shards)
-    sign_checkpoint(tmp_path / name, key, shard_bytes=SHARD)
+    sign_checkpoint(tmp_path / name, key, shard_bytes=shard_bytes)
     return path
+
+
+#: Signed by shards (several per file), or by whole file (what model-signing's CLI does).
+SERIALIZATIONS = pytest.mark.parametrize("by", [SHARD, None], ids=["shards", "files"])
 
 
 def runner(
@@ -114,14 +126,15 @@ def tensor_offset(path: Path, index: int) -> int:
     return int(8 + length + spans[index][0])
 
 
+@SERIALIZATIONS
 @pytest.mark.parametrize("readers", [1, 3])
 def test_signed_checkpoint_loads(
-    tmp_path: Path, keys: dict[str, tuple[Path, Path]], readers: int
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]], readers: int, by: int | None
 ) -> None:
     """Hashed while copied, shard by shard, from one reader or several (small read chunks)."""
     private, public = keys["trusted"]
-    v1 = signed(tmp_path, "v1", 1, private)
-    v2 = signed(tmp_path, "v2", 2, private, shards=3)
+    v1 = signed(tmp_path, "v1", 1, private, shard_bytes=by)
+    v2 = signed(tmp_path, "v2", 2, private, shards=3, shard_bytes=by)
     made = runner(v1, public, read_threads=readers)
     reload(made, v2, "v2")
     assert made.describe().weights_version == "v2"
@@ -211,13 +224,14 @@ def test_other_hashing_than_sha256_is_invalid(
     assert "sha256" in caught.value.message
 
 
+@SERIALIZATIONS
 def test_tampered_shard_after_signing_is_nacked_and_previous_restored(
-    tmp_path: Path, keys: dict[str, tuple[Path, Path]]
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]], by: int | None
 ) -> None:
     private, public = keys["trusted"]
-    made = runner(signed(tmp_path, "v1", 1, private), public)
+    made = runner(signed(tmp_path, "v1", 1, private, shard_bytes=by), public)
     before, v1_state = weights(made), state(made)
-    v2 = signed(tmp_path, "v2", 2, private, shards=3)
+    v2 = signed(tmp_path, "v2", 2, private, shards=3, shard_bytes=by)
     shard = sorted(v2.parent.glob("*.safetensors"))[1]
     with open(shard, "r+b") as fh:  # one byte inside a tensor: sizes and headers still agree
         offset = tensor_offset(shard, 0) + 5
@@ -233,15 +247,16 @@ def test_tampered_shard_after_signing_is_nacked_and_previous_restored(
     assert same(weights(made), before)
 
 
+@SERIALIZATIONS
 def test_bytes_changed_during_copy_restore_previous_version(
-    tmp_path: Path, keys: dict[str, tuple[Path, Path]]
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]], by: int | None
 ) -> None:
     """The file changes after its signature was checked, while it is being copied: the bytes
     copied are hashed, the difference found, v1 restored, and the reload NACKed."""
     private, public = keys["trusted"]
-    made = runner(signed(tmp_path, "v1", 1, private), public)
+    made = runner(signed(tmp_path, "v1", 1, private, shard_bytes=by), public)
     before, v1_state = weights(made), state(made)
-    v2 = signed(tmp_path, "v2", 2, private)
+    v2 = signed(tmp_path, "v2", 2, private, shard_bytes=by)
     later = tensor_offset(v2, -1) + 3  # inside the last tensor, copied after the first
     fd = os.open(v2, os.O_RDWR)
     calls: list[tuple[int, int]] = []
@@ -372,6 +387,13 @@ def test_checkpoint_write_sign_makes_a_checkpoint_the_worker_loads(
     made = runner(None, public)
     reload(made, Path(result["path"]), "v2")
     assert made.describe().weights_version == "v2"
+    # Whole files by default: model-signing's own verifier checks what we signed.
+    from model_signing import verifying
+
+    verifier = verifying.Config().use_elliptic_key_verifier(  # type: ignore[no-untyped-call]
+        public_key=public
+    )
+    verifier.verify(tmp_path / "v2", tmp_path / "v2" / SIGNATURE_NAME)
     # A public key cannot sign: a usage error, no traceback.
     bad = cli.invoke(checkpoint_app, [*args, "--sign", str(public)])
     assert bad.exit_code == 2 and "cannot sign" in bad.output

@@ -323,6 +323,14 @@ def write_command(
             " ECDSA private key (PEM); needs the [verify] extra.",
         ),
     ] = None,
+    sign_shard_bytes: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="With --sign: hash by shards of this many bytes (a worker hashes a file on"
+            " several threads), not by whole file (0, what model-signing's own verify checks).",
+        ),
+    ] = 0,
 ) -> None:
     """Write a checkpoint of the seeded model and print its path (and manifest) as JSON."""
     if sign is not None and not sign.is_file():
@@ -339,17 +347,17 @@ def write_command(
     if manifest:
         result["sha256"] = sha256_manifest(path)
     if sign is not None:
-        result["signature"] = str(sign_written(path, sign))
+        result["signature"] = str(sign_written(path, sign, sign_shard_bytes or None))
     typer.echo(json.dumps(result))
 
 
-def sign_written(path: Path, key: Path) -> Path:
+def sign_written(path: Path, key: Path, shard_bytes: int | None = None) -> Path:
     """Sign the directory of the checkpoint at ``path`` with ``key``; the signature's path."""
     from workers.weights.oms import sign_checkpoint
 
     directory = path if path.is_dir() else path.parent
     try:
-        return sign_checkpoint(directory, key)
+        return sign_checkpoint(directory, key, shard_bytes=shard_bytes)
     except ImportError as exc:
         raise typer.BadParameter(
             f"signing needs model-signing ({exc}): pip install 'fleet-controlplane[verify]'",

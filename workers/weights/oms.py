@@ -28,7 +28,7 @@ from workers.weights.paths import CheckpointFiles, check_member, open_member
 
 #: The signature's name in a signed checkpoint directory (what model-signing's CLI writes).
 SIGNATURE_NAME = "model.sig"
-#: Shard size used when signing: the loader's read chunk, so a shard is one read task.
+#: A shard size to sign with (``sign_checkpoint(shard_bytes=...)``): the loader's read chunk.
 SIGN_SHARD_BYTES = 8 * 1024 * 1024
 _HASH_TYPE = "sha256"
 _METHODS = ("files", "shards")
@@ -243,22 +243,28 @@ def check_index_digest(files: CheckpointFiles, signed: SignedDigests) -> None:
         os.close(fd)
 
 
-def sign_checkpoint(
-    directory: Path, private_key: Path, *, shard_bytes: int = SIGN_SHARD_BYTES
-) -> Path:
-    """Sign every file of ``directory`` (sha256 by shard) with an ECDSA private key (PEM);
-    the signature is written to ``directory/model.sig``, which is returned."""
+def sign_checkpoint(directory: Path, private_key: Path, *, shard_bytes: int | None = None) -> Path:
+    """Sign every file of ``directory`` with an ECDSA private key (PEM), sha256 by whole file
+    (``shard_bytes`` None) or by shards of ``shard_bytes``; the signature is written to
+    ``directory/model.sig``, which is returned.
+
+    Whole files are what model-signing's own ``verify`` (and its CLI) can check: its 1.1.1 reads
+    a shard size back as a float and fails on any sharded signature. Shards let a worker hash one
+    file on several threads; whole files are hashed one thread per file, as they are copied.
+    """
     from model_signing import hashing, signing
 
     target = directory / SIGNATURE_NAME
-    hashing_config = hashing.Config().use_shard_serialization(  # type: ignore[no-untyped-call]
-        hashing_algorithm="sha256", shard_size=shard_bytes
-    )
-    hashing_config.set_ignored_paths(paths=[SIGNATURE_NAME])
+    config = hashing.Config()  # type: ignore[no-untyped-call]
+    if shard_bytes is None:
+        config.use_file_serialization(hashing_algorithm="sha256")
+    else:
+        config.use_shard_serialization(hashing_algorithm="sha256", shard_size=shard_bytes)
+    config.set_ignored_paths(paths=[SIGNATURE_NAME])
     signer = signing.Config().use_elliptic_key_signer(  # type: ignore[no-untyped-call]
         private_key=private_key
     )
-    signer.set_hashing_config(hashing_config).sign(directory, target)
+    signer.set_hashing_config(config).sign(directory, target)
     return target
 
 
