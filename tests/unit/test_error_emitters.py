@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 from aiokafka.errors import (
+    InvalidTopicError,
     KafkaConnectionError,
     NotLeaderForPartitionError,
-    TopicAuthorizationFailedError,
     UnknownTopicOrPartitionError,
 )
 
@@ -28,7 +28,7 @@ from tests.factories import free_port
 @pytest.mark.parametrize(
     ("error", "code"),
     [
-        (TopicAuthorizationFailedError(), LocalCode.KAFKA_ERROR),
+        (InvalidTopicError(), LocalCode.KAFKA_ERROR),
         (UnknownTopicOrPartitionError(), LocalCode.BROKER_UNAVAILABLE),  # retriable in aiokafka
         (NotLeaderForPartitionError(), LocalCode.BROKER_UNAVAILABLE),
         (KafkaConnectionError("refused"), LocalCode.BROKER_UNAVAILABLE),
@@ -46,7 +46,7 @@ def test_kafka_errors_are_translated_to_codes(error: Exception, code: LocalCode)
 
 def test_a_non_retriable_kafka_error_is_kafka_error() -> None:
     with pytest.raises(BusError) as caught, translate("creating topics"):
-        raise TopicAuthorizationFailedError()
+        raise InvalidTopicError()
     assert str(caught.value).startswith("KAFKA_ERROR: creating topics: ")
 
 

@@ -277,3 +277,18 @@ def test_each_progressive_phase_exits_as_docs_progressive_table_says() -> None:
     for phase in ControlPhase:
         assert phase.terminal is (phase.value in documented)
     assert (CliExit.ABORTED, CliExit.ROLLED_BACK) == (7, 8)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [LocalCode.KAFKA_AUTH_FAILED, LocalCode.KAFKA_TLS_UNTRUSTED, LocalCode.KAFKA_ACCESS_DENIED],
+    ids=str,
+)
+def test_a_secured_kafka_refusing_us_is_invalid_input_for_the_cli_and_kafka_for_the_worker(
+    code: LocalCode,
+) -> None:
+    """Wrong credentials, an untrusted CA or a missing ACL: the same command fails the same way
+    until someone changes the settings or the ACLs (CLI 3, not 4 "unreachable")."""
+    error = ControlPlaneError("x", code=code)
+    assert cli_exit(error) is CliExit.INVALID
+    assert worker_exit(error) is WorkerExit.KAFKA
