@@ -23,7 +23,7 @@ from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from controlplane.coordinator.controller import Controller
-from controlplane.coordinator.follower import Batch, Follower
+from controlplane.coordinator.follower import Batch, Follower, verify_command
 from controlplane.coordinator.publisher import (
     RolloutRequest,
     prepare_rollout,
@@ -43,12 +43,13 @@ from controlplane.rollout.fleet import (
 )
 from controlplane.rollout.targets import ControlState
 from controlplane.wire.channels import ACKS, COMMANDS, CONTROL
-from controlplane.wire.errors import ControlPlaneError, LocalCode
+from controlplane.wire.errors import CommandRejected, ControlPlaneError, LocalCode
 from controlplane.wire.messages import CommandKind, WireModel
 from controlplane.wire.protocol import Command, CommandSpec, Selector, utcnow
 from controlplane.wire.signing import (
     Signer,
     Verifier,
+    command_object,
     fingerprint,
     load_private_key,
     public_key_text,
@@ -534,8 +535,27 @@ class Coordinator(AsyncService):
             issuer=issuer or self.settings.issuer,
             signer=self.signer,
         )
+        self._check_own(command)
         await publish(self.settings.kafka, command, self._producer)
         return command
+
+    def _check_own(self, command: Command) -> None:
+        """Refuse, before publishing, a command this coordinator signed that its own store
+        would not verify (a selector or path outside its key's scope): it would be no rollout
+        here, and every worker would refuse it. SCOPE_DENIED (or the verifier's code)."""
+        verifier = self.trust.verifier
+        if verifier is None or self.signer is None:
+            return
+        try:
+            verify_command(
+                verifier, command, command_object(command), max_ttl_s=self.settings.max_ttl_s
+            )
+        except CommandRejected as exc:
+            raise CommandRejected(
+                f"not published: the coordinator's key {self.signer.key_id!r} may not sign this"
+                f" command: {exc.message}",
+                code=exc.code,
+            ) from None
 
     async def publish_control(self, record: WireModel) -> int:
         """Append an operator's request (a target spec, a rollout, an action) to the controller

@@ -185,6 +185,10 @@ async def test_api_post_and_progressive_rollout_apply_on_workers_with_a_trust_st
             "selector": {"labels": {"model": "tiny"}},
             "rollout_id": "r-post",
         }
+        # Outside its key's path_roots: refused before publishing (it would be no rollout).
+        outside = {**body, "path": str(tmp_path / "elsewhere.safetensors"), "rollout_id": "r-out"}
+        denied = await api.post("/api/v1/rollouts", json=outside)
+        assert denied.status_code == 400 and denied.json()["error"]["code"] == "SCOPE_DENIED"
         created = await api.post("/api/v1/rollouts", json=body)
         assert created.status_code == 201, created.text
         assert created.json()["command"]["signature"]["key_id"] == "coordinator"
@@ -213,6 +217,7 @@ async def test_api_post_and_progressive_rollout_apply_on_workers_with_a_trust_st
         assert (await api.get("/api/v1/commands/unverified")).json() == []
         written = await commands_on_the_topic(kafka)
         assert done["command_id"] in {c.command_id for c in written}
+        assert "r-out" not in {c.rollout_id for c in written}
         waves = [c for c in written if c.rollout_id.startswith("r-prog.")]
         assert waves and all(c.signature and c.signature.key_id == "coordinator" for c in written)
         for wave in waves:  # folded once by the controller, once read back: one command
