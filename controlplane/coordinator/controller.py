@@ -47,8 +47,8 @@ from controlplane.rollout.progressive import Decision, conflicts, decide
 from controlplane.rollout.targets import ControlState
 from controlplane.wire.channels import COMMANDS, CONTROL
 from controlplane.wire.control import LeaderRecord
-from controlplane.wire.errors import BusError, LocalCode
-from controlplane.wire.messages import AckState
+from controlplane.wire.errors import BusError, CommandRejected, LocalCode
+from controlplane.wire.messages import AckState, Command
 from controlplane.wire.signing import Signer
 
 log = logging.getLogger(__name__)
@@ -82,9 +82,13 @@ class Controller:
         transaction_timeout_ms: int = 15_000,
         tick_s: float = DEFAULT_TICK_S,
         signer: Signer | None = None,
+        verify: Callable[[Command], None] | None = None,
     ) -> None:
         """``now``: the instant to judge at (None: the replica has not caught up yet);
-        ``signer``: signs every command it publishes (progressive waves, rollbacks, syncs)."""
+        ``signer``: signs every command it publishes (progressive waves, rollbacks, syncs);
+        ``verify``: what the follower checks of a command read back (raises CommandRejected):
+        the commands it writes are folded as the follower will fold them, so that the leader
+        and its standbys agree even on a command its key may not sign."""
         if follower.control is None:
             raise ValueError("the controller needs a follower that folds the controller topic")
         self.settings = settings
@@ -98,6 +102,7 @@ class Controller:
         self.transaction_timeout_ms = transaction_timeout_ms
         self.tick_s = tick_s
         self.signer = signer
+        self.verify = verify
         #: (rollout id, worker id) -> the probe answer of its succeeded ack.
         self.probes: dict[tuple[str, str], dict[str, Any]] = {}
         #: (rollout id, worker id) -> the weights digest of its succeeded ack.
@@ -257,9 +262,26 @@ class Controller:
         # wait for the follower to bring them back (both folds ignore a record seen twice:
         # an equal command, a rollout state of a revision already held).
         for command in decision.commands:
-            self.fleet.observe_command(command)
+            self._fold_own(command)
         for state in decision.states:
             self.control.observe(state)
+
+    def _fold_own(self, command: Command) -> None:
+        """Fold a command it wrote as the follower will when it reads it back."""
+        if self.verify is not None:
+            try:
+                self.verify(command)
+            except CommandRejected as exc:
+                key_id = None if command.signature is None else command.signature.key_id
+                self.fleet.observe_unverified(command, exc.code, exc.message, key_id)
+                log.warning(
+                    "controller: %s published, not verified by its own trust store (%s): %s",
+                    command.rollout_id,
+                    exc.code,
+                    exc.message,
+                )
+                return
+        self.fleet.observe_command(command)
 
     def _forget_ended(self) -> None:
         """Drop the probe answers and digests of rollouts that ended (gates never look again)."""

@@ -272,6 +272,7 @@ class Coordinator(AsyncService):
                 issuer=settings.issuer,
                 session_timeout_ms=settings.controller_session_timeout_ms,
                 signer=self.signer,
+                verify=self.verify if self.trust.verifier is not None else None,
             )
         self._controller_task: asyncio.Task[None] | None = None
         fold: dict[str, float | int | str | None] = {
@@ -539,17 +540,24 @@ class Coordinator(AsyncService):
         await publish(self.settings.kafka, command, self._producer)
         return command
 
+    def verify(self, command: Command) -> None:
+        """What the follower checks of a command read from the log, for one this coordinator
+        built (its JSON as our encoder writes it): CommandRejected with the code, or nothing
+        (also without a trust store)."""
+        verifier = self.trust.verifier
+        if verifier is not None:
+            verify_command(
+                verifier, command, command_object(command), max_ttl_s=self.settings.max_ttl_s
+            )
+
     def _check_own(self, command: Command) -> None:
         """Refuse, before publishing, a command this coordinator signed that its own store
         would not verify (a selector or path outside its key's scope): it would be no rollout
         here, and every worker would refuse it. SCOPE_DENIED (or the verifier's code)."""
-        verifier = self.trust.verifier
-        if verifier is None or self.signer is None:
+        if self.signer is None:
             return
         try:
-            verify_command(
-                verifier, command, command_object(command), max_ttl_s=self.settings.max_ttl_s
-            )
+            self.verify(command)
         except CommandRejected as exc:
             raise CommandRejected(
                 f"not published: the coordinator's key {self.signer.key_id!r} may not sign this"

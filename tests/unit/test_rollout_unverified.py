@@ -14,12 +14,14 @@ from datetime import timedelta
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from controlplane.coordinator.controller import Controller
 from controlplane.coordinator.follower import Follower, verify_command
 from controlplane.coordinator.snapshots import decode_payload, encode_sections
 from controlplane.kafka.bus import Record
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.rollout.fleet import Fleet
 from controlplane.rollout.models import AnomalyCode, RolloutPhase, RolloutReason
+from controlplane.rollout.targets import ControlState
 from controlplane.wire.codec import encode
 from controlplane.wire.errors import CommandRejected, WireCode
 from controlplane.wire.messages import CommandKind
@@ -203,3 +205,25 @@ async def test_a_rollout_found_ended_from_nacks_then_known_forged_is_never_summa
     )
     assert f.excess() == [] and f.compact(at(200)) == 0
     assert "r2" not in f and [u.nacks for u in f.unverified()] == [1]
+
+
+async def test_the_leader_folds_its_own_commands_as_its_standbys_read_them() -> None:
+    """The controller folds what it wrote at once (not waiting for the follower): a command
+    its own store does not verify (here a path outside its key's roots) is unverified there
+    too, so leader and standbys agree."""
+    follower = Follower(SETTINGS, Fleet(), control=ControlState(), verifier=Verifier(STORE))
+    await follower.stop()
+
+    def verify(cmd: Command) -> None:
+        verify_command(Verifier(STORE), cmd, command_object(cmd), max_ttl_s=7 * 86400.0)
+
+    controller = Controller(SETTINGS, follower, lambda: None, signer=CI, verify=verify)
+    outside = command("r3", "r3.a1").model_copy(
+        update={"spec": ReloadWeightsSpec(path="/elsewhere/v3", version="v3")}
+    )
+    for own in (CI.sign(command("r2", "r2.a1")), CI.sign(outside)):
+        controller._fold_own(own)
+        follower.fold([Record(SETTINGS.topics.commands.name, 0, 0, None, encode(own), 0)])
+    f = follower.fleet
+    assert f.rollout_ids() == ["r2"] and f.status("r2", at(1)).anomalies == ()
+    assert [(u.rollout_id, u.code) for u in f.unverified()] == [("r3", "SCOPE_DENIED")]
