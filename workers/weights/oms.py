@@ -156,12 +156,11 @@ def signed_digests(files: CheckpointFiles, trust: ModelTrust | None) -> SignedDi
         )
     spans = _spans(manifest)
     payload = signature.bundle.dsse_envelope.payload
-    out = SignedDigests(
+    return SignedDigests(
         files=_required_files(files, spans),
         key=key,
         manifest_sha256=hashlib.sha256(payload).hexdigest(),
     )
-    return out
 
 
 def _spans(manifest: Any) -> dict[PurePosixPath, list[Span]]:
