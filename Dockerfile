@@ -14,7 +14,8 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY controlplane ./controlplane
 COPY workers ./workers
-RUN pip install --extra-index-url "${TORCH_INDEX}" ".[torch]"
+# verify: model-signing, so workers can check signed checkpoints (FLEET_WORKER_MODEL_TRUST).
+RUN pip install --extra-index-url "${TORCH_INDEX}" ".[torch,verify]"
 
 # An unprivileged user; the checkpoints and worker-state volumes start out owned by it.
 RUN useradd --create-home --uid 10001 fleet \

@@ -427,7 +427,7 @@ def test_fleet_services_run_the_image_built_from_the_dockerfile(
     assert set(CLI_APPS) <= set(scripts)
     dockerfile = DOCKERFILE.read_text()
     assert re.search(r"^FROM python:3\.11-slim\b", dockerfile, re.M)
-    assert re.search(r"pip install .*\.\[torch\]", dockerfile)
+    assert re.search(r"pip install .*\.\[torch,verify\]", dockerfile)
     for name, service in services.items():
         if name == "kafka":
             continue
