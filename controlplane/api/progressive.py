@@ -199,7 +199,7 @@ def progressive_router(
 
     @router.get(
         TARGETS,
-        summary="Targets: desired against actual (workers at stable, at new, ...)",
+        summary="Targets: desired against actual (workers at stable, at new, ...), weights digests",
         responses=_errors(),
         dependencies=reads,
     )

@@ -26,6 +26,7 @@ from typing import Annotated, Any, Final
 import typer
 from pydantic import JsonValue, ValidationError
 from rich.table import Table
+from rich.text import Text
 
 from controlplane.cli.common import BootstrapOpt, Exit, PrefixOpt, app, fail, kafka_settings, run
 from controlplane.cli.follow import catch_up, judge_time
@@ -193,6 +194,7 @@ def targets_table(statuses: list[TargetStatus]) -> Table:
         "drifting",
         "lost",
         "conflicts",
+        "weights digests",
     ):
         table.add_column(column)
     for s in statuses:
@@ -207,8 +209,39 @@ def targets_table(statuses: list[TargetStatus]) -> Table:
             rollout,
             *(str(n) for n in (s.workers, s.at_stable, s.at_new, s.updating, s.drifting, s.lost)),
             str(s.conflicts),
+            digest_agreement(s),
         )
     return table
+
+
+#: Hex digits of a weights digest the targets table shows.
+DIGEST_SHOWN: Final = 12
+
+
+def digest_agreement(status: TargetStatus) -> Text:
+    """The live members by weights digest, compactly: "98 at abc123…, 2 at def456…", in red
+    when workers on one version report different digests; "-" with no live member. With several
+    versions each group says which: "98 at abc123… on v2, 2 at def456… on v1"."""
+    groups = status.digests
+    if not groups:
+        return Text("-")
+    versions = {g.version for g in groups}
+    parts = []
+    for g in groups:
+        digest = "no digest" if g.digest is None else _short(g.digest)
+        on = f" on {g.version or '-'}" if len(versions) > 1 else ""
+        parts.append(f"{g.workers} at {digest}{on}")
+    text = ", ".join(parts)
+    if status.digests_disagree:
+        return Text(f"{text} (DISAGREE)", style="bold red")
+    return Text(text)
+
+
+def _short(digest: str) -> str:
+    algorithm, colon, hexdigits = digest.rpartition(":")
+    if len(hexdigits) <= DIGEST_SHOWN:
+        return digest
+    return f"{algorithm}{colon}{hexdigits[:DIGEST_SHOWN]}…"
 
 
 @targets_app.command("set")

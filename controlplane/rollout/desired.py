@@ -7,10 +7,17 @@ never silently accepted: a live, idle worker that runs something else is ``drift
 controller sends it a command for exactly what it should run), one whose heartbeats stopped is
 ``lost`` (whatever version it last reported), one matched by two targets is ``conflict``
 (TARGET_CONFLICT: left alone).
+
+Digest agreement: the target's live members (not lost, not in conflict) grouped by the version
+and weights digest their heartbeats report (:class:`DigestGroup`, largest first: "98 at abc…,
+2 at def…"); ``digests_disagree`` counts the versions whose live workers report more than one
+digest (two versions are two groups, not a disagreement; a worker that reports no digest is in
+a group of its own, ``digest`` None, and disagrees with no one).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime
 from enum import StrEnum
 
@@ -41,6 +48,8 @@ class WorkerAlignment(_Out):
     worker_id: str
     alive: bool
     reported_version: str | None
+    #: The digest of the weights it holds, as its latest heartbeat reports (None: not reported).
+    weights_digest: str | None = None
     #: None while a rollout is handling it (its wave is in progress).
     desired_version: str | None
     degraded: bool
@@ -60,6 +69,16 @@ class RolloutSummary(_Out):
     message: str = ""
 
 
+class DigestGroup(_Out):
+    """Live workers of a target that report the same version and the same weights digest."""
+
+    version: str | None
+    digest: str | None
+    workers: int
+    #: Their ids, sorted.
+    worker_ids: tuple[str, ...]
+
+
 class TargetStatus(_Out):
     name: str
     selector: dict[str, str]
@@ -75,6 +94,41 @@ class TargetStatus(_Out):
     conflicts: int
     members: tuple[WorkerAlignment, ...]
     as_of: AwareDatetime
+    #: The live members by (version, weights digest), largest group first.
+    digests: tuple[DigestGroup, ...] = ()
+    #: How many versions the live members report with more than one weights digest (0: agree).
+    digests_disagree: int = 0
+
+
+def digest_groups(members: Iterable[WorkerAlignment]) -> tuple[DigestGroup, ...]:
+    """``members`` grouped by (reported version, weights digest): the largest group first, then
+    by version and digest (None last)."""
+    by: dict[tuple[str | None, str | None], list[str]] = {}
+    for m in members:
+        by.setdefault((m.reported_version, m.weights_digest), []).append(m.worker_id)
+    groups = [
+        DigestGroup(version=v, digest=d, workers=len(ids), worker_ids=tuple(sorted(ids)))
+        for (v, d), ids in by.items()
+    ]
+    groups.sort(
+        key=lambda g: (
+            -g.workers,
+            g.version is None,
+            g.version or "",
+            g.digest is None,
+            g.digest or "",
+        )
+    )
+    return tuple(groups)
+
+
+def disagreeing_versions(groups: Iterable[DigestGroup]) -> int:
+    """How many versions appear in ``groups`` with two or more different (known) digests."""
+    seen: dict[str | None, set[str]] = {}
+    for g in groups:
+        if g.digest is not None:
+            seen.setdefault(g.version, set()).add(g.digest)
+    return sum(1 for digests in seen.values() if len(digests) > 1)
 
 
 def summary(state: RolloutState | None, rollout_id: str, version: str | None) -> RolloutSummary:
@@ -129,6 +183,7 @@ def target_status(
                 worker_id=view.worker_id,
                 alive=view.alive,
                 reported_version=view.weights_version,
+                weights_digest=view.weights_digest,
                 desired_version=version,
                 degraded=view.degraded is not None,
                 alignment=alignment,
@@ -137,6 +192,7 @@ def target_status(
             )
         )
     live = [m for m in members if m.alive and m.alignment is not Alignment.CONFLICT]
+    groups = digest_groups(live)
     return TargetStatus(
         name=target.name,
         selector=dict(target.spec.selector),
@@ -156,6 +212,8 @@ def target_status(
         conflicts=sum(1 for m in members if m.alignment is Alignment.CONFLICT),
         members=tuple(members),
         as_of=now,
+        digests=groups,
+        digests_disagree=disagreeing_versions(groups),
     )
 
 

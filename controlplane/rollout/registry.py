@@ -149,6 +149,8 @@ class WorkerView(BaseModel):
     status: WorkerStatus
     weights_version: str | None
     config_digest: str | None
+    #: The digest of the weights it holds, as of its latest heartbeat (None: not reported).
+    weights_digest: str | None = None
     in_flight: InFlight | None
     degraded: Degraded | None
     last_seen: AwareDatetime
@@ -176,6 +178,7 @@ class WorkerView(BaseModel):
             status=hb.status,
             weights_version=hb.weights_version,
             config_digest=hb.config_digest,
+            weights_digest=hb.weights_digest,
             in_flight=hb.in_flight,
             degraded=hb.degraded,
             last_seen=seen_at(hb, received_at),

@@ -129,6 +129,10 @@ Labels = Annotated[
     dict[LabelKey, LabelValue], Field(json_schema_extra={"additionalProperties": False})
 ]
 Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+#: A weights digest: lowercase hex (16 to 128 digits), optionally after an algorithm name and a
+#: colon ("sha256:…").
+WEIGHTS_DIGEST_PATTERN: Final = r"^(?:[a-z0-9-]{1,16}:)?[0-9a-f]{16,128}$"
+WeightsDigest = Annotated[str, StringConstraints(pattern=WEIGHTS_DIGEST_PATTERN)]
 Timestamp = Annotated[
     AwareDatetime,
     BeforeValidator(_rfc3339_only),
@@ -440,6 +444,13 @@ class Heartbeat(WireModel):
     status: WorkerStatus
     weights_version: str | None = None
     config_digest: str | None = None
+    weights_digest: WeightsDigest | None = Field(
+        default=None,
+        description="A digest of the weights the worker's model holds now (the runner's, as in "
+        "a succeeded reload ack's result.weights_digest: workers on one version should agree); "
+        "None: not known (degraded, not loaded, or a runner that cannot tell). Readers older "
+        "than this field refuse it: upgrade coordinators before workers.",
+    )
     in_flight: InFlight | None = None
     degraded: Degraded | None = None
     seq: Annotated[int, Field(ge=0, le=MAX_COUNTER)]

@@ -154,6 +154,7 @@ class Heartbeater:
             status=self._view.status,
             weights_version=desc.weights_version if desc else None,
             config_digest=desc.config_digest if desc else None,
+            weights_digest=desc.weights_digest if desc and desc.model_loaded else None,
             in_flight=self._view.in_flight,
             degraded=degraded,
             seq=self._seq,

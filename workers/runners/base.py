@@ -11,6 +11,7 @@ import hashlib
 import importlib
 import json
 import math
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
 from controlplane.wire.errors import RunnerError, WeightsCorrupted, WireCode
+from controlplane.wire.messages import WEIGHTS_DIGEST_PATTERN
 from controlplane.wire.protocol import ReloadWeightsSpec
 from controlplane.wire.validation import summarize
 from workers.weights.stats import LoadStats
@@ -69,6 +71,19 @@ class RunnerDescription:
     accepts: dict[str, str]
     degraded: DegradedInfo | None = None
     extra: dict[str, JsonValue] = field(default_factory=dict)
+
+    @property
+    def weights_digest(self) -> str | None:
+        """The digest of the weights the model holds now, as its succeeded reload acks report it
+        (``extra["weights_digest"]``, every runner the same way); None: not known (degraded,
+        not loaded, or a runner that cannot tell)."""
+        digest = self.extra.get("weights_digest")
+        if isinstance(digest, str) and _WEIGHTS_DIGEST.fullmatch(digest):
+            return digest
+        return None  # what a heartbeat could not carry is not reported
+
+
+_WEIGHTS_DIGEST: Final = re.compile(WEIGHTS_DIGEST_PATTERN)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,9 @@ mean log-probability of -50 (a checkpoint that validates, with wrong numbers); a
 "probefail-*" the probe raises RUNNER_FAILED.
 
 Its weights digest (:func:`fake_weights_digest`) is of the version in force, mixed with the
-``digest_salt`` option: two workers on one version disagree when their salts differ.
+``digest_salt`` option: two workers on one version disagree when their salts differ. It has no
+tensors, so not the torch runners' fingerprint; like theirs, ``describe()`` reports the digest in
+force (``extra["weights_digest"]``, from load on; None while degraded), as do its acks.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class FakeRunner:
         self._loaded = False
         self._version: str | None = None
         self._degraded: DegradedInfo | None = None
+        self._digest: str | None = None  # of the version in force; None while degraded
         #: Every version applied successfully, in order (the initial one first).
         self.history: list[str] = []
         #: Every reload spec received, applied or not.
@@ -106,6 +109,7 @@ class FakeRunner:
             self._loaded = True
             self._closed.clear()
             self._version = self.options.initial_version
+            self._digest = fake_weights_digest(self._version, self.options.digest_salt)
             self.history.append(self._version)
 
     def reload_weights(
@@ -132,9 +136,11 @@ class FakeRunner:
                     to_version=spec.version,
                 )
                 self._degraded = DegradedInfo.of(error)
+                self._digest = None
                 raise error
             self._version = spec.version
             self._degraded = None
+            self._digest = digest = fake_weights_digest(spec.version, self.options.digest_salt)
             self.history.append(spec.version)
         size = sum(f.stat().st_size for f in files)
         stats = ReloadResult.measured(
@@ -146,7 +152,6 @@ class FakeRunner:
             copy_started=started,  # nothing is checked: all of it counts as the copy
             finished=time.perf_counter(),
         )
-        digest = fake_weights_digest(spec.version, self.options.digest_salt)
         return ReloadResult.of(stats, weights_digest=digest)
 
     def update_config(self, overrides: dict[str, JsonValue]) -> RunnerDescription:
@@ -187,7 +192,7 @@ class FakeRunner:
             config_digest=config_digest(config),
             accepts=accepted_keys(FakeConfig),
             degraded=self._degraded,
-            extra={"reloads": len(self.reloads)},
+            extra={"reloads": len(self.reloads), "weights_digest": self._digest},
         )
 
     def close(self) -> None:
