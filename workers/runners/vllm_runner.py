@@ -5,12 +5,19 @@ vllm_sidecar.py; the in-process engine and the options are in vllm_engine.py). E
 checked against the loaded one's manifest (weights/checks.py) and copied to a private snapshot
 (weights/snapshot.py) before vLLM sees it, and the prefix cache is reset after a reload. Never
 imports ``vllm._C``.
+
+Its weights digest (``workers.weights.digest.weights_digest``, the torch runners' fingerprint) is
+of the tensors in the files vLLM was told to load (the verified snapshot, or the operator's model
+at start), read through a memory map (only the sampled elements): vLLM's own parameters live in
+its worker processes, fused and renamed, and neither engine shape offers them cheaply. So it
+says which checkpoint vLLM loaded, not what its GPUs hold after that load.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import mmap
 import threading
 import time
 from collections.abc import Mapping
@@ -41,12 +48,15 @@ from workers.runners.vllm_config import (
 from workers.runners.vllm_engine import Engine, InProcessEngine, VllmRunnerOptions
 from workers.runners.vllm_sidecar import SidecarClient, SidecarEngine
 from workers.weights.checks import (
+    DTYPES,
+    OpenCheckpoint,
     TensorEntry,
     failure_reason,
     plan_copy,
     stand_ins,
     verify_sha256,
 )
+from workers.weights.digest import weights_digest
 from workers.weights.loaders import open_checkpoint
 from workers.weights.snapshot import (
     SnapshotRoot,
@@ -87,6 +97,7 @@ class VllmRunner:
         self._started_s: float | None = None
         self._snapshots: SnapshotRoot | None = None
         self._loaded_dir: Path | None = None  # the directory vLLM last loaded (a snapshot)
+        self._digest: str | None = None  # of the files vLLM last loaded (checkpoint_digest)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -116,6 +127,7 @@ class VllmRunner:
             # The operator's own path (vLLM loads it by name at start): contained nowhere.
             with open_checkpoint(weights_dir, roots=[Path("/")]) as ckpt:
                 reference = stand_ins(ckpt.entries)
+                digest = checkpoint_digest(ckpt)
             snapshots = SnapshotRoot.create(self.options.snapshot_dir)
             started = time.perf_counter()
             engine = self._make_engine()
@@ -136,6 +148,7 @@ class VllmRunner:
                 self._engine, self._fields, self._reference = engine, fields, reference
                 self._weights_dir, self._version = weights_dir, self.options.initial_version
                 self._snapshots, self._loaded_dir = snapshots, weights_dir
+                self._digest = digest
                 self._started_s = time.perf_counter() - started
                 if was_paused:
                     paused = WeightsCorrupted(
@@ -173,7 +186,7 @@ class VllmRunner:
             self._set_phase("validating")
             snapshot: Path | None = None
             try:
-                weights_dir, entries, files, snapshot = self._validate(spec, path, cancel)
+                weights_dir, entries, files, snapshot, digest = self._validate(spec, path, cancel)
                 if cancel is not None and cancel.is_set():
                     raise RunnerError(
                         "reload cancelled before vLLM was called", code=WireCode.COMMAND_TIMEOUT
@@ -188,7 +201,7 @@ class VllmRunner:
             finally:
                 self._set_phase("idle")
             finished = time.perf_counter()
-            result = ReloadResult.measured(
+            stats = ReloadResult.measured(
                 spec.version,
                 files=files,
                 tensors=len(entries),
@@ -197,9 +210,11 @@ class VllmRunner:
                 copy_started=rpc_started,  # vLLM's own load counts as the copy
                 finished=finished,
             )
+            result = ReloadResult.of(stats, weights_digest=digest)
             with self._state:
                 self._reference, self._weights_dir = stand_ins(entries), weights_dir
                 self._version, self._degraded, self._last_reload = spec.version, None, result
+                self._digest = digest
                 previous, self._loaded_dir = self._loaded_dir, snapshot
             if previous is not None and previous != snapshot:
                 snapshots.remove(previous)  # only ever one of ours; never the operator's model
@@ -207,7 +222,7 @@ class VllmRunner:
 
     def _validate(
         self, spec: ReloadWeightsSpec, path: Path, cancel: threading.Event | None
-    ) -> tuple[Path, dict[str, TensorEntry], int, Path]:
+    ) -> tuple[Path, dict[str, TensorEntry], int, Path, str]:
         """Check the checkpoint and make the private snapshot vLLM will load; touch no weights.
 
         Headers, index and manifest (vs the loaded checkpoint) are checked on the files as
@@ -215,7 +230,8 @@ class VllmRunner:
         descriptor into a new snapshot directory only this runner writes, hashed while it is
         copied; the sha256 manifest is checked against those hashes, and the snapshot's own
         headers must be the ones checked. vLLM reads the snapshot: exactly the bytes verified.
-        Returns the checkpoint's directory, its entries, its file count and the snapshot.
+        Returns the checkpoint's directory, its entries, its file count, the snapshot and the
+        snapshot's :func:`checkpoint_digest`.
         """
         snapshots = self._snapshots
         assert snapshots is not None
@@ -251,10 +267,11 @@ class VllmRunner:
                             code=WireCode.WEIGHTS_UNREADABLE,
                         )
                     entries = dict(copy.entries)
+                    digest = checkpoint_digest(copy)
             except BaseException:
                 snapshots.remove(snapshot)
                 raise
-            return weights_dir, entries, len(ckpt.files.files), snapshot
+            return weights_dir, entries, len(ckpt.files.files), snapshot, digest
 
     def _apply(self, engine: Engine, version: str, weights_dir: Path) -> None:
         """Pause, reload, reset the prefix cache, resume; restore the old weights on failure."""
@@ -376,6 +393,7 @@ class VllmRunner:
                 "engine_start_s": round(self._started_s, 3) if self._started_s else None,
                 "model_config_overrides": self._model_config_ok,
                 "tensors": len(self._reference),
+                "weights_digest": None if self._degraded is not None else self._digest,
             }
             if self.options.mode == "sidecar":
                 extra["base_url"] = self.options.base_url
@@ -414,3 +432,33 @@ class VllmRunner:
     def _set_phase(self, phase: str) -> None:
         with self._state:
             self._phase = phase
+
+
+def checkpoint_digest(ckpt: OpenCheckpoint) -> str:
+    """``weights_digest`` of the tensors in ``ckpt``'s files as stored (name, dtype, shape and the
+    sampled elements), read through a private memory map of each open file: only the pages of
+    the sampled elements are read. Equal to the torch runners' digest of a model holding that
+    checkpoint when its names, dtypes and shapes are the model's."""
+    maps: dict[Path, mmap.mmap] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        for name, e in ckpt.entries.items():
+            known = DTYPES.get(e.dtype)
+            dtype = getattr(torch, known[0], None) if known is not None else None
+            shape: tuple[int, ...] = e.shape
+            if dtype is None:  # not a torch dtype: its raw bytes
+                dtype, shape = torch.uint8, (e.nbytes,)
+            count = e.nbytes // torch.empty((), dtype=dtype).element_size()
+            if count == 0:
+                tensors[name] = torch.empty(shape, dtype=dtype)
+                continue
+            if e.file not in maps:
+                maps[e.file] = mmap.mmap(ckpt.fds[e.file], 0, access=mmap.ACCESS_COPY)
+            flat = torch.frombuffer(maps[e.file], dtype=dtype, count=count, offset=e.offset)
+            tensors[name] = flat.view(shape)
+        return weights_digest(tensors)
+    finally:
+        tensors.clear()  # the views first: a map with live views cannot close
+        for m in maps.values():
+            with contextlib.suppress(BufferError):
+                m.close()
