@@ -1,13 +1,14 @@
 """The weights digest in heartbeats and the coordinator's agreement per target, on the real broker
 (issue 13): two in-process agents on the torch runner, and a coordinator (no controller) whose
 API shows the target. After a reload both heartbeats carry the ack's digest and the target shows
-one group; a worker given other weights under the same version label makes it disagree."""
+one group; a worker given other weights under the same version label makes it disagree, and
+after a restart it reports the digest of what its journal restored."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -43,7 +44,7 @@ def heartbeat_or_none(value: bytes) -> Heartbeat | None:
         return None
 
 
-def beats_at(worker: str, digest: str) -> Any:
+def beats_at(worker: str, digest: str) -> Callable[[list[Heartbeat | None]], bool]:
     """A predicate on the records read so far: ``worker``'s latest heartbeat carries ``digest``."""
 
     def check(items: list[Heartbeat | None]) -> bool:
@@ -67,11 +68,16 @@ async def test_heartbeats_carry_the_digest_and_the_target_flags_a_worker_that_di
     coordinator = Coordinator(settings)
     async with contextlib.AsyncExitStack() as stack:
         runners = {w: TorchRunner({"model_kwargs": TINY, "seed": 0}) for w in ("t1", "t2")}
+        agents = {
+            w: agent_settings(kafka, tmp_path, worker_id=w, state_dir=tmp_path / w) for w in runners
+        }
+        t2_run = contextlib.AsyncExitStack()  # t2 is restarted below
+        stack.push_async_callback(t2_run.aclose)
         for worker, runner in runners.items():
             stack.callback(runner.close)
             runner.load()
-            agent = agent_settings(kafka, tmp_path, worker_id=worker, state_dir=tmp_path / worker)
-            await stack.enter_async_context(agent_running(agent, runner))
+            running = agent_running(agents[worker], runner)
+            await (t2_run if worker == "t2" else stack).enter_async_context(running)
         tail = Tail(kafka, kafka.topics.workers.name, heartbeat_or_none)
         beats = await stack.enter_async_context(tail)
         # Seeded weights are known from load on: their digest is in the heartbeats already.
@@ -133,3 +139,18 @@ async def test_heartbeats_carry_the_digest_and_the_target_flags_a_worker_that_di
             {"version": "v2", "digest": d, "workers": 1, "worker_ids": [w]}
             for d, w in sorted([(digest, "t1"), (differs, "t2")])
         ]
+
+        # t2 restarts on a fresh model (seed 0): what its journal restores is what it reports.
+        await t2_run.aclose()
+        stopped = [h for h in beats.items if h is not None and h.worker_id == "t2"][-1]
+        fresh = TorchRunner({"model_kwargs": TINY, "seed": 0})
+        stack.callback(fresh.close)
+        await stack.enter_async_context(agent_running(agents["t2"], fresh))
+
+        def restarted(items: list[Heartbeat | None]) -> bool:
+            mine = [h for h in items if h is not None and h.worker_id == "t2"]
+            return mine[-1].incarnation > stopped.incarnation and beats_at("t2", differs)(items)
+
+        await beats.until(restarted)
+        tiny = await until(api, TARGET, lambda b: b["workers"] == 2 and b["digests_disagree"] == 1)
+        assert [g["digest"] for g in tiny["digests"] if g["worker_ids"] == ["t2"]] == [differs]
