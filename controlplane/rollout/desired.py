@@ -11,8 +11,8 @@ controller sends it a command for exactly what it should run), one whose heartbe
 Digest agreement: the target's live members (not lost, not in conflict) grouped by the version
 and weights digest their heartbeats report (:class:`DigestGroup`, largest first: "98 at abc…,
 2 at def…"); ``digests_disagree`` counts the versions whose live workers report more than one
-digest (two versions are two groups, not a disagreement; a worker that reports no digest is in
-a group of its own, ``digest`` None, and disagrees with no one).
+digest (two versions are two groups, not a disagreement; workers that report no digest form a
+group with ``digest`` None, which disagrees with no one).
 """
 
 from __future__ import annotations
