@@ -9,7 +9,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -30,6 +30,9 @@ pytest.importorskip("model_signing", reason="the [verify] extra is not installed
 
 #: Small shards, so that each tiny checkpoint file is signed as several of them.
 SHARD = 4096
+#: How a checkpoint is signed: sha256 by shards of this many bytes, sha256 by whole file (None),
+#: or BLAKE3 by whole file (what ``checkpoint write --sign`` does by default).
+By = int | None | Literal["blake3"]
 
 
 def _key_pair(where: Path, name: str) -> tuple[Path, Path]:
@@ -68,15 +71,21 @@ def signed(
     key: Path,
     *,
     shards: int = 1,
-    shard_bytes: int | None = SHARD,
+    shard_bytes: By = SHARD,
 ) -> Path:
     path = checkpoint(tmp_path, name, seed, shards=shards)
-    sign_checkpoint(tmp_path / name, key, shard_bytes=shard_bytes)
+    if shard_bytes == "blake3":
+        sign_checkpoint(tmp_path / name, key, algorithm="blake3")
+    else:
+        sign_checkpoint(tmp_path / name, key, shard_bytes=shard_bytes)
     return path
 
 
-#: Signed by shards (several per file), or by whole file (what model-signing's CLI does).
-SERIALIZATIONS = pytest.mark.parametrize("by", [SHARD, None], ids=["shards", "files"])
+#: Signed by sha256 shards (several per file), or by whole file with sha256 or BLAKE3 (what
+#: model-signing's CLI does).
+SERIALIZATIONS = pytest.mark.parametrize(
+    "by", [SHARD, None, "blake3"], ids=["shards", "files", "blake3"]
+)
 
 
 def runner(
@@ -128,10 +137,12 @@ def tensor_offset(path: Path, index: int) -> int:
 
 @SERIALIZATIONS
 @pytest.mark.parametrize("readers", [1, 3])
+@pytest.mark.usefixtures("segment_bytes")
 def test_signed_checkpoint_loads(
-    tmp_path: Path, keys: dict[str, tuple[Path, Path]], readers: int, by: int | None
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]], readers: int, by: By
 ) -> None:
-    """Hashed while copied, shard by shard, from one reader or several (small read chunks)."""
+    """Hashed while copied, shard by shard (a whole file in segments, in order), from one
+    reader or several (small read chunks)."""
     private, public = keys["trusted"]
     v1 = signed(tmp_path, "v1", 1, private, shard_bytes=by)
     v2 = signed(tmp_path, "v2", 2, private, shards=3, shard_bytes=by)
@@ -226,7 +237,7 @@ def test_other_hashing_than_sha256_is_invalid(
 
 @SERIALIZATIONS
 def test_tampered_shard_after_signing_is_nacked_and_previous_restored(
-    tmp_path: Path, keys: dict[str, tuple[Path, Path]], by: int | None
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]], by: By
 ) -> None:
     private, public = keys["trusted"]
     made = runner(signed(tmp_path, "v1", 1, private, shard_bytes=by), public)
@@ -249,7 +260,7 @@ def test_tampered_shard_after_signing_is_nacked_and_previous_restored(
 
 @SERIALIZATIONS
 def test_bytes_changed_during_copy_restore_previous_version(
-    tmp_path: Path, keys: dict[str, tuple[Path, Path]], by: int | None
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]], by: By
 ) -> None:
     """The file changes after its signature was checked, while it is being copied: the bytes
     copied are hashed, the difference found, v1 restored, and the reload NACKed."""
@@ -398,6 +409,107 @@ def test_checkpoint_write_sign_makes_a_checkpoint_the_worker_loads(
     bad = cli.invoke(checkpoint_app, [*args, "--sign", str(public)])
     assert bad.exit_code == 2 and "cannot sign" in bad.output
     assert "Traceback" not in bad.output
+
+
+def test_checkpoint_write_sign_hashes_with_blake3_by_default(
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]]
+) -> None:
+    """``--sign`` signs whole files with BLAKE3 (``--sign-hash sha256`` with sha256), and
+    model-signing's own verifier checks what it wrote; BLAKE3 shards are a usage error."""
+    from model_signing import verifying
+    from model_signing._signing import sign_ec_key, sign_sigstore_pb
+
+    private, public = keys["trusted"]
+    cli = CliRunner()
+    base = ["--seed", "2", "--model-kwargs", json.dumps(TINY), "--shards", "2"]
+    hashed = {}
+    for name, more in {"default": [], "sha256": ["--sign-hash", "sha256"]}.items():
+        out = cli.invoke(
+            checkpoint_app, ["write", str(tmp_path / name), *base, "--sign", str(private), *more]
+        )
+        assert out.exit_code == 0, out.output
+        sig = tmp_path / name / SIGNATURE_NAME
+        verifier = verifying.Config().use_elliptic_key_verifier(  # type: ignore[no-untyped-call]
+            public_key=public
+        )
+        verifier.verify(tmp_path / name, sig)
+        statement = sign_ec_key.Verifier(public).verify(sign_sigstore_pb.Signature.read(sig))
+        hashed[name] = statement.serialization_type["hash_type"]
+        reload(runner(None, public), Path(json.loads(out.output)["path"]), "v2")
+    assert hashed == {"default": "blake3", "sha256": "sha256"}
+    bad = cli.invoke(
+        checkpoint_app,
+        [
+            "write",
+            str(tmp_path / "bad"),
+            *base,
+            "--sign",
+            str(private),
+            "--sign-hash",
+            "blake3",
+            "--sign-shard-bytes",
+            "4096",
+        ],
+    )
+    assert bad.exit_code == 2 and "blake3 hashes whole files" in bad.output
+    assert "Traceback" not in bad.output
+
+
+def _sign_statement(directory: Path, private: Path, hash_type: str, items: list[Any]) -> None:
+    """Sign a hand-made statement (what model-signing itself never writes) over ``directory``."""
+    from model_signing import manifest, signing
+    from model_signing._signing import signing as payloads
+
+    serialization = manifest._ShardSerialization(
+        hash_type, SHARD, ignore_paths=[Path(SIGNATURE_NAME)]
+    )
+    statement = manifest.Manifest(directory.name, items, serialization)
+    signer = signing.Config().use_elliptic_key_signer(  # type: ignore[no-untyped-call]
+        private_key=private
+    )
+    assert signer._signer is not None
+    signer._signer.sign(payloads.Payload(statement)).write(directory / SIGNATURE_NAME)
+
+
+@pytest.mark.parametrize("algorithm", ["blake3", "sha512"])
+def test_unsupported_hashing_is_invalid(
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]], algorithm: str
+) -> None:
+    """BLAKE3 by shards (model-signing hashes BLAKE3 only by whole file) and any other hash,
+    however correct its digests, are refused before copying: MODEL_SIGNATURE_INVALID."""
+    import hashlib
+
+    from blake3 import blake3
+    from model_signing import manifest
+    from model_signing._hashing import hashing as digests
+
+    private, public = keys["trusted"]
+    made = runner(signed(tmp_path, "v1", 1, private, shard_bytes="blake3"), public)
+    before, v1_state = weights(made), state(made)
+    v2 = checkpoint(tmp_path, "v2", 2)
+    items = []
+    for file in sorted(v2.parent.iterdir()):
+        raw = file.read_bytes()
+        for start in range(0, len(raw), SHARD):
+            piece = raw[start : start + SHARD]
+            value = (
+                blake3(piece).digest() if algorithm == "blake3" else hashlib.sha512(piece).digest()
+            )
+            items.append(
+                manifest.ShardedFileManifestItem(
+                    path=Path(file.name),
+                    start=start,
+                    end=start + len(piece),
+                    digest=digests.Digest(algorithm, value),
+                )
+            )
+    _sign_statement(v2.parent, private, algorithm, items)
+    with pytest.raises(RunnerError) as caught:
+        reload(made, v2, "v2")
+    assert caught.value.code == WireCode.MODEL_SIGNATURE_INVALID
+    assert "blake3 by file" in caught.value.message
+    assert state(made) == v1_state
+    assert same(weights(made), before)
 
 
 def test_worker_settings_give_the_model_keys_to_the_runner(

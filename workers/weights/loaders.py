@@ -159,7 +159,7 @@ def load_checkpoint(
             # Every other file the manifest lists is hashed now; the data files as copied.
             digests = whole_file_spans(ckpt, sha256)
             verify_sha256(
-                ckpt, sha256, cancel, digests={f: s[0].sha256 for f, s in digests.items()}
+                ckpt, sha256, cancel, digests={f: s[0].digest for f, s in digests.items()}
             )
         elif sha256:
             verify_sha256(ckpt, sha256, cancel)

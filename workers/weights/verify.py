@@ -12,25 +12,23 @@ copied byte is what is hashed.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import os
 import threading
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from controlplane.wire.errors import RunnerError, WeightsCorrupted, WireCode
 from workers.weights.checks import OpenCheckpoint, TensorEntry, failure_reason, names
 from workers.weights.copy import byte_view
-from workers.weights.oms import Span
+from workers.weights.oms import Hasher, Span, new_hasher
 from workers.weights.paths import relative_member
 
 _SCRATCH_BYTES = 8 * 1024 * 1024
-#: A span larger than this (a whole file's sha256) is hashed in segments as its tensors come in.
+#: A span larger than this (a whole file's digest) is hashed in segments as its tensors come in.
 _SEGMENT_BYTES = 16 * 1024 * 1024
 
 
@@ -66,7 +64,7 @@ def _regions(
 
 
 def _feed(
-    digest: Any,
+    digest: Hasher,
     fd: int,
     start: int,
     end: int,
@@ -111,10 +109,11 @@ def _feed(
 
 
 class _SpanHash:
-    """One span's running sha256, fed segment by segment, in order."""
+    """One span's running hash (sha256, or BLAKE3 on ``threads`` threads of its own), fed
+    segment by segment, in order."""
 
-    def __init__(self) -> None:
-        self.digest = hashlib.sha256()
+    def __init__(self, span: Span, threads: int) -> None:
+        self.digest = new_hasher(span.algorithm, threads=threads)
         self.last: Future[str | None] | None = None
 
 
@@ -143,10 +142,12 @@ class _Unit:
     state: _SpanHash
 
 
-def _segments(span: Span, tensors: list[tuple[int, int, int]], file: Path, fd: int) -> list[_Unit]:
+def _segments(
+    span: Span, tensors: list[tuple[int, int, int]], file: Path, fd: int, threads: int
+) -> list[_Unit]:
     """``span`` cut after a tensor every ``_SEGMENT_BYTES`` or so (a whole file is hashed as
     it comes in, not once it is all in); ``tensors``: (offset, end, plan index) overlapping it."""
-    state = _SpanHash()
+    state = _SpanHash(span, threads)
     units: list[_Unit] = []
     start, ready = span.start, 0
     for _, end, index in tensors:
@@ -189,12 +190,12 @@ class CopyHasher:
             for span in digests[file]:
                 lo = bisect.bisect_right(ends, span.start)
                 hi = bisect.bisect_left(offsets, span.end)
-                units.extend(_segments(span, mine[lo:hi], file, ckpt.fds[file]))
+                units.extend(_segments(span, mine[lo:hi], file, ckpt.fds[file], threads))
         units.sort(key=lambda u: u.ready)  # stable: a span's segments stay in order
         self._units = units
         self._next = 0
         self._hashed: list[tuple[_Unit, Future[str | None]]] = []
-        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="reload-sha256")
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="reload-hash")
 
     def advance(self, done: int) -> None:
         """``done`` tensors of the plan are in: hash every span that needs no more."""
@@ -214,7 +215,7 @@ class CopyHasher:
         wrong: list[str] = []
         try:
             for unit, future in self._hashed:
-                if future.result() != unit.span.sha256:
+                if future.result() != unit.span.digest:
                     wrong.append(f"{unit.file.name}[{unit.span.start}:{unit.span.end}]")
         except (RunnerError, OSError) as exc:
             unchecked = CopiedBytesMismatch(
@@ -250,7 +251,7 @@ def whole_file_spans(
         for name, hexd in sha256.items()
     }
     return {
-        file: (Span(0, os.fstat(ckpt.fds[file]).st_size, wanted[file]),)
+        file: (Span(0, os.fstat(ckpt.fds[file]).st_size, wanted[file], "sha256"),)
         for file in ckpt.files.files
         if file in wanted
     }
