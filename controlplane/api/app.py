@@ -49,6 +49,7 @@ from controlplane.api.models import (
     encode_cursor,
     error_response,
     from_domain,
+    invalid_cursor,
     parse_label_selector,
     parse_rollout_request,
     validation_details,
@@ -636,13 +637,30 @@ def create_app(
         description=(
             "Unsigned commands, bad signatures, unknown or revoked keys, commands out of their "
             "key's scope or with a ttl beyond max_ttl_s, oldest issued first, each with why "
-            "(`code`) and how many workers NACKed it. Empty without a trust store."
+            "(`code`) and how many workers NACKed it (once it expired, NACKs read later are "
+            "not counted). The newest issued 1000 are kept. Empty without a trust store. The "
+            'next page, if any, is in the `Link` header (`rel="next"`).'
         ),
         responses={503: {"model": ErrorBody}},
         dependencies=reads,
     )
-    async def unverified_commands() -> list[UnverifiedCommand]:
-        return coordinator.fleet.unverified()
+    async def unverified_commands(
+        request: Request, response: Response, limit: PageSize = PAGE_DEFAULT, cursor: Cursor = None
+    ) -> list[UnverifiedCommand]:
+        listed = coordinator.fleet.unverified()  # oldest issued first
+        start = 0
+        if cursor is not None:
+            after = _unverified_key(decode_cursor(cursor, 3))
+            start = bisect.bisect_right(
+                listed, after, key=lambda e: (e.issued_at, e.rollout_id, e.command_id)
+            )
+        page = listed[start : start + limit]
+        if start + limit < len(listed):
+            last = page[-1]
+            _link_next(
+                request, response, last.issued_at.isoformat(), last.rollout_id, last.command_id
+            )
+        return page
 
     # ------------------------------------------------------------------ metrics, dashboard
 
@@ -734,6 +752,18 @@ def _page(
             break
         out.append(item)
     return out
+
+
+def _unverified_key(key: tuple[str, ...]) -> tuple[datetime, str, str]:
+    """The (issued_at, rollout id, command id) an unverified commands cursor holds."""
+    when, rollout_id, command_id = key
+    try:
+        instant = datetime.fromisoformat(when)
+    except ValueError:
+        raise invalid_cursor() from None
+    if instant.tzinfo is None:
+        raise invalid_cursor()
+    return instant, rollout_id, command_id
 
 
 def _link_next(request: Request, response: Response, *key: str) -> None:

@@ -119,6 +119,8 @@ class Controller:
         self._conflicts: dict[str, list[str]] = {}
         #: Per worker, what its latest heartbeat said that a decision depends on.
         self._seen: dict[str, tuple[object, ...]] = {}
+        #: Syncs the seal refused, said once each.
+        self._refused: set[str] = set()
         follower.listeners.append(self._on_batch)
 
     def _on_batch(self, batch: Batch) -> None:
@@ -213,10 +215,9 @@ class Controller:
                     issuer=self.issuer,
                     probes=self.probes,
                     digests=self.digests,
+                    seal=self.seal if self.signer is not None or self.verify else None,
                 )
-                if self.signer is not None:
-                    signer = self.signer
-                    decision.commands = [signer.sign(c) for c in decision.commands]
+                self._report_refused(decision)
                 self._report_conflicts(now)
                 self._forget_ended()
                 spent = time.monotonic() - started
@@ -265,6 +266,32 @@ class Controller:
             self._fold_own(command)
         for state in decision.states:
             self.control.observe(state)
+
+    def seal(self, command: Command) -> Command:
+        """``command`` signed with its key, once its own trust store verifies it (what the
+        follower will check reading it back); CommandRejected otherwise: the decision then
+        publishes nothing for it (a published one would be no rollout, and be published again
+        at every decision)."""
+        if self.signer is not None:
+            command = self.signer.sign(command)
+        if self.verify is not None:
+            self.verify(command)
+        return command
+
+    def _report_refused(self, decision: Decision) -> None:
+        """Say once per rollout id that a sync was not published: its trust store refuses it."""
+        for command, exc in decision.refused:
+            if command.rollout_id in self._refused:
+                continue
+            if len(self._refused) >= _FACTS_KEPT:
+                self._refused.clear()
+            self._refused.add(command.rollout_id)
+            log.warning(
+                "error: %s: controller: %s not published, its own trust store refuses it: %s",
+                exc.code,
+                command.rollout_id,
+                exc.message,
+            )
 
     def _fold_own(self, command: Command) -> None:
         """Fold a command it wrote as the follower will when it reads it back."""

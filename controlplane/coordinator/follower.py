@@ -87,6 +87,9 @@ log = logging.getLogger(__name__)
 #: compaction keeps one. Never a worker id (ids are identifiers: no NUL). Value: JSON
 #: ``{"probe": <reader id>, "sent_at": <unix seconds>}``.
 PROBE_KEY: Final = b"\x00probe"
+#: Refused commands logged one by one at most this many lines a window (the others counted).
+UNVERIFIED_LOG_LINES: Final = 10
+UNVERIFIED_LOG_WINDOW_S: Final = 60.0
 #: The longest TTL a verified command may claim: the workers' default ``max_ttl_s``.
 DEFAULT_MAX_TTL_S: Final = 7 * 24 * 3600.0
 
@@ -248,6 +251,10 @@ class Follower(AsyncService):
         self.max_ttl_s = max_ttl_s
         #: Commands the verifier refused (each record, redeliveries included).
         self.unverified = 0
+        #: Refused records not logged one by one (while catching up, or beyond the lines a
+        #: window allows), and the current window: (its start, lines logged in it).
+        self._unverified_quiet = 0
+        self._unverified_window = (-UNVERIFIED_LOG_WINDOW_S, 0)
         #: What a record's bytes must contain to be decoded under ``rollouts``: one of the
         #: ids, or a backslash (a JSON escape: an id may be written ``r\/1`` or ``\u0072-1``).
         self._needles = (
@@ -326,6 +333,7 @@ class Follower(AsyncService):
                     self._consumer.seek(name, partition, end)
         if all(end <= self._start_at.get(key, 0) for key, end in self._targets.items()):
             self.caught_up.set()
+            self._said_replayed()
         elif gc.isenabled():  # (someone else's pause is theirs to end)
             gc.disable()
             self._paused_collector = True
@@ -442,6 +450,7 @@ class Follower(AsyncService):
             self.caught_up.set()
             self._resume_collector()
             log.info("caught up with the log: %d records folded", self.records)
+            self._said_replayed()
         self._polled.set()
         self._polled = asyncio.Event()
         if batch:
@@ -567,15 +576,44 @@ class Follower(AsyncService):
             self.fleet.observe_unverified(command, exc.code, exc.message, key_id)
             batch.unverified.append(command)
             self.unverified += 1
-            log.warning(
-                "command %s of rollout %s not verified (%s): %s",
-                command.command_id,
-                command.rollout_id,
-                exc.code,
-                exc.message,
-            )
+            self._say_unverified(command, exc)
             return True
         return False
+
+    def _say_unverified(self, command: Command, exc: CommandRejected) -> None:
+        """Log a refused command: once caught up, at most :data:`UNVERIFIED_LOG_LINES` lines
+        a window, each saying how many were not logged since; while catching up (a replay,
+        or a restart's), only their count once caught up (:meth:`_said_replayed`)."""
+        if not self.caught_up.is_set():
+            self._unverified_quiet += 1
+            return
+        now = time.monotonic()
+        start, lines = self._unverified_window
+        if now - start >= UNVERIFIED_LOG_WINDOW_S:
+            start, lines = now, 0
+        if lines >= UNVERIFIED_LOG_LINES:
+            self._unverified_quiet += 1
+            return
+        self._unverified_window = (start, lines + 1)
+        quiet, self._unverified_quiet = self._unverified_quiet, 0
+        log.warning(
+            "command %s of rollout %s not verified (%s): %s%s",
+            command.command_id,
+            command.rollout_id,
+            exc.code,
+            exc.message,
+            f" ({quiet} more not verified since the last such line)" if quiet else "",
+        )
+
+    def _said_replayed(self) -> None:
+        """Once caught up: how many commands read while catching up were not verified."""
+        if self._unverified_quiet:
+            log.warning(
+                "%d command record(s) read while catching up were not verified by the trust"
+                " store (GET /api/v1/commands/unverified lists them)",
+                self._unverified_quiet,
+            )
+            self._unverified_quiet = 0
 
     def _forget(self, key: bytes) -> None:
         try:

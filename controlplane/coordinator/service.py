@@ -282,6 +282,7 @@ class Coordinator(AsyncService):
         }
         if self.trust.digest is not None:  # folded under another store, a snapshot is not used
             fold["trust_store"] = self.trust.digest
+            fold["max_ttl_s"] = settings.max_ttl_s  # nor one that verified other TTLs
         self.snapshots = Snapshots(
             settings.kafka,
             self.fleet,
@@ -551,19 +552,23 @@ class Coordinator(AsyncService):
             )
 
     def _check_own(self, command: Command) -> None:
-        """Refuse, before publishing, a command this coordinator signed that its own store
-        would not verify (a selector or path outside its key's scope): it would be no rollout
-        here, and every worker would refuse it. SCOPE_DENIED (or the verifier's code)."""
-        if self.signer is None:
+        """Refuse, before publishing, a command its own store would not verify (a selector or
+        path outside its key's scope, or no signing key at all): it would be no rollout here,
+        and every worker would refuse it. SCOPE_DENIED, SIGNATURE_MISSING (or the verifier's
+        code)."""
+        if self.trust.verifier is None:
             return
         try:
             self.verify(command)
         except CommandRejected as exc:
-            raise CommandRejected(
-                f"not published: the coordinator's key {self.signer.key_id!r} may not sign this"
-                f" command: {exc.message}",
-                code=exc.code,
-            ) from None
+            signer = self.signer
+            who = (
+                "the coordinator has no signing key (FLEET_COORDINATOR_SIGNING_KEY) and its trust"
+                " store takes signed commands only"
+                if signer is None
+                else f"the coordinator's key {signer.key_id!r} may not sign this command"
+            )
+            raise CommandRejected(f"not published: {who}: {exc.message}", code=exc.code) from None
 
     async def publish_control(self, record: WireModel) -> int:
         """Append an operator's request (a target spec, a rollout, an action) to the controller

@@ -101,6 +101,9 @@ class _FleetSection(msgspec.Struct, tag="fleet"):
     unreadable: list[tuple[str, str, str, Report]]
     #: The commands the trust store did not verify (each an UnverifiedCommand's JSON).
     unverified: list[bytes]
+    #: (rollout id, command id) of unverified commands whose NACKs were dropped, oldest first.
+    forged: list[tuple[str, str]] = []
+    unverified_dropped: int = 0
 
 
 class _CommandsSection(msgspec.Struct, tag="commands"):
@@ -188,6 +191,8 @@ def sections(fold: FoldState, control: ControlState | None) -> Iterator[Callable
                     for held in fold.unverified.values()
                     for entry in held.values()
                 ],
+                forged=list(fold.forged),
+                unverified_dropped=fold.unverified_dropped,
             )
         )
 
@@ -307,6 +312,8 @@ def _decode_payload(payload: bytes) -> Decoded:
                 for entry_json in section.unverified:
                     entry = UnverifiedCommand.model_validate_json(entry_json)
                     fold.unverified.setdefault(entry.rollout_id, {})[entry.command_id] = entry
+                fold.forged = dict.fromkeys(section.forged)
+                fold.unverified_dropped = section.unverified_dropped
             case _CommandsSection():
                 for rollout_id, commands in section.rollouts:
                     fold.commands[rollout_id] = [_command(c) for c in commands]

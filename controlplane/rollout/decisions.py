@@ -7,7 +7,7 @@ Pure, like the rest of the controller (controlplane/rollout/progressive.py has t
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Final, Literal, TypeVar
@@ -22,6 +22,7 @@ from controlplane.wire.control import (
     ProbeGate,
     RolloutState,
 )
+from controlplane.wire.errors import CommandRejected
 from controlplane.wire.messages import (
     Command,
     CommandSpec,
@@ -32,6 +33,12 @@ from controlplane.wire.messages import (
 )
 
 T = TypeVar("T")
+
+
+#: What the controller does to a command before it is published: signs it with the
+#: coordinator's key and checks it with its own trust store, raising CommandRejected (with the
+#: verifier's code) for one the coordinator would fold as unverified and every worker refuse.
+Seal = Callable[[Command], Command]
 
 
 #: A state's message and a gate's are bounded on the wire (4096 characters): long lists of
@@ -105,6 +112,9 @@ class Decision:
 
     commands: list[Command] = field(default_factory=list)
     states: list[RolloutState] = field(default_factory=list)
+    #: Commands not published: the seal refused them (syncs; a progressive rollout whose
+    #: command is refused ends aborted with the refusal's code instead).
+    refused: list[tuple[Command, CommandRejected]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.commands or self.states)
@@ -120,6 +130,8 @@ class Context:
     published: set[str] = field(default_factory=set)
     commands: list[Command] = field(default_factory=list)
     digests: Digests = field(default_factory=dict)
+    #: Applied to each command before it counts as published (None: as built).
+    seal: Seal | None = None
     #: Batch statuses judged in this decision (the fleet does not change during one).
     _statuses: dict[str, RolloutStatus] = field(default_factory=dict)
     #: rollout id -> worker -> the rollout id of its batch (waves never change once planned).
@@ -157,19 +169,22 @@ class Context:
         ttl_s: float,
         timeout_s: float | None,
     ) -> None:
-        self.published.add(rollout_id)
-        self.commands.append(
-            Command(
-                command_id=f"{rollout_id}.a1",
-                rollout_id=rollout_id,
-                issued_at=self.now,
-                expires_at=self.now + timedelta(seconds=ttl_s),
-                issuer=self.issuer,
-                selector=Selector(worker_ids=sorted(workers)),
-                spec=spec,
-                timeout_s=timeout_s,
-            )
+        """Publish a command under ``rollout_id``; CommandRejected (nothing published) when
+        the seal refuses it."""
+        command = Command(
+            command_id=f"{rollout_id}.a1",
+            rollout_id=rollout_id,
+            issued_at=self.now,
+            expires_at=self.now + timedelta(seconds=ttl_s),
+            issuer=self.issuer,
+            selector=Selector(worker_ids=sorted(workers)),
+            spec=spec,
+            timeout_s=timeout_s,
         )
+        if self.seal is not None:
+            command = self.seal(command)
+        self.published.add(rollout_id)
+        self.commands.append(command)
 
 
 def members(control: ControlState, fleet: Fleet, target: Target, now: datetime) -> list[str]:

@@ -55,6 +55,13 @@ DEFAULT_MAX_ENDED_ROLLOUTS: Final = 1000
 #: And at most the newest ended rollouts holding this many workers' reports together (about
 #: 0.5 KB each: 100 MB; 20 rollouts of 10,000 workers).
 DEFAULT_MAX_ENDED_WORKERS: Final = 200_000
+#: Commands the trust store did not verify kept (the newest issued); older ones are dropped,
+#: with their NACKs.
+DEFAULT_MAX_UNVERIFIED: Final = 1000
+#: (rollout id, command id) pairs of unverified commands kept after their NACKs were dropped
+#: (expired, or dropped beyond ``max_unverified``), per unverified command kept: a NACK of one
+#: read later is dropped too, never made a rollout known from NACKs.
+_FORGED_PER_UNVERIFIED: Final = 10
 
 _DESIRING = frozenset({RolloutPhase.PENDING, RolloutPhase.PROGRESSING, RolloutPhase.SUCCEEDED})
 
@@ -69,8 +76,10 @@ class FleetStats:
     #: Ended rollouts kept only as a summary, and acks dropped because they were for one.
     compacted: int = 0
     dropped_acks: int = 0
-    #: Commands the trust store did not verify (distinct (rollout id, command id)).
+    #: Commands the trust store did not verify (distinct (rollout id, command id)) held, and
+    #: those dropped beyond ``max_unverified``.
     unverified: int = 0
+    unverified_dropped: int = 0
 
 
 @dataclass(slots=True)
@@ -95,6 +104,9 @@ class FoldState:
     dropped_acks: int = 0
     #: rollout id -> command id -> the command the trust store did not verify (never folded)
     unverified: dict[str, dict[str, UnverifiedCommand]] = field(default_factory=dict)
+    #: (rollout id, command id) of unverified commands whose NACKs were dropped (oldest first)
+    forged: dict[tuple[str, str], None] = field(default_factory=dict)
+    unverified_dropped: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,11 +127,13 @@ class Fleet:
         registry: Registry | None = None,
         max_ended_rollouts: int | None = None,
         max_ended_workers: int | None = None,
+        max_unverified: int | None = DEFAULT_MAX_UNVERIFIED,
     ) -> None:
         """``max_ended_rollouts``: how many ended rollouts :meth:`compact` keeps in full
         (None: all; the coordinator sets it); ``max_ended_workers``: and at most the newest
         that hold this many workers' reports together (None: no such bound; the newest ended
-        rollout is kept in full whatever its size)."""
+        rollout is kept in full whatever its size); ``max_unverified``: how many commands the
+        trust store did not verify are kept, the newest issued (None: all)."""
         if not progress_deadline_s > 0:
             raise ValueError(f"progress_deadline_s must be positive, got {progress_deadline_s!r}")
         if max_ended_rollouts is not None and max_ended_rollouts < 0:
@@ -130,6 +144,9 @@ class Fleet:
             raise ValueError(f"max_ended_workers must be >= 0, got {max_ended_workers!r}")
         self.max_ended_rollouts = max_ended_rollouts
         self.max_ended_workers = max_ended_workers
+        if max_unverified is not None and max_unverified < 0:
+            raise ValueError(f"max_unverified must be >= 0, got {max_unverified!r}")
+        self.max_unverified = max_unverified
         #: rollout id -> its distinct commands, usually one.
         self._commands: dict[str, list[Command]] = {}
         self._ledgers: dict[tuple[str, str], CommandLedger] = {}
@@ -152,6 +169,12 @@ class Fleet:
         #: ``_commands`` (``_primary`` takes the earliest issued_at: a forgery would take the
         #: rollout over), shown by :meth:`unverified` and on the rollout's anomalies.
         self._unverified: dict[str, dict[str, UnverifiedCommand]] = {}
+        self._n_unverified = 0
+        self._n_dropped_unverified = 0
+        #: (rollout id, command id) of unverified commands known only as such whose NACKs were
+        #: dropped (the command expired, or was dropped beyond ``max_unverified``): NACKs of
+        #: them read later are dropped too. Oldest first, bounded.
+        self._forged: dict[tuple[str, str], None] = {}
         self._n_commands = 0
         self._n_acks = 0
         self._n_heartbeats = 0
@@ -171,6 +194,8 @@ class Fleet:
         self._n_commands += 1
         if command.rollout_id in self._summaries:
             return  # a redelivery (or another command) for a rollout that ended long ago
+        if self._forged:  # a verified command: NACKs of its id are its own
+            self._forged.pop((command.rollout_id, command.command_id), None)
         held = self._commands.setdefault(command.rollout_id, [])
         if command not in held:
             held.append(command)
@@ -180,7 +205,8 @@ class Fleet:
     ) -> None:
         """Note a command the trust store did not verify (``code``: why). It never becomes or
         changes a rollout; of several with one (rollout id, command id), the earliest issued
-        is kept (then the least code and message: the same whatever the order)."""
+        is kept (then the least code and message: the same whatever the order). At most about
+        twice ``max_unverified`` are held between two :meth:`compact`."""
         entry = UnverifiedCommand(
             rollout_id=command.rollout_id,
             command_id=command.command_id,
@@ -190,11 +216,22 @@ class Fleet:
             key_id=key_id,
             code=str(code),
             message=message,
+            expires_at=command.expires_at,
         )
-        held = self._unverified.setdefault(command.rollout_id, {})
+        held = self._unverified.get(command.rollout_id, {})
         kept = held.get(command.command_id)
-        if kept is None or _unverified_order(entry) < _unverified_order(kept):
-            held[command.command_id] = entry
+        if kept is not None:
+            if _unverified_order(entry) < _unverified_order(kept):
+                held[command.command_id] = entry.model_copy(update={"nacks": kept.nacks})
+            return
+        if (command.rollout_id, command.command_id) in self._forged:
+            self._n_dropped_unverified += 1  # dropped before (beyond max_unverified)
+            return
+        self._unverified.setdefault(command.rollout_id, {})[command.command_id] = entry
+        self._n_unverified += 1
+        cap = self.max_unverified
+        if cap is not None and self._n_unverified > 2 * cap + 64:
+            self._trim_unverified(cap)
 
     def observe_ack(self, ack: AckLike) -> None:
         """Fold one ack: the pydantic :class:`~controlplane.wire.protocol.Ack` or the fast decoder's."""
@@ -204,6 +241,9 @@ class Fleet:
             self._n_dropped_acks += 1
             return
         if ack.kind is None:  # a NACK of a record the worker could not read
+            if self._forged and (rollout_id, ack.command_id) in self._forged:
+                self._n_dropped_acks += 1  # of an unverified command whose NACKs were dropped
+                return
             nacks = self._unreadable.setdefault(rollout_id, {})
             key = (ack.command_id, ack.worker_id)
             report = Report.of(ack)
@@ -449,7 +489,8 @@ class Fleet:
             orphan_acks=sum(v.acks for k, v in self._ledgers.items() if k not in known),
             compacted=len(self._summaries),
             dropped_acks=self._n_dropped_acks,
-            unverified=sum(len(held) for held in self._unverified.values()),
+            unverified=self._n_unverified,
+            unverified_dropped=self._n_dropped_unverified,
         )
 
     # ------------------------------------------------------------------ memory
@@ -464,7 +505,28 @@ class Fleet:
             return 0
         for rollout_id in self.unended():
             self.check_ended(rollout_id, now)
+        self.compact_unverified(now)
         return self.summarize_excess(now)
+
+    def compact_unverified(self, now: datetime) -> int:
+        """Bound what unverified commands hold: one known only as such that expired by ``now``
+        keeps its NACKs as a count (those read later are dropped: never a rollout known from
+        NACKs); beyond ``max_unverified``, the oldest issued are dropped, with their NACKs.
+        Returns how many were dropped. :meth:`compact` calls it."""
+        for rollout_id in list(self._unverified):
+            forged = self._forged_ids(rollout_id)
+            for command_id, entry in list(self._unverified[rollout_id].items()):
+                if (
+                    command_id in forged
+                    and entry.expires_at is not None
+                    and entry.expires_at <= now
+                    and (rollout_id, command_id) not in self._forged
+                ):
+                    self._settle(rollout_id, command_id)
+        cap = self.max_unverified
+        if cap is None or self._n_unverified <= cap:
+            return 0
+        return self._trim_unverified(cap)
 
     def is_summarized(self, rollout_id: str) -> bool:
         """Whether the rollout is kept only as a final summary."""
@@ -620,6 +682,8 @@ class Fleet:
             acks_seen=self._n_acks,
             dropped_acks=self._n_dropped_acks,
             unverified=self._unverified,
+            forged=self._forged,
+            unverified_dropped=self._n_dropped_unverified,
         )
 
     def restore(self, state: FoldState) -> None:
@@ -644,6 +708,9 @@ class Fleet:
         self._n_acks = state.acks_seen
         self._n_dropped_acks = state.dropped_acks
         self._unverified = state.unverified
+        self._n_unverified = sum(len(held) for held in state.unverified.values())
+        self._forged = state.forged
+        self._n_dropped_unverified = state.unverified_dropped
 
     # ------------------------------------------------------------------ internals
 
@@ -658,9 +725,10 @@ class Fleet:
         return out
 
     def _forged_ids(self, rollout_id: str) -> frozenset[str]:
-        """The rollout's command ids known only from unverified commands."""
+        """The rollout's command ids known only from unverified commands. None for a rollout
+        known from NACKs only and found ended: its verdict was given, and it stays."""
         held = self._unverified.get(rollout_id)
-        if not held:
+        if not held or (rollout_id in self._ended and rollout_id not in self._commands):
             return frozenset()
         verified = {c.command_id for c in self._commands.get(rollout_id, ())}
         summary = self._summaries.get(rollout_id)
@@ -699,9 +767,55 @@ class Fleet:
             if command_id in forged:
                 counts[command_id] = counts.get(command_id, 0) + 1
         return [
-            entry.model_copy(update={"nacks": counts[cid]}) if cid in counts else entry
+            entry.model_copy(update={"nacks": entry.nacks + counts[cid]})
+            if cid in counts
+            else entry
             for cid, entry in sorted(held.items())
         ]
+
+    def _settle(self, rollout_id: str, command_id: str) -> None:
+        """Count the NACKs of an unverified command known only as such into its entry, drop
+        them, and drop any read later."""
+        nacks = self._unreadable.get(rollout_id)
+        count = 0
+        if nacks:
+            mine = [key for key in nacks if key[0] == command_id]
+            for key in mine:
+                del nacks[key]
+            count = len(mine)
+            if not nacks:
+                del self._unreadable[rollout_id]
+                if rollout_id not in self._commands and rollout_id not in self._summaries:
+                    self._ended.pop(rollout_id, None)  # found ended before its command came
+        held = self._unverified[rollout_id]
+        entry = held[command_id]
+        if count:
+            held[command_id] = entry.model_copy(update={"nacks": entry.nacks + count})
+        self._forged[(rollout_id, command_id)] = None
+        limit = _FORGED_PER_UNVERIFIED * max(self.max_unverified or 0, 100)
+        while len(self._forged) > limit:
+            del self._forged[next(iter(self._forged))]
+
+    def _trim_unverified(self, cap: int) -> int:
+        """Keep the newest issued ``cap`` unverified commands; drop the others (with their
+        NACKs, when known only as such); how many were dropped."""
+        entries = sorted(
+            (e for held in self._unverified.values() for e in held.values()),
+            key=lambda e: (e.issued_at, e.rollout_id, e.command_id),
+            reverse=True,
+        )
+        for entry in entries[cap:]:
+            rollout_id, command_id = entry.rollout_id, entry.command_id
+            if command_id in self._forged_ids(rollout_id):
+                self._settle(rollout_id, command_id)
+            held = self._unverified[rollout_id]
+            del held[command_id]
+            if not held:
+                del self._unverified[rollout_id]
+        dropped = max(0, len(entries) - cap)
+        self._n_unverified -= dropped
+        self._n_dropped_unverified += dropped
+        return dropped
 
     def _command_anomalies(self, primary: Command, commands: list[Command]) -> list[Anomaly]:
         out = []

@@ -227,5 +227,7 @@ class UnverifiedCommand(_Out):
     code: str
     message: str
     #: NACKs of it by workers (``kind`` null: they refused it too), listed here rather than as
-    #: a rollout of their own.
+    #: a rollout of their own. Once it expired, those read later are not counted.
     nacks: int = 0
+    #: When it expires (None: from a snapshot that did not say).
+    expires_at: AwareDatetime | None = None

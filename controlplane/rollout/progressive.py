@@ -50,6 +50,7 @@ from controlplane.rollout.decisions import (
     Digests,
     Gate,
     Probes,
+    Seal,
     batch_over,
     batch_rollout_id,
     change_spec,
@@ -88,7 +89,8 @@ from controlplane.wire.control import (
     GateResult,
     RolloutState,
 )
-from controlplane.wire.errors import LocalCode, WireCode
+from controlplane.wire.errors import CommandRejected, LocalCode, WireCode
+from controlplane.wire.messages import Command
 
 #: Steps one rollout may take in one decision (each step waits on something else after a few).
 _MAX_STEPS: Final = 16
@@ -129,11 +131,17 @@ def decide(
     issuer: str = "controller",
     probes: Probes | None = None,
     digests: Digests | None = None,
+    seal: Seal | None = None,
 ) -> Decision:
     """Everything to write now: each open rollout moved as far as the log allows, then every
     drifting worker's command. ``probes`` and ``digests``: what the succeeded acks of the
-    rollouts' batches said (``result.probe``, ``result.weights_digest``)."""
-    ctx = Context(control, fleet, probes or {}, now, issuer, digests=digests or {})
+    rollouts' batches said (``result.probe``, ``result.weights_digest``). ``seal``: signs and
+    checks each command (the coordinator's key and trust store); a rollout whose command it
+    refuses ends ``aborted`` with the refusal's code, a sync it refuses is left out
+    (``Decision.refused``): published, either would be refused by every worker, and never be a
+    rollout here, so the next decision would publish it again."""
+    ctx = Context(control, fleet, probes or {}, now, issuer, digests=digests or {}, seal=seal)
+    refused: list[tuple[Command, CommandRejected]] = []
     states: list[RolloutState] = []
     #: target -> its rollout in progress (one started in this very decision included)
     running = {
@@ -158,6 +166,8 @@ def decide(
                     break
                 state = moved
             state = RolloutState.model_validate(state.model_dump())  # what readers accept
+        except CommandRejected as exc:
+            state = _unsigned(state, exc, now)
         except Exception as exc:  # one rollout the log makes odd never stops the others
             state = _broken(rollout, state, exc, now)
         if state != rollout.state:
@@ -165,10 +175,14 @@ def decide(
             states.append(state.model_copy(update={"revision": revision, "updated_at": now}))
         if state != rollout.state or len(ctx.commands) > published_before:
             moved_targets.add(rollout.spec.target)
-    ctx.commands.extend(
-        reconcile(control, fleet, now, issuer=issuer, published=ctx.published, skip=moved_targets)
-    )
-    return Decision(ctx.commands, states)
+    for sync in reconcile(
+        control, fleet, now, issuer=issuer, published=ctx.published, skip=moved_targets
+    ):
+        try:
+            ctx.commands.append(sync if seal is None else seal(sync))
+        except CommandRejected as exc:
+            refused.append((sync, exc))
+    return Decision(ctx.commands, states, refused)
 
 
 def _start(ctx: Context, rollout: Rollout, running: Mapping[str, str]) -> RolloutState:
@@ -381,6 +395,16 @@ def _failed(ctx: Context, state: RolloutState) -> list[str]:
                 ):
                     failed.add(detail.worker_id)
     return sorted(failed)
+
+
+def _unsigned(state: RolloutState, exc: CommandRejected, now: datetime) -> RolloutState:
+    """A rollout whose next command the coordinator's own trust store refuses (its key's scope
+    leaves out the target's selector or the path, or it has no key): ended ``aborted`` with the
+    refusal's code, nothing published. Not rolled back: a rollback's commands would be signed
+    by the same key; the workers that applied earlier waves are held for an operator."""
+    why = f"its command is not published: the coordinator's trust store refuses it: {exc.message}"
+    ended = end_state(state, ControlPhase.ABORTED, exc.code, why, now)
+    return RolloutState.model_validate(ended.model_dump())
 
 
 def _broken(rollout: Rollout, state: RolloutState, exc: Exception, now: datetime) -> RolloutState:

@@ -192,9 +192,10 @@ async def test_what_the_coordinator_checks_without_clock_or_filesystem() -> None
     verify_command(Verifier(unscoped), pinned, command_object(pinned), max_ttl_s=86400.0)
 
 
-async def test_a_rollout_found_ended_from_nacks_then_known_forged_is_never_summarized() -> None:
+async def test_a_rollout_found_ended_from_nacks_then_known_forged_keeps_its_verdict() -> None:
     """Compaction judged a NACK-only rollout ended; its command then came, unverified: the
-    id is no rollout, and compaction neither summarizes nor trips over it."""
+    verdict was given, so the rollout stays (its NACKs are its own, not the forgery's), and
+    compaction summarizes it without tripping over it."""
     refused = nack("w1", 6, "SIGNATURE_MISSING", rollout_id="r2", command_id="f9")
     follower = await fold([refused], Verifier(STORE))
     f = follower.fleet
@@ -203,8 +204,9 @@ async def test_a_rollout_found_ended_from_nacks_then_known_forged_is_never_summa
     follower.fold(
         [Record(SETTINGS.topics.commands.name, 0, 9, None, encode(command("r2", "f9")), 0)]
     )
-    assert f.excess() == [] and f.compact(at(200)) == 0
-    assert "r2" not in f and [u.nacks for u in f.unverified()] == [1]
+    assert "r2" in f and f.status("r2", at(200)).reason is RolloutReason.COMMAND_REJECTED
+    assert f.excess() == ["r2"] and f.compact(at(200)) == 1 and f.is_summarized("r2")
+    assert [u.nacks for u in f.unverified()] == [0]
 
 
 async def test_the_leader_folds_its_own_commands_as_its_standbys_read_them() -> None:
