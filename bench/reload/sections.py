@@ -67,11 +67,10 @@ def section_torch(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) 
         ("naive: safe_open+get_tensor+copy_", naive_loop(path, targets, nothing)),
         ("load_file + load_state_dict", load_file_state_dict(path, runner._model, nothing)),
     ]
-    verified = verified_reload(runner, path)
-    if verified is None:
+    verified = verified_reloads(runner, path)
+    if not verified:
         out["verified"] = "skipped: model-signing (the [verify] extra) is not installed"
-    else:
-        readers.insert(2, (VERIFIED, verified))
+    readers[2:2] = verified
     for label, fn in readers:
         runs.append(measure(label, fn, nbytes, repeats=r, path=path))
     for label, fn in readers if c else []:
@@ -81,22 +80,27 @@ def section_torch(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) 
     return out
 
 
-#: The verified reload's row: the same runner, the checkpoint signed, every copied byte hashed.
-VERIFIED = "verified: the same reload, OMS-signed (8 MiB sha256 shards hashed as copied)"
+#: The verified reloads' rows: the same runner, the checkpoint signed, every copied byte hashed;
+#: by hash (what ``checkpoint write --sign-hash`` chooses), BLAKE3 (the default) first.
+VERIFIED = {
+    "blake3": "verified blake3: the same reload, OMS-signed (whole-file BLAKE3 hashed as copied)",
+    "sha256": "verified sha256: the same reload, OMS-signed (8 MiB sha256 shards hashed as copied)",
+}
 
 
-def verified_reload(runner: Any, path: Path) -> Callable[[], None] | None:
+def verified_reloads(runner: Any, path: Path) -> list[tuple[str, Callable[[], None]]]:
     """The runner's reload of ``path`` with its signature checked and the copied bytes hashed
-    against it (workers/weights/oms.py, verify.py); None without model-signing.
+    against it (workers/weights/oms.py, verify.py), one row per hash; none without model-signing.
 
-    Signs the checkpoint's directory with a throwaway ECDSA key first (timed, printed: the cost
-    of ``fleet-worker checkpoint write --sign``). The runner trusts that key only while this row
+    Each hash signs a directory of its own (the checkpoint hard-linked: the same inode, so the
+    same page cache) with a throwaway ECDSA key first (timed, printed: the cost of
+    ``fleet-worker checkpoint write --sign``). The runner trusts that key only while the row
     runs (a benchmark-only swap of its trust), so every other row stays unverified.
     """
     try:
         import model_signing  # noqa: F401
     except ImportError:
-        return None
+        return []
     import tempfile
 
     from cryptography.hazmat.primitives import serialization
@@ -118,12 +122,22 @@ def verified_reload(runner: Any, path: Path) -> Callable[[], None] | None:
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         )
     )
-    started = time.perf_counter()
-    sign_checkpoint(path.parent, keys / "k.pem", shard_bytes=SIGN_SHARD_BYTES)
-    print(f"signed {path.parent} in {time.perf_counter() - started:.2f} s", flush=True)
     trust = load_model_trust([keys / "k.pub.pem"], required=True)
-    plain = runner_reload(runner, path)
+    rows = []
+    for algorithm, label in VERIFIED.items():
+        signed = path.parent.parent / f"signed-{algorithm}"
+        signed.mkdir(exist_ok=True)
+        if not (signed / path.name).exists():
+            os.link(path, signed / path.name)
+        shards = SIGN_SHARD_BYTES if algorithm == "sha256" else None
+        started = time.perf_counter()
+        sign_checkpoint(signed, keys / "k.pem", shard_bytes=shards, algorithm=algorithm)
+        print(f"signed {signed} ({algorithm}) in {time.perf_counter() - started:.2f} s", flush=True)
+        rows.append((label, _trusting(runner, trust, runner_reload(runner, signed / path.name))))
+    return rows
 
+
+def _trusting(runner: Any, trust: Any, plain: Callable[[], None]) -> Callable[[], None]:
     def run() -> None:
         runner._trust = trust  # a benchmark-only swap: this row verifies, the others do not
         try:
