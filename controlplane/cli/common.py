@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
@@ -17,6 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from controlplane.kafka.settings import KafkaSettings, load_settings
 from controlplane.wire.errors import ControlPlaneError
 from controlplane.wire.exits import APP_SETTINGS, CliExit, cli_exit, error_line, internal_line
+from controlplane.wire.signing import Verifier, read_trust_store
 
 T = TypeVar("T")
 
@@ -44,6 +46,26 @@ ApiOpt = Annotated[
         help="A coordinator's URL (e.g. http://coordinator:8080): ask it instead of reading the log.",
     ),
 ]
+TrustStoreOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--trust-store",
+        envvar="FLEET_TRUST_STORE",
+        help="Read the log as the workers do: fold only the commands this trust store verifies "
+        "(JSON, as `controlplane keys generate` prints); the others are shown unverified.",
+    ),
+]
+
+
+def verifier_from(path: Path | None) -> Verifier | None:
+    """The verifier of the trust store that ``--trust-store`` names (None without one); a
+    store that cannot be read or is invalid ends the command (SETTINGS_INVALID, exit 3)."""
+    if path is None:
+        return None
+    try:
+        return Verifier(read_trust_store(path))
+    except ControlPlaneError as exc:
+        raise fail(exc) from None
 
 
 def fail(error: ControlPlaneError) -> typer.Exit:

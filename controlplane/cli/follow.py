@@ -24,14 +24,49 @@ from datetime import UTC, datetime
 from typing import Any
 
 from controlplane.cli.render import console, progress_line
-from controlplane.coordinator.follower import Follower
+from controlplane.coordinator.follower import DEFAULT_MAX_TTL_S, Follower
 from controlplane.coordinator.publisher import PublishUnconfirmed
 from controlplane.kafka.bus import health
 from controlplane.kafka.settings import KafkaSettings
+from controlplane.rollout.fleet import Fleet
 from controlplane.rollout.models import RolloutStatus
 from controlplane.wire.channels import ACKS, COMMANDS
 from controlplane.wire.errors import BusError, LocalCode
 from controlplane.wire.protocol import Command, utcnow
+from controlplane.wire.signing import Verifier
+
+#: The longest TTL a command that a reader's trust store verifies may claim (the coordinator's).
+MAX_TTL_S = DEFAULT_MAX_TTL_S
+
+
+class PublishedFleet(Fleet):
+    """A publisher's fold: of the rollout it publishes (once :meth:`publishing` named its
+    command), only that very command. Another command under that rollout id (a forgery that
+    copies its ids with an earlier ``issued_at`` and fewer workers, which would otherwise be
+    the rollout judged, or a reuse of the id) is never folded into it, with or without a trust
+    store: it is kept in :attr:`ignored` (once each) for the publisher to say so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.published: Command | None = None
+        self._published: dict[str, Any] = {}
+        self.ignored: list[Command] = []
+
+    def publishing(self, command: Command) -> None:
+        self.published = command
+        self._published = command.model_dump(mode="json")
+
+    def observe_command(self, command: Command) -> None:
+        mine = self.published
+        if (
+            mine is not None
+            and command.rollout_id == mine.rollout_id
+            and command.model_dump(mode="json") != self._published
+        ):
+            if command not in self.ignored:
+                self.ignored.append(command)
+            return
+        super().observe_command(command)
 
 
 def wait_deadline(
@@ -126,10 +161,13 @@ async def settle(follower: Follower, patience_s: float) -> None:
 
 
 @asynccontextmanager
-async def read_log(settings: KafkaSettings) -> AsyncIterator[tuple[Follower, datetime]]:
+async def read_log(
+    settings: KafkaSettings, verifier: Verifier | None = None
+) -> AsyncIterator[tuple[Follower, datetime]]:
     """A probing reader that has read the whole log (:func:`catch_up`), and the time to judge
-    at (:func:`judge_time`); it stops reading when the block ends."""
-    async with Follower(settings, probe=True) as follower:
+    at (:func:`judge_time`); it stops reading when the block ends. ``verifier``: fold only
+    the commands it verifies (see the module's docstring)."""
+    async with Follower(settings, probe=True, verifier=verifier, max_ttl_s=MAX_TTL_S) as follower:
         await catch_up(follower, settings)
         yield follower, judge_time(follower)
 
@@ -147,17 +185,27 @@ ACKS_CLOCK_MARGIN_S = 120.0
 
 
 async def acks_start(
-    settings: KafkaSettings, rollout_id: str, *, margin_s: float = ACKS_CLOCK_MARGIN_S
+    settings: KafkaSettings,
+    rollout_id: str,
+    *,
+    margin_s: float = ACKS_CLOCK_MARGIN_S,
+    verifier: Verifier | None = None,
 ) -> dict[tuple[str, int], int] | None:
     """Where the acks of ``rollout_id`` begin: per acks partition, the first offset at or
     after its first command record (the earliest record timestamp or ``issued_at`` of any
     command record naming it, decoded or not), less ``margin_s``. None: no command record
-    names it (not on the commands topic, or gone by retention)."""
+    names it (not on the commands topic, or gone by retention). ``verifier``: as the reader
+    that follows (an unverified command still names the rollout: its NACKs are read)."""
     issued: list[datetime] = []
     # The acks topic is followed from its end (nothing before is read): assigned, so that
     # its partitions are known to be asked for by time.
     async with Follower(
-        settings, channels=(COMMANDS, ACKS), rollouts=(rollout_id,), tail=(ACKS,)
+        settings,
+        channels=(COMMANDS, ACKS),
+        rollouts=(rollout_id,),
+        tail=(ACKS,),
+        verifier=verifier,
+        max_ttl_s=MAX_TTL_S,
     ) as follower:
         follower.listeners.append(lambda batch: issued.extend(c.issued_at for c in batch.commands))
         await catch_up(follower, settings)
@@ -170,15 +218,26 @@ async def acks_start(
 
 @asynccontextmanager
 async def read_rollout(
-    settings: KafkaSettings, rollout_id: str, *, margin_s: float = ACKS_CLOCK_MARGIN_S
+    settings: KafkaSettings,
+    rollout_id: str,
+    *,
+    margin_s: float = ACKS_CLOCK_MARGIN_S,
+    verifier: Verifier | None = None,
 ) -> AsyncIterator[tuple[Follower, datetime]]:
     """:func:`read_log` for one rollout: a probing reader that folds only ``rollout_id``'s
     commands and acks, its acks read from :func:`acks_start` on (from the beginning, every
     ack undecoded unless its bytes name the rollout, when no command record names it: a
     rollout known only from NACKs, or none), and the whole workers topic; judged exactly as
-    a full replay judges it."""
-    start = await acks_start(settings, rollout_id, margin_s=margin_s)
-    async with Follower(settings, probe=True, rollouts=(rollout_id,), start_at=start) as follower:
+    a full replay judges it. ``verifier``: fold only the commands it verifies."""
+    start = await acks_start(settings, rollout_id, margin_s=margin_s, verifier=verifier)
+    async with Follower(
+        settings,
+        probe=True,
+        rollouts=(rollout_id,),
+        start_at=start,
+        verifier=verifier,
+        max_ttl_s=MAX_TTL_S,
+    ) as follower:
         await catch_up(follower, settings)
         yield follower, judge_time(follower)
 
@@ -234,8 +293,13 @@ async def follow(
     status: RolloutStatus | None = None
     announced: datetime | None = None  # the outage already reported
     health.quiet = True  # outages are reported below, in the progress's own words
+    told: set[tuple[str, str]] = set()  # the foreign commands already reported
+    news = True
     try:
         while True:
+            if news:
+                for line in foreign_commands(follower, rollout_id, told):
+                    say(out, bar, line)
             now_m = time.monotonic()
             down = follower.unreachable_since()
             if down is not None and announced is None:
@@ -286,11 +350,38 @@ async def follow(
             if touched:
                 wait_s = max(0.02, gap - (time.monotonic() - judged_at))
             batch = await follower.poll(timeout_s=min(wait_s, 0.25))
-            touched = touched or rollout_id in batch.rollout_ids or bool(batch.heartbeats)
+            news = rollout_id in batch.rollout_ids
+            touched = touched or news or bool(batch.heartbeats)
     finally:
         health.quiet = False
         if bar is not None:
             bar.stop()
+
+
+def foreign_commands(follower: Follower, rollout_id: str, told: set[tuple[str, str]]) -> list[str]:
+    """A line for each command under ``rollout_id`` that is not judged and was not yet
+    reported (added to ``told``): those the trust store did not verify, and, for a publisher,
+    those that are not the command it published (:class:`PublishedFleet`)."""
+    fleet = follower.fleet
+    lines: list[str] = []
+    for u in fleet.unverified():
+        key = (u.command_id, f"unverified {u.issued_at.isoformat()}")
+        if u.rollout_id == rollout_id and key not in told:
+            told.add(key)
+            lines.append(
+                f"ignored command {u.command_id} of rollout {rollout_id} (issued "
+                f"{u.issued_at.isoformat()} by {u.issuer!r}): not verified ({u.code})"
+            )
+    for c in fleet.ignored if isinstance(fleet, PublishedFleet) else ():
+        key = (c.command_id, c.model_dump_json())
+        if key not in told:
+            told.add(key)
+            lines.append(
+                f"ignored command {c.command_id} of rollout {rollout_id} (issued "
+                f"{c.issued_at.isoformat()} by {c.issuer!r}): not the command published "
+                "(a forgery, or a reuse of its ids)"
+            )
+    return lines
 
 
 def say(out: Any, bar: Any, text: str) -> None:

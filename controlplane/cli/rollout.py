@@ -38,12 +38,16 @@ from controlplane.cli.common import (
     BootstrapOpt,
     Exit,
     PrefixOpt,
+    TrustStoreOpt,
     app,
     fail,
     kafka_settings,
     run,
+    verifier_from,
 )
 from controlplane.cli.follow import (
+    MAX_TTL_S,
+    PublishedFleet,
     await_unconfirmed,
     catch_up,
     follow,
@@ -60,7 +64,7 @@ from controlplane.cli.render import (
     rollouts_table,
     workers_table,
 )
-from controlplane.coordinator.follower import Follower
+from controlplane.coordinator.follower import Follower, verify_command
 from controlplane.coordinator.publisher import (
     PublishUnconfirmed,
     RolloutRequest,
@@ -73,8 +77,9 @@ from controlplane.coordinator.publisher import (
 from controlplane.kafka.bus import Producer
 from controlplane.kafka.settings import DEFAULT_BOOTSTRAP, KafkaSettings
 from controlplane.rollout.decisions import named
-from controlplane.rollout.models import RolloutStatus
+from controlplane.rollout.models import AnomalyCode, RolloutStatus
 from controlplane.wire.channels import ACKS, COMMANDS
+from controlplane.wire.codec import encode
 from controlplane.wire.errors import (
     BusError,
     CommandRejected,
@@ -84,13 +89,14 @@ from controlplane.wire.errors import (
 )
 from controlplane.wire.exits import PHASE_EXITS, error_line
 from controlplane.wire.protocol import (
+    Command,
     CommandSpec,
     ReloadWeightsSpec,
     Selector,
     UpdateConfigSpec,
     utcnow,
 )
-from controlplane.wire.signing import Signer
+from controlplane.wire.signing import Signer, Verifier, wire_object
 
 SelectorOpt = Annotated[
     list[str] | None, typer.Option("--selector", "-s", help="Label match key=value, repeatable.")
@@ -156,6 +162,7 @@ async def _publish_and_maybe_wait(
     wait_timeout: float | None,
     as_json: bool,
     signer: Signer | None = None,
+    verifier: Verifier | None = None,
 ) -> int:
     out = console()
     # Only what this publish needs: the workers topic (the selector), and what is appended
@@ -164,14 +171,21 @@ async def _publish_and_maybe_wait(
     chosen = request.rollout_id is not None
     request = dataclasses.replace(request, rollout_id=request.rollout_id or new_id("r"))
     assert request.rollout_id is not None
+    # Of its own rollout, only the command published is folded (a forgery copying its ids
+    # never becomes the rollout judged); with a trust store, only verified commands at all
+    # (a forgery that used a chosen id first does not make it taken).
+    fleet = PublishedFleet()
     async with Follower(
         settings,
+        fleet,
         # Probing, so the workers partition is current only once a record of its own was
         # appended and read back: a fetch's end says nothing of heartbeats Kafka holds back
         # (a broker slow to replicate), and the selector must not leave live workers out.
         probe=True,
         rollouts=(request.rollout_id,),
         tail=(ACKS,) if chosen else (ACKS, COMMANDS),
+        verifier=verifier,
+        max_ttl_s=MAX_TTL_S,
     ) as follower:
         await catch_up(follower, settings)
         now = utcnow()
@@ -189,6 +203,9 @@ async def _publish_and_maybe_wait(
             issuer=f"{getpass.getuser()}@cli",
             signer=signer,
         )
+        if verifier is not None:
+            _check_own(verifier, command)
+        fleet.publishing(command)
         pinned = command.selector
         started = time.monotonic()
         # Open until the wait ends: an unconfirmed record is still being retried meanwhile.
@@ -240,6 +257,20 @@ async def _publish_and_maybe_wait(
     return _finish(status, as_json, waited_out=not status.terminal)
 
 
+def _check_own(verifier: Verifier, command: Command) -> None:
+    """Before publishing under ``--trust-store``: the command must be one that store verifies,
+    or this reader would fold it as unverified and never see its rollout (SETTINGS_INVALID
+    naming the store's code, exit 3; nothing published)."""
+    try:
+        verify_command(verifier, command, wire_object(encode(command)), max_ttl_s=MAX_TTL_S)
+    except CommandRejected as exc:
+        raise ControlPlaneError(
+            f"the command is not one --trust-store verifies, so nothing was published "
+            f"({exc.code}: {exc.message})",
+            code=LocalCode.SETTINGS_INVALID,
+        ) from None
+
+
 def _finish(status: RolloutStatus, as_json: bool, *, waited_out: bool = False) -> int:
     if as_json:
         typer.echo(status.model_dump_json())
@@ -247,6 +278,9 @@ def _finish(status: RolloutStatus, as_json: bool, *, waited_out: bool = False) -
         out = console()
         out.print(rollout_table(status))
         out.print(status.message)
+        for anomaly in status.anomalies:  # forgeries under its id (--trust-store): said
+            if anomaly.code is AnomalyCode.COMMAND_UNVERIFIED:
+                out.print(f"{anomaly.code.value}: {anomaly.message}", markup=False)
         if waited_out:
             out.print(f"gave up waiting: the rollout is still {status.phase.value}")
     if waited_out:
@@ -273,6 +307,7 @@ def _roll_out(
     delivery_timeout: DeliveryTimeoutOpt = None,
     signing_key: SigningKeyOpt = None,
     key_id: KeyIdOpt = None,
+    trust_store: TrustStoreOpt = None,
     as_json: JsonOpt = False,
     bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
     prefix: PrefixOpt = "fleet",
@@ -290,6 +325,7 @@ def _roll_out(
         signer = signer_from(signing_key, key_id)
     except ControlPlaneError as exc:
         raise fail(exc) from None
+    verifier = verifier_from(trust_store)
     _run_exit(
         _publish_and_maybe_wait(
             kafka_settings(bootstrap, prefix, delivery_timeout_s=delivery_timeout),
@@ -298,6 +334,7 @@ def _roll_out(
             wait_timeout=wait_timeout,
             as_json=as_json,
             signer=signer,
+            verifier=verifier,
         )
     )
 
@@ -401,6 +438,7 @@ def status(
     bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
     prefix: PrefixOpt = "fleet",
     api: ApiOpt = None,
+    trust_store: TrustStoreOpt = None,
 ) -> None:
     """Rollout status computed from the log (no coordinator needed), or asked of a coordinator
     (--api). Exits with the rollout's code."""
@@ -410,10 +448,15 @@ def status(
                 "--api shows one rollout: give its id (the status of every rollout reads the log)"
             )
         _run_exit(_status_from_api(api, rollout, watch=watch, as_json=as_json))
+    verifier = verifier_from(trust_store)
 
     async def go() -> int:
         settings = kafka_settings(bootstrap, prefix)
-        reading = read_log(settings) if rollout is None else read_rollout(settings, rollout)
+        reading = (
+            read_log(settings, verifier)
+            if rollout is None
+            else read_rollout(settings, rollout, verifier=verifier)
+        )
         async with reading as (follower, now):
             if rollout is None:
                 statuses = follower.fleet.rollouts(now)
@@ -423,7 +466,12 @@ def status(
                     console().print(rollouts_table(statuses))
                 return Exit.OK
             if rollout not in follower.fleet:
-                typer.echo(f"error: no rollout {rollout!r} in the log", err=True)
+                forged = [u for u in follower.fleet.unverified() if u.rollout_id == rollout]
+                why = "".join(
+                    f"; command {u.command_id} under that id is not verified ({u.code})"
+                    for u in forged
+                )
+                typer.echo(f"error: no rollout {rollout!r} in the log{why}", err=True)
                 return Exit.INVALID
             if watch:
                 watched = await follow(follower, rollout, None, as_json)
@@ -474,8 +522,11 @@ def workers(
     bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
     prefix: PrefixOpt = "fleet",
     api: ApiOpt = None,
+    trust_store: TrustStoreOpt = None,
 ) -> None:
-    """Every worker from its latest heartbeat: labels, device, version vs desired, liveness."""
+    """Every worker from its latest heartbeat: labels, device, version vs desired, liveness
+    (desired versions from verified commands only, under --trust-store)."""
+    verifier = None if api else verifier_from(trust_store)
 
     async def go() -> int:
         if api:
@@ -484,7 +535,7 @@ def workers(
             async with Remote(api) as remote:
                 views, levels = await remote.workers()
         else:
-            async with read_log(kafka_settings(bootstrap, prefix)) as (follower, now):
+            async with read_log(kafka_settings(bootstrap, prefix), verifier) as (follower, now):
                 pass  # read and closed: the table is printed from what was read
             views = follower.fleet.registry.workers(now)
             levels = follower.fleet.worker_levels(now)
