@@ -147,7 +147,7 @@ def sequential_read(path: Path) -> Callable[[], int]:
     def read() -> int:
         n = 0
         with open(path, "rb", buffering=0) as fh:
-            while k := fh.readinto(buf):  # type: ignore[attr-defined]
+            while k := fh.readinto(buf):
                 n += k
         return n
 
