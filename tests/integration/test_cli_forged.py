@@ -276,6 +276,9 @@ async def test_status_with_a_trust_store_shows_the_real_rollout_and_the_forgery_
     blind = await asyncio.to_thread(cli, kafka, "status", "r-status", "--json")
     assert "COMMAND_ID_REUSED" in blind.stdout, blind.stdout
     assert "COMMAND_UNVERIFIED" not in blind.stdout
+    readers = (REPO / "docs" / "signing.md").read_text().split("## The CLI's readers")[1]
+    assert "`--trust-store trust.json` (`FLEET_TRUST_STORE`)" in readers
+    assert "`COMMAND_ID_REUSED`" in readers.split("## Not yet")[0]
 
 
 async def test_a_rollout_id_used_only_by_a_forgery_is_not_taken_under_a_trust_store(
