@@ -23,14 +23,15 @@ from controlplane.api.app import create_app
 from controlplane.api.server import ApiServer
 from controlplane.cli import main as _registered  # noqa: F401  (registers the commands)
 from controlplane.cli.common import app as cli
+from controlplane.coordinator.publisher import RolloutRequest
 from controlplane.coordinator.service import Coordinator, CoordinatorSettings
 from controlplane.coordinator.snapshots import FORMAT, Manifest, SnapshotError, check
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.rollout.models import AnomalyCode
-from controlplane.wire.errors import ControlPlaneError, LocalCode
+from controlplane.wire.errors import CommandRejected, ControlPlaneError, LocalCode
 from controlplane.wire.protocol import ReloadWeightsSpec, Selector
 from controlplane.wire.signing import Signer, private_key_pem, public_key_text
-from tests.factories import running_agent
+from tests.factories import at, heartbeat, running_agent
 from tests.fleet import make_command, publish
 from tests.integration.test_coordinator_api import until
 from tests.integration.test_progressive import commands_on_the_topic
@@ -292,3 +293,91 @@ async def test_a_snapshot_folded_under_another_trust_store_is_not_restored(
         with pytest.raises(SnapshotError) as exc:
             check(manifest, {}, fold=reader.snapshots.fold, partitions=set(), starts={}, ends={})
         assert exc.value.code is LocalCode.SNAPSHOT_MISMATCH
+
+
+async def test_a_progressive_rollout_its_key_may_not_sign_ends_aborted_and_publishes_nothing(
+    kafka: KafkaSettings, tmp_path: Path
+) -> None:
+    """Weights outside its key's path_roots: the controller's wave command would be refused
+    by its own store and every worker, and published again at every decision (601 times in
+    ten minutes); it ends the rollout aborted with SCOPE_DENIED instead, publishing nothing."""
+    async with signed_fleet(kafka, tmp_path, 1) as (_keys, api):
+        put = await api.put("/api/v1/targets/tiny", json={"selector": {"model": "tiny"}})
+        assert put.status_code == 201, put.text
+        outside = tmp_path / "elsewhere.safetensors"
+        outside.write_bytes(b"\0" * 64)
+        started = await api.post(
+            "/api/v1/targets/tiny/rollouts",
+            json={
+                "desired": {"weights": {"path": str(outside), "version": "v3"}},
+                "strategy": {"canary": 1, "steps": ["100%"], "pause": 0},
+                "rollout_id": "r-outside",
+            },
+        )
+        assert started.status_code == 201, started.text
+        final = await until(
+            api,
+            "/api/v1/progressive-rollouts/r-outside",
+            lambda b: b.get("phase") in ("succeeded", "failed", "aborted", "rolled_back"),
+            timeout=60,
+        )
+        assert (final["phase"], final["code"]) == ("aborted", "SCOPE_DENIED"), final
+        assert "may not name weights" in final["message"]
+        written = await commands_on_the_topic(kafka)
+        assert not [c for c in written if c.rollout_id.startswith("r-outside")]
+        assert (await api.get("/api/v1/commands/unverified")).json() == []
+
+
+async def test_a_store_without_a_signing_key_refuses_api_posts_before_publishing(
+    tmp_path: Path,
+) -> None:
+    """With a trust store and no key, a post's command is unsigned: its own store (and every
+    worker) refuses it. Refused before publishing (400 SIGNATURE_MISSING), not a 201 for a
+    rollout that never shows. No broker: the refusal comes before the producer is used."""
+    keys = Keys(tmp_path)
+    kafka = KafkaSettings(bootstrap_servers="127.0.0.1:9")
+    settings = keys.settings(kafka).model_copy(update={"signing_key": None, "signing_key_id": None})
+    coordinator = Coordinator(settings, clock=lambda: at(10))
+    coordinator.fleet.observe_heartbeat(heartbeat("w0", 9))  # alive: the post is otherwise fine
+    try:
+        request = RolloutRequest(
+            ReloadWeightsSpec(path=keys.weights, version="v2"),
+            Selector(worker_ids=["w0"]),
+            rollout_id="r-unsigned",
+        )
+        with pytest.raises(CommandRejected) as exc:
+            await coordinator.publish_rollout(request)
+        assert exc.value.code == "SIGNATURE_MISSING"
+        assert "no signing key" in exc.value.message
+    finally:
+        await coordinator.stop()
+
+
+async def test_a_snapshot_folded_under_another_max_ttl_is_not_restored(tmp_path: Path) -> None:
+    """max_ttl_s decides which commands verify: it is part of the fold's settings (with a
+    store; without one nothing is verified)."""
+    keys = Keys(tmp_path)
+    kafka = KafkaSettings(bootstrap_servers="127.0.0.1:9")
+    coordinators = [
+        Coordinator(keys.settings(kafka)),
+        Coordinator(keys.settings(kafka, max_ttl_s=86400.0)),
+        Coordinator(CoordinatorSettings(kafka=kafka, max_ttl_s=86400.0)),
+    ]
+    for coordinator in coordinators:
+        await coordinator.stop()  # never started: closes its clients
+    week, day, plain = (c.snapshots.fold for c in coordinators)
+    assert week["max_ttl_s"] == 7 * 86400.0 and day["max_ttl_s"] == 86400.0
+    assert "max_ttl_s" not in plain
+    manifest = Manifest(
+        format=FORMAT,
+        writer="a",
+        snapshot_id="s",
+        written_at=0.0,
+        offsets=[],
+        chunks=[],
+        size=0,
+        fold=dict(week),
+    )
+    with pytest.raises(SnapshotError) as exc:
+        check(manifest, {}, fold=day, partitions=set(), starts={}, ends={})
+    assert exc.value.code is LocalCode.SNAPSHOT_MISMATCH

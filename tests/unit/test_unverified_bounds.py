@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -156,7 +156,7 @@ async def test_a_verdict_from_nacks_stays_when_a_forgery_of_its_ids_comes() -> N
     assert fleet.compact(at(30)) == 1 and fleet.is_summarized("r9")
 
 
-def refusing(code: WireCode) -> progressive_sim.Callable[[Command], Command]:
+def refusing(code: WireCode) -> Callable[[Command], Command]:
     def seal(cmd: Command) -> Command:
         raise CommandRejected(f"{cmd.rollout_id}: outside the key's scope", code=code)
 
