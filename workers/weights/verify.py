@@ -1,12 +1,14 @@
 """Check the bytes a reload copies against the digests a trusted signature gives (oms.py).
 
-Every signed span (a shard, or a whole file) is hashed as soon as every tensor it overlaps has
-been copied, while the copy goes on, by threads of its own (hashlib releases the GIL): tensor
-bytes are hashed from where they were copied to (host memory:
-the model's own parameters, so what is checked is what the model now holds), the header, gaps
-and tensors not copied (a tied weight's second name, device destinations) from the open file.
-The disk is read once; a byte changed in the file while it was copied is caught, since the
-copied byte is what is hashed.
+Every signed span (a sha256 shard, or a whole file's sha256 or BLAKE3) is hashed as soon as
+every tensor it overlaps has been copied, while the copy goes on, by threads of its own (hashlib
+and blake3 release the GIL; a whole file in segments, in order; BLAKE3 splits each segment
+between as many threads as the loader has readers): tensor bytes are hashed from where they
+were copied to (host memory: the model's own parameters, so what is checked is what the model
+now holds), the header, gaps and tensors not copied (a tied weight's second name, device
+destinations: a second read of those bytes) from the open file. The disk is read once for
+host-memory destinations; a byte changed in the file while it was copied is caught, since the
+copied byte is what is hashed. What a verified reload costs: docs/benchmarks.md, "3b".
 """
 
 from __future__ import annotations
