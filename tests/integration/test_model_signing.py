@@ -70,9 +70,11 @@ async def reload(kafka: KafkaSettings, acks: Tail, path: Path, version: str) -> 
     return ack
 
 
+@pytest.mark.parametrize("algorithm", ["sha256", "blake3"])
 async def test_a_tampered_signed_checkpoint_is_nacked_and_the_weights_stay(
-    kafka: KafkaSettings, tmp_path: Path
+    kafka: KafkaSettings, tmp_path: Path, algorithm: str
 ) -> None:
+    """Whole files signed with sha256, or BLAKE3 (what ``checkpoint write --sign`` signs)."""
     keys = tmp_path / "keys"
     keys.mkdir()
     trusted, trusted_pub = key_pair(keys, "release")
@@ -83,7 +85,7 @@ async def test_a_tampered_signed_checkpoint_is_nacked_and_the_weights_stay(
     def checkpoint(name: str, seed: int, key: Path | None) -> Path:
         path = write_checkpoint(root / name, model_kwargs=TINY, seed=seed, shards=2)
         if key is not None:
-            sign_checkpoint(root / name, key)
+            sign_checkpoint(root / name, key, algorithm=algorithm)
         return path
 
     v1 = checkpoint("v1", 1, trusted)
