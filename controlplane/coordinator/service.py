@@ -352,6 +352,11 @@ class Coordinator(AsyncService):
                 with collector_paused():  # makes no cycles; see collector_paused
                     fleet.check_ended(rollout_id, when)
             await asyncio.sleep(COMPACT_IDLE_PER_COST * (time.monotonic() - started))
+        when = self.judge_time()
+        if when is None:
+            return 0
+        with collector_paused():  # at most about 2 * max_unverified entries: one step
+            fleet.compact_unverified(when)
         summarized = 0
         for rollout_id in fleet.excess():
             when = self.judge_time()

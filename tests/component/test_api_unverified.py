@@ -10,7 +10,8 @@ import httpx
 from controlplane.api.models import encode_cursor
 from controlplane.coordinator.service import Coordinator
 from controlplane.wire.errors import WireCode
-from tests.component.conftest import AUTH, command, feed
+from tests.component.conftest import AUTH, Clock, command, feed
+from tests.factories import nack
 
 LINK = re.compile(r"<([^>]+)>; rel=\"next\"")
 
@@ -40,3 +41,28 @@ async def test_unverified_commands_come_in_pages(
         refused = await client.get(f"/api/v1/commands/unverified?cursor={bad}", headers=AUTH)
         assert refused.status_code == 422
         assert refused.json()["error"]["code"] == "INVALID_REQUEST"
+
+
+async def test_the_coordinators_compaction_drops_the_nacks_of_expired_forgeries(
+    coordinator: Coordinator, clock: Clock, client: httpx.AsyncClient
+) -> None:
+    """The coordinator compacts one rollout at a time (compact_stepwise), not through
+    Fleet.compact: expired forgeries lose their NACKs there too, and later ones are dropped."""
+    forged = command("r-forged", issued=0.0)  # expires an hour later
+    coordinator.fleet.observe_unverified(forged, WireCode.SIGNATURE_MISSING, "unsigned")
+    refusals = [
+        nack(f"w{i}", 1, "SIGNATURE_MISSING", rollout_id="r-forged", command_id=forged.command_id)
+        for i in range(3)
+    ]
+    feed(coordinator, *refusals)
+    clock.advance(7200)
+    await coordinator.compact_stepwise()
+    assert coordinator.fleet.fold_state().unreadable == {}
+    feed(
+        coordinator,
+        nack("w9", 7300, "SIGNATURE_MISSING", rollout_id="r-forged", command_id=forged.command_id),
+    )
+    assert coordinator.fleet.fold_state().unreadable == {}
+    listed = (await client.get("/api/v1/commands/unverified", headers=AUTH)).json()
+    assert [(u["rollout_id"], u["nacks"]) for u in listed] == [("r-forged", 3)]
+    assert (await client.get("/api/v1/rollouts/r-forged", headers=AUTH)).status_code == 404
