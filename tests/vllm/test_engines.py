@@ -208,9 +208,9 @@ async def test_a_failing_vllm_reload_restores_the_old_weights(
     validate = runner._validate
 
     def vanished(spec: ReloadWeightsSpec, path: Path, cancel: Any) -> Any:
-        weights_dir, entries, files, snapshot = validate(spec, path, cancel)
+        weights_dir, entries, files, snapshot, digest = validate(spec, path, cancel)
         runner._snapshots.remove(snapshot)  # type: ignore[union-attr]
-        return weights_dir, entries, files, ckpts.root / "vanished-after-validation"
+        return weights_dir, entries, files, ckpts.root / "vanished-after-validation", digest
 
     monkeypatch.setattr(runner, "_validate", vanished)
     spec = ReloadWeightsSpec(path=str(ckpts.v2), version="v2")
