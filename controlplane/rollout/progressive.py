@@ -34,6 +34,9 @@ The rules, wave by wave (docs/rollouts.md, "Progressive rollouts"):
    the previous stable state back, in batches, and the rollout ends ``rolled_back`` (``aborted``
    without rollback, or when a rollback fails: code ``ROLLBACK_FAILED``).
 7. Ended is ended: a rollout whose state is terminal is never looked at again.
+8. A command the coordinator's own trust store refuses (``decide``'s ``seal``) is never
+   published: its rollout ends ``aborted`` with the refusal's code (``SCOPE_DENIED``,
+   ``SIGNATURE_MISSING``), a sync is left out (``Decision.refused``).
 """
 
 from __future__ import annotations
