@@ -328,6 +328,17 @@ class _FleetCollector(Collector):
                 stats.compacted,
             ),
             (
+                "controlplane_commands_unverified",
+                "Commands the trust store did not verify, held (never a rollout: "
+                "GET /api/v1/commands/unverified).",
+                stats.unverified,
+            ),
+            (
+                "controlplane_commands_unverified_dropped",
+                "Unverified commands dropped beyond the newest max_unverified kept.",
+                stats.unverified_dropped,
+            ),
+            (
                 "controlplane_change_subscribers",
                 "Open change-feed subscribers (server-sent event streams, waits).",
                 coordinator.subscribers,

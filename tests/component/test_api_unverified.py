@@ -10,7 +10,7 @@ import httpx
 from controlplane.api.models import encode_cursor
 from controlplane.coordinator.service import Coordinator
 from controlplane.wire.errors import WireCode
-from tests.component.conftest import AUTH, Clock, command, feed
+from tests.component.conftest import AUTH, Clock, command, feed, sample
 from tests.factories import nack
 
 LINK = re.compile(r"<([^>]+)>; rel=\"next\"")
@@ -66,3 +66,15 @@ async def test_the_coordinators_compaction_drops_the_nacks_of_expired_forgeries(
     listed = (await client.get("/api/v1/commands/unverified", headers=AUTH)).json()
     assert [(u["rollout_id"], u["nacks"]) for u in listed] == [("r-forged", 3)]
     assert (await client.get("/api/v1/rollouts/r-forged", headers=AUTH)).status_code == 404
+
+
+async def test_the_unverified_commands_held_are_a_metric(
+    coordinator: Coordinator, client: httpx.AsyncClient
+) -> None:
+    for i in range(3):
+        forged = command(f"r-metric-{i}", issued=float(i))
+        coordinator.fleet.observe_unverified(forged, WireCode.SIGNATURE_MISSING, "unsigned")
+    feed(coordinator)
+    metrics = (await client.get("/metrics")).text
+    assert sample(metrics, "controlplane_commands_unverified") == 3
+    assert sample(metrics, "controlplane_commands_unverified_dropped") == 0
