@@ -218,6 +218,114 @@ def broker_start(
     )
 
 
+#: What ``broker secure-files`` adds to ensure_secure_files' directory for the apache/kafka image.
+JAAS_FILE = "kafka_server_jaas.conf"
+ACL_SCRIPT = "grant-acls.sh"
+
+
+def _with_hosts(directory: Path, hosts: list[str]) -> None:
+    """Make the CA and the broker's certificate again, its SAN naming ``hosts`` too (a compose
+    service's name: clients check it). The CA's key is never kept, so a new CA signs; the
+    users' passwords stay."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    from controlplane.kafka.secure import SecureFiles, _write_private, make_broker_cert, make_ca
+
+    files = SecureFiles(directory)
+    cert = x509.load_pem_x509_certificates(files.keystore.read_bytes())[0]
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    if set(hosts) <= set(san.get_values_for_type(x509.DNSName)):
+        return
+    ca_key, ca_cert = make_ca()
+    key, cert = make_broker_cert(ca_key, ca_cert)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(cert.subject)
+        .issuer_name(cert.issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(cert.not_valid_before_utc)
+        .not_valid_after(cert.not_valid_after_utc)
+    )
+    for ext in cert.extensions:
+        value = ext.value
+        if isinstance(value, x509.SubjectAlternativeName):
+            value = x509.SubjectAlternativeName([*value, *map(x509.DNSName, hosts)])
+        builder = builder.add_extension(value, ext.critical)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    pem = serialization.Encoding.PEM
+    key_pem = key.private_bytes(
+        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    _write_private(files.ca, ca_cert.public_bytes(pem))
+    _write_private(files.keystore, key_pem + cert.public_bytes(pem) + ca_cert.public_bytes(pem))
+
+
+@broker_app.command("secure-files")
+def broker_secure_files(
+    directory: Annotated[Path, typer.Argument(help="Where the files go (made mode 0700).")],
+    hosts: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--host",
+            help="A host name clients reach the broker by, added to its certificate's SAN "
+            "(localhost and 127.0.0.1 are always there); repeatable.",
+        ),
+    ] = None,
+    prefix: PrefixOpt = "fleet",
+) -> None:
+    """Make a secured broker's CA, certificate and users' passwords in DIRECTORY (once, as
+    `broker start --secure` does), plus the broker's JAAS file and a kafka-acls.sh script of
+    the users' ACLs on the topics of --topic-prefix: for a broker this command does not run
+    (compose.secure.yaml). Prints where each file is."""
+    from controlplane.kafka.secure import (
+        PRINCIPALS,
+        _write_private,
+        acl_grants,
+        ensure_secure_files,
+        jaas,
+    )
+
+    try:
+        files = ensure_secure_files(directory)
+        if hosts:
+            _with_hosts(directory, hosts)
+        passwords = files.passwords()
+    except (ControlPlaneError, OSError) as exc:
+        if isinstance(exc, OSError):
+            exc = BrokerError(
+                f"cannot write the broker's files in {directory}: {exc.strerror or exc}",
+                code=LocalCode.SETTINGS_INVALID,
+            )
+        raise fail(exc) from None
+    jaas_file = directory / JAAS_FILE
+    _write_private(
+        jaas_file, f"KafkaServer {{\n  {jaas('admin', passwords['admin'])}\n}};\n".encode()
+    )
+    script = directory / ACL_SCRIPT
+    lines = [
+        "#!/bin/sh",
+        "# Usage: grant-acls.sh BOOTSTRAP [KAFKA_ACLS]: the ACLs of ci, worker and coordinator",
+        f"# on the topics {prefix}.* (controlplane/kafka/secure.py acl_grants), as admin.",
+        "set -eu",
+        'acls="${2:-kafka-acls.sh}"',
+        *(
+            f'"$acls" --bootstrap-server "$1" --command-config {files.admin_properties} --add '
+            + " ".join(f"'{arg}'" for arg in grant.arguments())
+            for grant in acl_grants(prefix)
+        ),
+    ]
+    _write_private(script, ("\n".join(lines) + "\n").encode())
+    typer.echo(f"CA (ssl_cafile): {files.ca}")
+    typer.echo(f"broker key and certificate (PEM keystore): {files.keystore}")
+    typer.echo(f"broker JAAS (admin's login; KAFKA_OPTS): {jaas_file}")
+    for principal in PRINCIPALS:
+        typer.echo(f"{principal} password (sasl_password_file): {files.password_file(principal)}")
+    typer.echo(f"admin's Kafka tools config (--command-config): {files.admin_properties}")
+    typer.echo(f"ACLs (sh {script} BOOTSTRAP): {script}")
+
+
 @broker_app.command("install")
 def broker_install(
     java: Annotated[str, typer.Option(help="Java executable (17+).")] = "java",
