@@ -15,7 +15,7 @@ import os
 import struct
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -72,12 +72,15 @@ class OpenCheckpoint:
 
     Hashing and copying read from these same descriptors, so a file replaced after validation
     is never the one copied; each was opened as the very file whose location was checked
-    (``workers.weights.paths.open_member``).
+    (``workers.weights.paths.open_member``). ``headers`` holds each file's first 8 + length
+    bytes exactly as they were parsed: what is hashed for them (verify.py, ``verify_sha256``)
+    is these bytes, never a second read that a writer could have changed back meanwhile.
     """
 
     files: CheckpointFiles
     entries: dict[str, TensorEntry]
     fds: dict[Path, int]
+    headers: dict[Path, bytes] = field(default_factory=dict)
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -85,8 +88,9 @@ class OpenCheckpoint:
         self.fds.clear()
 
 
-def read_header(fd: int, file: Path) -> dict[str, TensorEntry]:
-    """The tensors of the safetensors file open at ``fd``, every entry checked against its size."""
+def read_header(fd: int, file: Path) -> tuple[dict[str, TensorEntry], bytes]:
+    """The tensors of the safetensors file open at ``fd``, every entry checked against its size,
+    and the bytes they were parsed from (the 8-byte length and the header): the ones to hash."""
     size = os.fstat(fd).st_size
     head = os.pread(fd, 8, 0)
     if len(head) < 8:
@@ -94,8 +98,11 @@ def read_header(fd: int, file: Path) -> dict[str, TensorEntry]:
     (length,) = struct.unpack("<Q", head)
     if length > MAX_HEADER_BYTES or 8 + length > size:
         raise unreadable(f"{file.name!r}: header length {length} is impossible for {size} bytes")
+    body = os.pread(fd, length, 8)
+    if len(body) != length:
+        raise unreadable(f"{file.name!r} ended inside its header")
     try:
-        raw = json.loads(os.pread(fd, length, 8))
+        raw = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise unreadable(f"{file.name!r}: header is not JSON: {exc}") from None
     if not isinstance(raw, dict):
@@ -110,7 +117,7 @@ def read_header(fd: int, file: Path) -> dict[str, TensorEntry]:
     for (_, end, first), (begin, _, second) in itertools.pairwise(spans):
         if begin < end:
             raise unreadable(f"{file.name!r}: tensors {first!r} and {second!r} overlap")
-    return entries
+    return entries, head + body
 
 
 def _parse_entry(file: Path, name: str, info: object, data_start: int, size: int) -> TensorEntry:
@@ -234,6 +241,7 @@ def verify_sha256(
     """Hash the manifest's files (relative names); every data file must be listed in it.
 
     ``digests`` are hashes already taken of some files (while copying them), not read again.
+    A data file's header and the index are hashed as they were parsed (not read again).
     """
     base = ckpt.files.base_dir
     wanted = {
@@ -250,8 +258,10 @@ def verify_sha256(
     for file, hexd in sorted(wanted.items()):
         if digests is not None and file in digests:
             digest = digests[file]
-        elif file in ckpt.fds:
-            digest = _sha256_fd(ckpt.fds[file], cancel)
+        elif file in ckpt.fds:  # the header as parsed, then the rest from the file
+            digest = _sha256_fd(ckpt.fds[file], cancel, ckpt.headers.get(file, b""))
+        elif file == ckpt.files.index and ckpt.files.index_bytes is not None:
+            digest = hashlib.sha256(ckpt.files.index_bytes).hexdigest()  # as parsed
         else:  # another file of the checkpoint's directory: contained and opened the same way
             member = check_member(file, ckpt.files.within)
             if member is None:
@@ -267,11 +277,13 @@ def verify_sha256(
         raise RunnerError(f"sha256 mismatch: {names(wrong)}", code=WireCode.CHECKSUM_MISMATCH)
 
 
-def _sha256_fd(fd: int, cancel: threading.Event | None) -> str:
-    digest = hashlib.sha256()
+def _sha256_fd(fd: int, cancel: threading.Event | None, parsed: bytes = b"") -> str:
+    """The sha256 of ``parsed`` (the file's first bytes as they were parsed), then of the file
+    at ``fd`` from there on."""
+    digest = hashlib.sha256(parsed)
     buf = bytearray(_HASH_CHUNK)
     view = memoryview(buf)
-    offset = 0
+    offset = len(parsed)
     while n := os.preadv(fd, [view], offset):
         if cancel is not None and cancel.is_set():
             raise RunnerError("reload cancelled while hashing", code=WireCode.COMMAND_TIMEOUT)

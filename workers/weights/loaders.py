@@ -84,7 +84,8 @@ def open_checkpoint(path: Path, roots: Sequence[Path] | None = None) -> Iterator
     try:
         for file in files.files:
             fd = ckpt.fds[file] = open_member(file, files.members[file], files.within)
-            for name, entry in read_header(fd, file).items():
+            entries, ckpt.headers[file] = read_header(fd, file)
+            for name, entry in entries.items():
                 if name in ckpt.entries:
                     raise unreadable(
                         f"tensor {name!r} is in both {ckpt.entries[name].file.name!r} and {file.name!r}"

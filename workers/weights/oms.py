@@ -26,7 +26,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
 from controlplane.wire.errors import RunnerError, WireCode
-from workers.weights.paths import CheckpointFiles, check_member, open_member
+from workers.weights.paths import CheckpointFiles, check_member
 
 #: The signature's name in a signed checkpoint directory (what model-signing's CLI writes).
 SIGNATURE_NAME = "model.sig"
@@ -260,26 +260,28 @@ def _relative(base: Path, file: Path) -> PurePosixPath:
 
 
 def check_index_digest(files: CheckpointFiles, signed: SignedDigests) -> None:
-    """The index json (read before the signature was checked) hashes to its signed digest."""
+    """The index json hashes to its signed digest: the very bytes the tensor -> file map was
+    parsed from (``files.index_bytes``), not a second read a writer could have restored."""
     if files.index is None:
         return
-    index = files.index
-    member = check_member(index, files.within)
-    if member is None:
-        raise _invalid(f"index {index.name!r} vanished")
-    fd = open_member(index, member, files.within)
-    try:
-        for span in signed.files[index]:
-            data = os.pread(fd, span.end - span.start, span.start)
-            hasher = new_hasher(span.algorithm)
-            hasher.update(data)
-            if hasher.hexdigest() != span.digest:
-                raise RunnerError(
-                    f"index {index.name!r} differs from the signed one",
-                    code=WireCode.CHECKSUM_MISMATCH,
-                )
-    finally:
-        os.close(fd)
+    index, data = files.index, files.index_bytes
+    spans = signed.files.get(index)
+    if spans is None:
+        raise _invalid(f"the signature does not name index {index.name!r}")
+    if data is None or len(data) != spans[-1].end:
+        raise RunnerError(
+            f"index {index.name!r} differs from the signed one (its size)",
+            code=WireCode.CHECKSUM_MISMATCH,
+        )
+    view = memoryview(data)
+    for span in spans:
+        hasher = new_hasher(span.algorithm)
+        hasher.update(view[span.start : span.end])
+        if hasher.hexdigest() != span.digest:
+            raise RunnerError(
+                f"index {index.name!r} differs from the signed one",
+                code=WireCode.CHECKSUM_MISMATCH,
+            )
 
 
 def sign_checkpoint(

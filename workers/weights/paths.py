@@ -89,6 +89,7 @@ class CheckpointFiles:
 
     ``files`` and ``weight_map`` name files as the checkpoint does (under ``base_dir``);
     ``members`` says where each really is; ``within`` are the roots everything was contained in.
+    ``index_bytes``: the index exactly as it was parsed (what its digest is checked against).
     """
 
     base_dir: Path
@@ -98,6 +99,7 @@ class CheckpointFiles:
     metadata: dict[str, object] | None = None
     members: Mapping[Path, Member] = field(default_factory=dict)
     within: tuple[Path, ...] = ()
+    index_bytes: bytes | None = None
 
 
 def checkpoint_files(path: Path, roots: Sequence[Path] | None = None) -> CheckpointFiles:
@@ -291,6 +293,7 @@ def _from_index(index: Path, within: tuple[Path, ...]) -> CheckpointFiles:
         metadata=metadata,
         members=members,
         within=within,
+        index_bytes=data,
     )
 
 

@@ -48,13 +48,17 @@ class CopiedBytesMismatch(WeightsCorrupted):
 class _Region:
     offset: int
     nbytes: int
-    memory: memoryview  # where the bytes were copied to, in host memory
+    memory: memoryview  # the bytes as used: the header as parsed, a tensor where copied to
 
 
 def _regions(
     ckpt: OpenCheckpoint, plan: list[tuple[TensorEntry, torch.Tensor]]
 ) -> dict[int, list[_Region]]:
+    """Per open file, the bytes hashed from memory: its header as parsed (the bytes that said
+    which tensor is where, never read again), and the tensors copied to host memory."""
     by_fd: dict[int, list[_Region]] = {}
+    for file, header in ckpt.headers.items():
+        by_fd.setdefault(ckpt.fds[file], []).append(_Region(0, len(header), memoryview(header)))
     for entry, dst in plan:
         if entry.nbytes == 0 or dst.device.type != "cpu" or not dst.is_contiguous():
             continue

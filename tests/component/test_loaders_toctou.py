@@ -1,0 +1,176 @@
+"""The bytes that decide what is loaded are the bytes hashed: a header or an index changed in place
+after the signature was checked, parsed by the worker, then changed back to the signed bytes
+before they would be read a second time, is refused (the parsed bytes are what is hashed).
+
+The attacker writes the checkpoint's storage (the same files, so the open descriptors see every
+change); the signed bytes are put back right after the worker parsed them, before the loader's
+next step.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import workers.weights.loaders as loaders
+from controlplane.wire.errors import RunnerError, WireCode
+from controlplane.wire.protocol import ReloadWeightsSpec
+from tests.component.test_loaders_verified import (
+    SERIALIZATIONS,
+    By,
+    checkpoint,
+    keys,
+    plain_runner,
+    runner,
+    same,
+    signed,
+    state,
+    weights,
+)
+from workers.runners.torch_runner import TorchRunner
+from workers.weights.verify import CopiedBytesMismatch
+
+pytest.importorskip("model_signing", reason="the [verify] extra is not installed")
+
+__all__ = ["keys"]  # the fixture, used by name
+
+
+def swap_two_tensors(file: Path) -> bytes:
+    """Give two tensors of the same dtype and shape each other's bytes, by swapping their offsets
+    in the header (same length: the file's size and layout do not change). Returns the header
+    bytes as they were, for restoring them."""
+    raw = file.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    signed_header = raw[8 : 8 + length]
+    header = json.loads(signed_header)
+    seen: dict[tuple[str, tuple[int, ...]], str] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        kind = (info["dtype"], tuple(info["shape"]))
+        if kind in seen:
+            first = header[seen[kind]]
+            first["data_offsets"], info["data_offsets"] = (
+                info["data_offsets"],
+                first["data_offsets"],
+            )
+            break
+        seen[kind] = name
+    else:
+        raise AssertionError(f"{file.name} has no two tensors of one shape")
+    evil = json.dumps(header, separators=(",", ":")).encode()
+    assert len(evil) <= length
+    with open(file, "r+b") as fh:
+        fh.seek(8)
+        fh.write(evil.ljust(length, b" "))
+    return signed_header
+
+
+def restore_before(
+    step: str, monkeypatch: pytest.MonkeyPatch, restore: Callable[[], object]
+) -> list[int]:
+    """Put the signed bytes back just before the loader's ``step`` (``check_index``: the index
+    and every header were parsed; ``plan_copy``: and the index checked), the first time only
+    (a restore of the previous checkpoint runs it again). Returns a list that records it."""
+    done: list[int] = []
+    original = getattr(loaders, step)
+
+    def then_step(*args: Any, **kwargs: Any) -> Any:
+        if not done:
+            restore()
+            done.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(loaders, step, then_step)
+    return done
+
+
+def header_restorer(file: Path, signed_header: bytes) -> Callable[[], object]:
+    def restore() -> None:
+        with open(file, "r+b") as fh:
+            fh.seek(8)
+            fh.write(signed_header)
+
+    return restore
+
+
+def refused_and_kept(
+    made: TorchRunner, path: Path, restored: list[int], **spec: Any
+) -> RunnerError:
+    before, v1_state = weights(made), state(made)
+    with pytest.raises(RunnerError) as caught:
+        made.reload_weights(ReloadWeightsSpec(path=str(path), version="v2", **spec), path)
+    assert restored, "the signed bytes were never put back"
+    assert caught.value.code in (WireCode.CHECKSUM_MISMATCH, WireCode.MODEL_SIGNATURE_INVALID)
+    assert state(made) == v1_state
+    assert same(weights(made), before)
+    return caught.value
+
+
+@SERIALIZATIONS
+@pytest.mark.parametrize("shards", [1, 3], ids=["one-file", "last-of-3-shards"])
+def test_a_header_swapped_then_restored_after_parsing_is_refused(
+    tmp_path: Path,
+    keys: dict[str, tuple[Path, Path]],
+    monkeypatch: pytest.MonkeyPatch,
+    by: By,
+    shards: int,
+) -> None:
+    """The reviewer's attack: a signed file's tensors swapped in its header, the signed header
+    back once parsed. With shards, the last one's header (hashed last, after the others'
+    tensors are copied: the widest window)."""
+    private, public = keys["trusted"]
+    made = runner(signed(tmp_path, "v1", 1, private, shard_bytes=by), public)
+    v2 = signed(tmp_path, "v2", 2, private, shards=shards, shard_bytes=by)
+    target = sorted(v2.parent.glob("*.safetensors"))[-1]
+    restored = restore_before(
+        "plan_copy", monkeypatch, header_restorer(target, swap_two_tensors(target))
+    )
+    refused = refused_and_kept(made, v2, restored)
+    assert isinstance(refused.__cause__, CopiedBytesMismatch)
+    assert "'v1' was restored" in refused.message
+
+
+def test_an_index_edited_then_restored_after_parsing_is_refused(
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The index edited to name only the first shard (a non-strict reload would then load half
+    of v2 over v1), the signed index back once parsed: refused before anything is copied."""
+    private, public = keys["trusted"]
+    made = runner(signed(tmp_path, "v1", 1, private), public)
+    index = signed(tmp_path, "v2", 2, private, shards=2)
+    signed_index = index.read_bytes()
+    content = json.loads(signed_index)
+    first = min(content["weight_map"].values())
+    content["weight_map"] = {t: f for t, f in content["weight_map"].items() if f == first}
+    evil = json.dumps(content).encode()
+    assert len(evil) < len(signed_index)
+    index.write_bytes(evil.ljust(len(signed_index), b" "))  # the signed size
+    restored = restore_before("check_index", monkeypatch, lambda: index.write_bytes(signed_index))
+    refused = refused_and_kept(made, index, restored, strict=False)
+    assert refused.code == WireCode.CHECKSUM_MISMATCH
+    assert "differs from the signed one" in refused.message
+    assert not isinstance(refused.__cause__, CopiedBytesMismatch)  # found before copying
+
+
+@pytest.mark.parametrize("restorable", [True, False], ids=["hashed-as-copied", "seeded"])
+def test_the_commands_sha256_hashes_the_header_it_parsed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restorable: bool
+) -> None:
+    """The same attack against the command's sha256 manifest: hashed as copied (v1 restored),
+    or, for seeded weights, before copying (nothing written)."""
+    from workers.demo.checkpoints import sha256_manifest
+
+    made = plain_runner(checkpoint(tmp_path, "v1", 1) if restorable else None)
+    v2 = checkpoint(tmp_path, "v2", 2)
+    manifest = sha256_manifest(v2)
+    restored = restore_before("plan_copy", monkeypatch, header_restorer(v2, swap_two_tensors(v2)))
+    refused = refused_and_kept(made, v2, restored, sha256=manifest)
+    assert refused.code == WireCode.CHECKSUM_MISMATCH
+    assert isinstance(refused.__cause__, CopiedBytesMismatch) == restorable
+    assert made.describe().degraded is None
