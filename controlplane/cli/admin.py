@@ -322,6 +322,7 @@ def broker_secure_files(
     typer.echo(f"broker JAAS (admin's login; KAFKA_OPTS): {jaas_file}")
     for principal in PRINCIPALS:
         typer.echo(f"{principal} password (sasl_password_file): {files.password_file(principal)}")
+    typer.echo(f"every user's password (JSON, for the broker's format): {files.users}")
     typer.echo(f"admin's Kafka tools config (--command-config): {files.admin_properties}")
     typer.echo(f"ACLs (sh {script} BOOTSTRAP): {script}")
 
