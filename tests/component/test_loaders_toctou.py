@@ -10,18 +10,22 @@ next step.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 import workers.weights.loaders as loaders
 from controlplane.wire.errors import RunnerError, WireCode
 from controlplane.wire.protocol import ReloadWeightsSpec
 from tests.component.test_loaders_verified import (
     SERIALIZATIONS,
+    SHARD,
     By,
     checkpoint,
     keys,
@@ -33,6 +37,8 @@ from tests.component.test_loaders_verified import (
     weights,
 )
 from workers.runners.torch_runner import TorchRunner
+from workers.weights.loaders import load_checkpoint
+from workers.weights.oms import load_model_trust, sign_checkpoint
 from workers.weights.verify import CopiedBytesMismatch
 
 pytest.importorskip("model_signing", reason="the [verify] extra is not installed")
@@ -174,3 +180,62 @@ def test_the_commands_sha256_hashes_the_header_it_parsed(
     assert refused.code == WireCode.CHECKSUM_MISMATCH
     assert isinstance(refused.__cause__, CopiedBytesMismatch) == restorable
     assert made.describe().degraded is None
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["cpu-strided", pytest.param("cuda", marks=pytest.mark.gpu)],
+)
+@pytest.mark.parametrize("by", [SHARD, None, "blake3"], ids=["shards", "files", "blake3"])
+def test_a_tensor_read_into_a_device_or_strided_destination_is_hashed_as_it_arrived(
+    tmp_path: Path,
+    keys: dict[str, tuple[Path, Path]],
+    monkeypatch: pytest.MonkeyPatch,
+    where: str,
+    by: By,
+) -> None:
+    """Destinations the copy does not read straight into (a device, a strided tensor) are hashed
+    from what they hold, not from a second read of the file: a tensor's bytes changed for the
+    read that copied it, then changed back, are found."""
+    import workers.weights.copy as copy_engine
+
+    private, public = keys["trusted"]
+    directory = tmp_path / "v2"
+    directory.mkdir()
+    path = directory / "model.safetensors"
+    save_file({"a": torch.full((8, 64), 1.0), "b": torch.full((64,), 2.0)}, str(path))
+    if by == "blake3":
+        sign_checkpoint(directory, private, algorithm="blake3")
+    else:
+        sign_checkpoint(directory, private, shard_bytes=by)
+    device = torch.device("cuda" if where == "cuda" else "cpu")
+    a = torch.zeros((64, 8), device=device).t()  # strided on the CPU
+    if where == "cuda":
+        a = torch.zeros((8, 64), device=device)
+    targets = {"a": a, "b": torch.zeros(64, device=device)}
+    read_exact = copy_engine.read_exact
+    changed: list[int] = []
+
+    def changed_for_the_copy(fd: int, buf: memoryview, entry: Any, start: int = 0) -> None:
+        if entry.name != "a":
+            return read_exact(fd, buf, entry, start)
+        signed_bytes = os.pread(fd, entry.nbytes, entry.offset)
+        with open(path, "r+b") as fh:
+            fh.seek(entry.offset)
+            fh.write(bytes(b ^ 0x55 for b in signed_bytes))
+            fh.flush()
+            try:
+                read_exact(fd, buf, entry, start)
+            finally:
+                fh.seek(entry.offset)
+                fh.write(signed_bytes)
+        changed.append(1)
+        return None
+
+    monkeypatch.setattr(copy_engine, "read_exact", changed_for_the_copy)
+    trust = load_model_trust([public], required=True)
+    with pytest.raises(CopiedBytesMismatch):
+        load_checkpoint(
+            path, targets, version="v2", from_version="v1", model_trust=trust, read_threads=1
+        )
+    assert changed, "the copy never read tensor 'a'"

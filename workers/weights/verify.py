@@ -3,12 +3,16 @@
 Every signed span (a sha256 shard, or a whole file's sha256 or BLAKE3) is hashed as soon as
 every tensor it overlaps has been copied, while the copy goes on, by threads of its own (hashlib
 and blake3 release the GIL; a whole file in segments, in order; BLAKE3 splits each segment
-between as many threads as the loader has readers): tensor bytes are hashed from where they
-were copied to (host memory: the model's own parameters, so what is checked is what the model
-now holds), the header, gaps and tensors not copied (a tied weight's second name, device
-destinations: a second read of those bytes) from the open file. The disk is read once for
-host-memory destinations; a byte changed in the file while it was copied is caught, since the
-copied byte is what is hashed. What a verified reload costs: docs/benchmarks.md, "3b".
+between as many threads as the loader has readers). Every byte that decides what the model
+holds is hashed as it was used, never read from the file a second time (a writer could have
+changed it back meanwhile): each file's header as it was parsed (``OpenCheckpoint.headers``);
+tensors from where they were copied to: host memory (the model's own parameters) directly,
+other destinations (a device, a strided tensor) read back from them once the copy is done
+(one chunk or tensor at a time, never a second copy of the model). Only bytes that decide
+nothing are read from the file: gaps, and tensors not copied (a tied weight's second name).
+The disk is read once for host-memory destinations; a byte changed in the file while it was
+copied is caught, since the copied byte is what is hashed. What a verified reload costs:
+docs/benchmarks.md, "3b".
 """
 
 from __future__ import annotations
@@ -44,11 +48,36 @@ class CopiedBytesMismatch(WeightsCorrupted):
     nack_code: WireCode = WireCode.CHECKSUM_MISMATCH
 
 
+#: Read-backs from destinations that are not host memory, one at a time (XLA's lazy tensors are
+#: not to be read from several threads at once).
+_READBACK = threading.Lock()
+
+
 @dataclass(frozen=True)
 class _Region:
+    """Bytes ``[offset, offset + nbytes)`` of a file, hashed as used: from ``memory`` (the header
+    as parsed, a tensor copied to host memory) or read back from ``tensor`` (another device, a
+    strided tensor) once the copy is done."""
+
     offset: int
     nbytes: int
-    memory: memoryview  # the bytes as used: the header as parsed, a tensor where copied to
+    memory: memoryview | None
+    tensor: torch.Tensor | None = None
+
+    def hash_into(self, digest: Hasher, begin: int, stop: int) -> None:
+        """Hash the region's bytes ``[begin, stop)`` (relative to ``offset``)."""
+        if self.memory is not None:
+            digest.update(self.memory[begin:stop])
+            return
+        assert self.tensor is not None
+        with _READBACK, torch.no_grad():
+            src = self.tensor.detach()
+            if src.device.type == "cuda":  # a chunk at a time through host memory
+                flat = src.contiguous().reshape(-1).view(torch.uint8)
+                for at in range(begin, stop, _SCRATCH_BYTES):
+                    digest.update(byte_view(flat[at : min(stop, at + _SCRATCH_BYTES)].cpu()))
+            else:  # one host tensor (XLA compiles per shape: no chunks)
+                digest.update(byte_view(src.cpu().contiguous())[begin:stop])
 
 
 def _regions(
@@ -60,13 +89,21 @@ def _regions(
     for file, header in ckpt.headers.items():
         by_fd.setdefault(ckpt.fds[file], []).append(_Region(0, len(header), memoryview(header)))
     for entry, dst in plan:
-        if entry.nbytes == 0 or dst.device.type != "cpu" or not dst.is_contiguous():
+        if entry.nbytes == 0:
             continue
-        region = _Region(entry.offset, entry.nbytes, byte_view(dst.detach()))
+        if _in_host_memory(dst):
+            region = _Region(entry.offset, entry.nbytes, byte_view(dst.detach()))
+        else:
+            region = _Region(entry.offset, entry.nbytes, None, dst)
         by_fd.setdefault(ckpt.fds[entry.file], []).append(region)
     for regions in by_fd.values():
         regions.sort(key=lambda r: r.offset)
     return by_fd
+
+
+def _in_host_memory(dst: torch.Tensor) -> bool:
+    """Whether the copy reads straight into ``dst`` (the bytes hashed are where it wrote)."""
+    return dst.device.type == "cpu" and dst.is_contiguous()
 
 
 def _feed(
@@ -109,7 +146,7 @@ def _feed(
             from_file(pos, region.offset)
             pos = region.offset
         stop = min(r_end, end)
-        digest.update(region.memory[pos - region.offset : stop - region.offset])
+        region.hash_into(digest, pos - region.offset, stop - region.offset)
         pos = stop
     from_file(pos, end)
 
@@ -185,10 +222,11 @@ class CopyHasher:
         self._planned = len(plan)
         units: list[_Unit] = []
         for file in ckpt.files.files:
-            # Plan positions, in file order (the plan is sorted by file, then offset).
+            # Plan positions, in file order (the plan is sorted by file, then offset); a tensor
+            # read back from its destination counts as the last: its spans wait for finish().
             mine = [
-                (e.offset, e.offset + e.nbytes, i)
-                for i, (e, _) in enumerate(plan)
+                (e.offset, e.offset + e.nbytes, i if _in_host_memory(dst) else self._planned)
+                for i, (e, dst) in enumerate(plan)
                 if e.file == file
             ]
             offsets = [o for o, _, _ in mine]
@@ -215,9 +253,10 @@ class CopyHasher:
             self._next += 1
 
     def finish(self, *, version: str, from_version: str | None) -> None:
-        """Every tensor is in: wait for every span's hash; CopiedBytesMismatch if one differs
+        """Every tensor is in (and the copy done: ``sync`` ran): hash the spans that read back
+        from the destinations, wait for every span's hash; CopiedBytesMismatch if one differs
         from its signed digest (or could not be taken)."""
-        self.advance(self._planned)
+        self.advance(self._planned + 1)
         wrong: list[str] = []
         try:
             for unit, future in self._hashed:
