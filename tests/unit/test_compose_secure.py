@@ -240,19 +240,7 @@ def test_each_client_connects_as_its_own_user_with_a_password_file(
     secrets = command_secrets(services)
     for name, user in USERS.items():
         service = services[name]
-        env = environment(service)
-        if name == "coordinator":
-            kafka: KafkaSettings = settings_from(monkeypatch, env, CoordinatorSettings).kafka
-        elif name.startswith("worker-"):
-            kafka = settings_from(monkeypatch, env, WorkerSettings).kafka
-        else:  # the CLI: FLEET_KAFKA__* (controlplane/cli/common.py)
-            kafka = KafkaSettings.model_validate(
-                {
-                    k.removeprefix("FLEET_KAFKA__").lower(): v
-                    for k, v in env.items()
-                    if k.startswith("FLEET_KAFKA__")
-                }
-            )
+        kafka = kafka_settings_of(name, environment(service), monkeypatch)
         assert kafka.security_protocol == "SASL_SSL", name
         assert kafka.sasl_mechanism == MECHANISM, name
         assert kafka.sasl_username == user, name
@@ -269,6 +257,30 @@ def test_each_client_connects_as_its_own_user_with_a_password_file(
     for name, service in services.items():
         for key in environment(service):
             assert not key.endswith(("SASL_PASSWORD", "API_TOKEN_FILE")), (name, key)
+
+
+def kafka_settings_of(
+    name: str, env: Mapping[str, str], monkeypatch: pytest.MonkeyPatch
+) -> KafkaSettings:
+    """The Kafka settings service ``name`` gets from ``env``, read by its own settings class:
+    the coordinator's, a worker's, or the CLI's (``FLEET_KAFKA__*``, controlplane/cli/common.py,
+    and ``FLEET_KAFKA_BOOTSTRAP`` / a ``--bootstrap`` in its command)."""
+    if name == "coordinator":
+        found: KafkaSettings = settings_from(monkeypatch, env, CoordinatorSettings).kafka
+        return found
+    if name.startswith("worker-"):
+        found = settings_from(monkeypatch, env, WorkerSettings).kafka
+        return found
+    values = {
+        k.removeprefix("FLEET_KAFKA__").lower(): v
+        for k, v in env.items()
+        if k.startswith("FLEET_KAFKA__")
+    }
+    if "FLEET_KAFKA_BOOTSTRAP" in env:
+        values["bootstrap_servers"] = env["FLEET_KAFKA_BOOTSTRAP"]
+    if "FLEET_TOPIC_PREFIX" in env:
+        values["topic_prefix"] = env["FLEET_TOPIC_PREFIX"]
+    return KafkaSettings.model_validate(values)
 
 
 def command_secrets(services: dict[str, dict[str, Any]]) -> dict[str, str]:
