@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 import workers.weights.loaders as loaders
-from controlplane.wire.errors import RunnerError, WireCode
+from controlplane.wire.errors import RunnerError, WeightsCorrupted, WireCode
 from controlplane.wire.protocol import ReloadWeightsSpec
 from tests.component.test_loaders_verified import (
     SERIALIZATIONS,
@@ -34,6 +34,7 @@ from tests.component.test_loaders_verified import (
     same,
     signed,
     state,
+    tensor_offset,
     weights,
 )
 from workers.runners.torch_runner import TorchRunner
@@ -239,3 +240,35 @@ def test_a_tensor_read_into_a_device_or_strided_destination_is_hashed_as_it_arri
             path, targets, version="v2", from_version="v1", model_trust=trust, read_threads=1
         )
     assert changed, "the copy never read tensor 'a'"
+
+
+def test_seeded_weights_hash_the_commands_sha256_again_as_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded weights check the manifest before copying (nothing written if it is wrong), and
+    the bytes copied again as copied: a tensor changed after the first hash and before the copy
+    is found (degraded: there is nothing to restore), not loaded as if it had been checked."""
+    from workers.demo.checkpoints import sha256_manifest
+
+    made = plain_runner(None)
+    v2 = checkpoint(tmp_path, "v2", 2)
+    manifest = sha256_manifest(v2)
+    changed: list[int] = []
+    verify_sha256 = loaders.verify_sha256
+
+    def then_change(*args: Any, **kwargs: Any) -> None:
+        verify_sha256(*args, **kwargs)
+        fd = os.open(v2, os.O_RDWR)
+        try:
+            os.pwrite(fd, b"\xde\xad", tensor_offset(v2, -1) + 3)
+        finally:
+            os.close(fd)
+        changed.append(1)
+
+    monkeypatch.setattr(loaders, "verify_sha256", then_change)
+    with pytest.raises(WeightsCorrupted) as caught:
+        made.reload_weights(ReloadWeightsSpec(path=str(v2), version="v2", sha256=manifest), v2)
+    assert changed
+    assert isinstance(caught.value, CopiedBytesMismatch)
+    assert made.describe().degraded is not None
+    assert made.describe().weights_version != "v2"

@@ -537,7 +537,7 @@ def test_changed_during_copy_restores_on_every_runner(
     tmp_path: Path, keys: dict[str, tuple[Path, Path]], make_runner: Any
 ) -> None:
     """The same, on each runner kind (XLA reads into host aliases of its buffers; CUDA through
-    staging, its copied bytes hashed from the file again)."""
+    staging, its copied bytes read back from the device to be hashed)."""
     private, public = keys["trusted"]
     v1 = signed(tmp_path, "v1", 1, private)
     made = make_runner(

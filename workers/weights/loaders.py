@@ -48,6 +48,7 @@ __all__ = [  # what runners, tests and benchmarks import (or patch) here
     "load_checkpoint",
     "module_targets",
     "open_checkpoint",
+    "verify_sha256",
 ]
 
 #: The names the copy engine had when it lived here (tests and bench/reload/ use them).
@@ -133,9 +134,10 @@ def load_checkpoint(
     copied are then hashed against the signed digests: a difference raises CopiedBytesMismatch
     (a WeightsCorrupted). ``signed``: check against these digests instead (the runner restoring
     the checkpoint it had verified before). The digests used are in the result's ``signed``.
-    ``sha256_while_copying``: the data files of the ``sha256`` manifest are hashed as they are
-    copied, not before (one read of each byte; a difference raises CopiedBytesMismatch): for a
-    caller that can restore what it had.
+    The data files of the ``sha256`` manifest are hashed as they are copied (what the model
+    gets is what is hashed; a difference raises CopiedBytesMismatch) and, unless
+    ``sha256_while_copying`` (a caller that can restore what it had), hashed before copying
+    too, so that a wrong checkpoint is refused before anything is written.
     """
     if read_threads is not None and read_threads < 1:
         raise ValueError(f"read_threads must be at least 1, not {read_threads}")
@@ -156,12 +158,15 @@ def load_checkpoint(
             check_index_digest(ckpt.files, signed)
         plan = plan_copy(ckpt.entries, targets, strict=strict, aliases=aliases or {})
         digests = None if signed is None else signed.files
-        if sha256 and signed is None and sha256_while_copying:
-            # Every other file the manifest lists is hashed now; the data files as copied.
+        if sha256 and signed is None:
+            # The data files are hashed as copied: the bytes the model gets are the ones hashed.
             digests = whole_file_spans(ckpt, sha256)
-            verify_sha256(
-                ckpt, sha256, cancel, digests={f: s[0].digest for f, s in digests.items()}
-            )
+            if sha256_while_copying:  # every other file the manifest lists is hashed now
+                verify_sha256(
+                    ckpt, sha256, cancel, digests={f: s[0].digest for f, s in digests.items()}
+                )
+            else:  # and all of them first too: a wrong checkpoint is refused untouched
+                verify_sha256(ckpt, sha256, cancel)
         elif sha256:
             verify_sha256(ckpt, sha256, cancel)
         if cancel is not None and cancel.is_set():
