@@ -165,8 +165,11 @@ def test_the_override_names_only_services_of_compose_yaml_or_its_own(
     assert set(override["services"]) - set(base) == {"kafka-secrets", "kafka-acls", "ci"}
     assert services["kafka"]["image"] == base["kafka"]["image"] == "apache/kafka:4.1.1"
     assert services["kafka-acls"]["image"] == base["kafka"]["image"]
-    # The tools service is run on demand, not by `up`.
-    assert services["ci"]["profiles"] == ["tools"]
+    # The tools service is run on demand, not by `up`; its command is our CLI's.
+    ci = services["ci"]
+    assert ci["profiles"] == ["tools"] and ci["entrypoint"] == ["controlplane"]
+    result = CliRunner().invoke(controlplane_app, [*command(ci), "--help"])
+    assert result.exit_code == 0, result.output
 
 
 def test_no_listener_a_client_reaches_is_plaintext(services: dict[str, dict[str, Any]]) -> None:
