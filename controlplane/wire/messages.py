@@ -235,6 +235,30 @@ def _is_none(value: object) -> bool:
     return value is None
 
 
+#: Bounds of a reload's drain deadline, in seconds, and its default when the spec gives none.
+MAX_DRAIN_TIMEOUT_S: Final = 3600.0
+DEFAULT_DRAIN_TIMEOUT_S: Final = 60.0
+
+
+class DrainPolicy(WireModel):
+    """What a reload does with generation requests in flight on the worker (docs/wire.md,
+    "Drain and cache policy"). No request is ever generated partly with each version."""
+
+    mode: Literal["wait", "abort", "keep"] = Field(
+        default="wait",
+        description="wait: admit no new request, let those running finish (up to timeout_s), "
+        "reload, then serve again; past the deadline the reload NACKs COMMAND_TIMEOUT with the "
+        "weights untouched. abort: fail the requests in flight and reload at once. keep: "
+        "requests in flight are paused and carry on after the reload (vLLM); a runner that "
+        "cannot pause a request mid-generation (torch, XLA) waits as for wait.",
+    )
+    timeout_s: Annotated[float, Field(gt=0, le=MAX_DRAIN_TIMEOUT_S)] = Field(
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        description="How long wait (and keep where it waits) lets requests in flight run "
+        "before the reload gives up with COMMAND_TIMEOUT, weights untouched.",
+    )
+
+
 class ReloadWeightsSpec(WireModel):
     """Reload every weight in place from a safetensors checkpoint, as version ``version``."""
 
@@ -267,6 +291,30 @@ class ReloadWeightsSpec(WireModel):
         description="Run this probe after the weights are applied; its result goes into the "
         "succeeded ack. Omitted: no probe.",
     )
+    # Never written when None either (workers built before drain policies read the rest):
+    # omitted means DrainPolicy() -- wait, up to DEFAULT_DRAIN_TIMEOUT_S -- and reset on.
+    drain: DrainPolicy | None = Field(
+        default=None,
+        exclude_if=_is_none,
+        description="What happens to generation requests in flight during the reload. "
+        f"Omitted: wait for them, up to {DEFAULT_DRAIN_TIMEOUT_S:g} s.",
+    )
+    reset_cache: bool | None = Field(
+        default=None,
+        exclude_if=_is_none,
+        description="Reset the server's prefix (KV) cache after the weights change, so no "
+        "cached KV of the old weights is served. Omitted: true.",
+    )
+
+    @property
+    def drain_policy(self) -> DrainPolicy:
+        """The drain policy in force: the one given, or the default (wait, with a deadline)."""
+        return self.drain if self.drain is not None else DrainPolicy()
+
+    @property
+    def resets_cache(self) -> bool:
+        """Whether the prefix cache is reset: as given, true when omitted."""
+        return self.reset_cache is not False
 
 
 class UpdateConfigSpec(WireModel):
