@@ -223,45 +223,6 @@ JAAS_FILE = "kafka_server_jaas.conf"
 ACL_SCRIPT = "grant-acls.sh"
 
 
-def _with_hosts(directory: Path, hosts: list[str]) -> None:
-    """Make the CA and the broker's certificate again, its SAN naming ``hosts`` too (a compose
-    service's name: clients check it). The CA's key is never kept, so a new CA signs; the
-    users' passwords stay."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-
-    from controlplane.kafka.secure import SecureFiles, _write_private, make_broker_cert, make_ca
-
-    files = SecureFiles(directory)
-    cert = x509.load_pem_x509_certificates(files.keystore.read_bytes())[0]
-    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    if set(hosts) <= set(san.get_values_for_type(x509.DNSName)):
-        return
-    ca_key, ca_cert = make_ca()
-    key, cert = make_broker_cert(ca_key, ca_cert)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(cert.subject)
-        .issuer_name(cert.issuer)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(cert.not_valid_before_utc)
-        .not_valid_after(cert.not_valid_after_utc)
-    )
-    for ext in cert.extensions:
-        value = ext.value
-        if isinstance(value, x509.SubjectAlternativeName):
-            value = x509.SubjectAlternativeName([*value, *map(x509.DNSName, hosts)])
-        builder = builder.add_extension(value, ext.critical)
-    cert = builder.sign(ca_key, hashes.SHA256())
-    pem = serialization.Encoding.PEM
-    key_pem = key.private_bytes(
-        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    _write_private(files.ca, ca_cert.public_bytes(pem))
-    _write_private(files.keystore, key_pem + cert.public_bytes(pem) + ca_cert.public_bytes(pem))
-
-
 @broker_app.command("secure-files")
 def broker_secure_files(
     directory: Annotated[Path, typer.Argument(help="Where the files go (made mode 0700).")],
@@ -281,16 +242,14 @@ def broker_secure_files(
     (compose.secure.yaml). Prints where each file is."""
     from controlplane.kafka.secure import (
         PRINCIPALS,
-        _write_private,
         acl_grants,
         ensure_secure_files,
         jaas,
+        write_private,
     )
 
     try:
-        files = ensure_secure_files(directory)
-        if hosts:
-            _with_hosts(directory, hosts)
+        files = ensure_secure_files(directory, hosts or ())
         passwords = files.passwords()
     except (ControlPlaneError, OSError) as exc:
         if isinstance(exc, OSError):
@@ -300,7 +259,7 @@ def broker_secure_files(
             )
         raise fail(exc) from None
     jaas_file = directory / JAAS_FILE
-    _write_private(
+    write_private(
         jaas_file, f"KafkaServer {{\n  {jaas('admin', passwords['admin'])}\n}};\n".encode()
     )
     script = directory / ACL_SCRIPT
@@ -316,7 +275,7 @@ def broker_secure_files(
             for grant in acl_grants(prefix)
         ),
     ]
-    _write_private(script, ("\n".join(lines) + "\n").encode())
+    write_private(script, ("\n".join(lines) + "\n").encode())
     typer.echo(f"CA (ssl_cafile): {files.ca}")
     typer.echo(f"broker key and certificate (PEM keystore): {files.keystore}")
     typer.echo(f"broker JAAS (admin's login; KAFKA_OPTS): {jaas_file}")

@@ -9,7 +9,8 @@ Everything lives in ``<data_dir>/secure/``, each file mode 0600, made once by
 - ``broker.pem``: the broker's key (unencrypted PKCS#8) then its certificate, Kafka's PEM
   keystore. Subject ``CN=broker`` (the principal ``User:CN=broker`` of the broker's own
   connections to its controller, a super user), SAN ``DNS:localhost`` and ``IP:127.0.0.1``
-  (clients check the host name), for server and client authentication.
+  and any host names asked for (clients check the host name), for server and client
+  authentication.
 - ``users.json``: a random password for each of :data:`PRINCIPALS`, and
   ``<user>.password``: the same, one file each (``sasl_password_file``).
 - ``admin.properties``: the admin's client configuration for Kafka's own tools (AclCommand).
@@ -40,7 +41,7 @@ import ipaddress
 import json
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,9 +122,12 @@ def make_ca(name: str = "fleet local Kafka CA") -> tuple[Key, x509.Certificate]:
     return key, cert
 
 
-def make_broker_cert(ca_key: Key, ca_cert: x509.Certificate) -> tuple[Key, x509.Certificate]:
-    """The broker's key and certificate, signed by the CA: ``CN=broker``, SAN localhost and
-    127.0.0.1, for TLS servers and clients (the broker is its controller's client)."""
+def make_broker_cert(
+    ca_key: Key, ca_cert: x509.Certificate, hosts: Sequence[str] = ()
+) -> tuple[Key, x509.Certificate]:
+    """The broker's key and certificate, signed by the CA: ``CN=broker``, SAN localhost,
+    127.0.0.1 and ``hosts`` (DNS names, e.g. a compose service's), for TLS servers and clients
+    (the broker is its controller's client)."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
     cert = (
@@ -140,6 +144,7 @@ def make_broker_cert(ca_key: Key, ca_cert: x509.Certificate) -> tuple[Key, x509.
                 [
                     x509.DNSName("localhost"),
                     x509.IPAddress(ipaddress.IPv4Address("127.0.0.1")),
+                    *map(x509.DNSName, hosts),
                 ]
             ),
             critical=False,
@@ -163,7 +168,7 @@ def _pem(cert: x509.Certificate) -> bytes:
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
-def _write_private(path: Path, data: bytes) -> None:
+def write_private(path: Path, data: bytes) -> None:
     """Write ``data`` to a file only its owner can read, created so (no moment at 0644)."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.unlink(missing_ok=True)
@@ -246,29 +251,48 @@ class SecureFiles:
         return {p: self.settings(p, bootstrap, **values) for p in PRINCIPALS}
 
 
-def ensure_secure_files(directory: Path) -> SecureFiles:
-    """Make the CA, the broker's keystore and the users' passwords in ``directory`` (mode 0700,
-    every file 0600), unless all are there already."""
-    files = SecureFiles(directory)
-    if files.exists():
-        return files
-    directory.mkdir(parents=True, exist_ok=True)
-    directory.chmod(0o700)
+def _write_certificates(files: SecureFiles, hosts: Sequence[str]) -> None:
+    """A new CA and the broker's keystore, its SAN naming ``hosts`` too."""
     ca_key, ca_cert = make_ca()
-    key, cert = make_broker_cert(ca_key, ca_cert)
+    key, cert = make_broker_cert(ca_key, ca_cert, hosts)
     key_pem = key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     )
-    _write_private(files.ca, _pem(ca_cert))
-    _write_private(files.keystore, key_pem + _pem(cert) + _pem(ca_cert))
+    write_private(files.ca, _pem(ca_cert))
+    write_private(files.keystore, key_pem + _pem(cert) + _pem(ca_cert))
+
+
+def _names_lacking(files: SecureFiles, hosts: Sequence[str]) -> bool:
+    """Whether the broker's certificate lacks one of ``hosts`` in its SAN."""
+    cert = x509.load_pem_x509_certificates(files.keystore.read_bytes())[0]
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return not set(hosts) <= set(san.get_values_for_type(x509.DNSName))
+
+
+def ensure_secure_files(directory: Path, hosts: Sequence[str] = ()) -> SecureFiles:
+    """Make the CA, the broker's keystore and the users' passwords in ``directory`` (mode 0700,
+    every file 0600), unless all are there already.
+
+    ``hosts``: host names clients reach the broker by, added to its certificate's SAN. When the
+    files are there but the certificate lacks one of them, the CA and the certificate are made
+    again (the CA's key is never kept, so a new CA signs; clients must trust the new
+    ``ca.pem``); the users' passwords stay."""
+    files = SecureFiles(directory)
+    if files.exists():
+        if hosts and _names_lacking(files, hosts):
+            _write_certificates(files, hosts)
+        return files
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    _write_certificates(files, hosts)
     # Hex: no character that Kafka's --add-scram syntax or a JAAS string would read.
     passwords = {p: secrets.token_hex(24) for p in PRINCIPALS}
-    _write_private(files.users, json.dumps(passwords, indent=2).encode() + b"\n")
+    write_private(files.users, json.dumps(passwords, indent=2).encode() + b"\n")
     for principal, password in passwords.items():
-        _write_private(files.password_file(principal), password.encode() + b"\n")
-    _write_private(files.admin_properties, client_properties(files, "admin").encode())
+        write_private(files.password_file(principal), password.encode() + b"\n")
+    write_private(files.admin_properties, client_properties(files, "admin").encode())
     return files
 
 

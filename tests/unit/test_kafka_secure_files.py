@@ -110,6 +110,42 @@ def test_a_damaged_users_file_is_settings_invalid(tmp_path: Path) -> None:
     assert info.value.code is LocalCode.SETTINGS_INVALID
 
 
+def test_extra_hosts_join_the_san_once_and_the_passwords_survive(tmp_path: Path) -> None:
+    """A directory whose certificate lacks a host asked for gets a new CA and certificate that
+    names it (`broker secure-files --host kafka`); the passwords stay; asking again changes
+    nothing."""
+    made = ensure_secure_files(tmp_path / "secure")
+    passwords = made.passwords()
+    [old_ca] = _certs(made.ca)
+    files = ensure_secure_files(made.directory, hosts=("kafka",))
+    [ca] = _certs(files.ca)
+    leaf, chained_ca = _certs(files.keystore)
+    assert ca != old_ca and chained_ca == ca  # the CA's key was not kept: a new CA signed
+    leaf.verify_directly_issued_by(ca)
+    san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["localhost", "kafka"]
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.IPv4Address("127.0.0.1")]
+    assert files.passwords() == passwords
+    for principal, password in passwords.items():
+        assert files.password_file(principal).read_text() == password + "\n"
+    for path in files.files():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    before = {path: path.read_bytes() for path in files.files()}
+    ensure_secure_files(files.directory, hosts=("kafka",))
+    ensure_secure_files(files.directory, hosts=("localhost",))
+    assert {path: path.read_bytes() for path in files.files()} == before
+    # A new directory names the hosts at once.
+    fresh = ensure_secure_files(tmp_path / "fresh", hosts=("kafka", "broker.internal"))
+    fresh_san = _certs(fresh.keystore)[0].extensions.get_extension_for_class(
+        x509.SubjectAlternativeName
+    )
+    assert fresh_san.value.get_values_for_type(x509.DNSName) == [
+        "localhost",
+        "kafka",
+        "broker.internal",
+    ]
+
+
 def test_acl_grants_give_no_one_writes_on_commands_but_ci_and_the_coordinator() -> None:
     writers = set()
     for grant in acl_grants("p"):
