@@ -14,12 +14,15 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from controlplane.wire.errors import ControlPlaneError, LocalCode
 from controlplane.wire.exits import APP_SETTINGS, WORKER_EXITS, WorkerExit, error_line, worker_exit
+
+if TYPE_CHECKING:
+    from workers.agent.loop import Agent
 
 app = typer.Typer(
     name="fleet-worker", help="Worker agent of the fleet control plane.", **APP_SETTINGS
@@ -116,7 +119,8 @@ def run(
     ] = None,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING.")] = "INFO",
 ) -> None:
-    """Run a worker agent until SIGTERM/SIGINT (then drain: finish or time out, ack, stop).
+    """Run a worker agent until SIGTERM/SIGINT (then drain: finish or time out, ack, stop);
+    SIGHUP reads the trust store again.
 
     Exit codes: 0 stopped, 3 invalid settings, 4 Kafka, 5 state directory in use by another
     agent, 6 journal not writable, 7 runner failed to load, 1 any other error.
@@ -160,15 +164,20 @@ def run(
     _warn_about_a_legacy_state_dir(settings.state_dir, settings.worker_id)
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, agent.request_stop)
+        install_signal_handlers(asyncio.get_running_loop(), agent)
         await agent.run()
 
     try:
         asyncio.run(main())
     except ControlPlaneError as exc:
         raise _fail(exc) from None
+
+
+def install_signal_handlers(loop: asyncio.AbstractEventLoop, agent: Agent) -> None:
+    """SIGTERM and SIGINT stop the agent (draining); SIGHUP reads its trust store again."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, agent.request_stop)
+    loop.add_signal_handler(signal.SIGHUP, agent.reload_trust_store)
 
 
 def _warn_about_a_legacy_state_dir(state_dir: Path, worker_id: str) -> None:

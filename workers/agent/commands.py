@@ -41,6 +41,11 @@ from workers.agent.trust import TrustGate
 from workers.runners.base import Runner
 from workers.weights.paths import resolve_weights_path
 
+#: Degraded codes of a restart that did not re-apply what an untrusted key had admitted.
+UNRESTORED_CODES = frozenset(
+    c.value for c in (WireCode.KEY_REVOKED, WireCode.KEY_UNKNOWN, WireCode.SIGNATURE_MISSING)
+)
+
 
 @dataclass(frozen=True)
 class CommandContext:
@@ -143,6 +148,9 @@ class CommandPath:
         self._clock = clock
         self._log = log
         self._outcomes = outcomes
+        #: Kinds whose journaled state a restart did not re-apply (its key no longer trusted):
+        #: the worker reports degraded until a command of each kind succeeds.
+        self.unrestored: set[CommandKind] = set()
 
     async def handle(self, record: Record) -> Handled:
         """Handle one record: whether it ended with a terminal ack published (now or before)."""
@@ -156,6 +164,7 @@ class CommandPath:
         if not command.selector.matches(self._settings.worker_id, self._settings.labels):
             return Handled(acked=False)
         try:
+            self._gate.refresh()  # a changed trust store file is read again (cheap, throttled)
             admitted = self._gate.admit(command, record.value or b"")
         except CommandRejected as exc:
             # No kind on the NACK, as on one of an unreadable record: a reader folds it as an
@@ -210,8 +219,10 @@ class CommandPath:
             self._view.describe = outcome.description
         else:
             await self._view.refresh(self._runner, self._log)
+        if outcome.state is AckState.SUCCEEDED:
+            self._recovered(command.kind)
         self._view.status = self._view.idle_status(self._stop.is_set())
-        await self._finish(ctx, outcome)
+        await self._finish(ctx, outcome, admitted.key_id)
         return Handled(acked=True, published=command.command_id)
 
     def ack(
@@ -240,7 +251,25 @@ class CommandPath:
             result=result or {},
         )
 
-    async def _finish(self, ctx: CommandContext, outcome: Outcome) -> None:
+    def _recovered(self, kind: CommandKind) -> None:
+        """A command of ``kind`` succeeded: what a restart left unrestored of that kind (an
+        untrusted key's, see ``Agent._restore``) is replaced; degraded no more once nothing is
+        left."""
+        if kind not in self.unrestored:
+            return
+        self.unrestored.discard(kind)
+        degraded = self._view.degraded
+        if not self.unrestored and degraded is not None and degraded.code in UNRESTORED_CODES:
+            self._view.degraded = None
+            self._log(
+                logging.INFO,
+                "no longer degraded (%s): replaced by a trusted command",
+                degraded.code,
+            )
+
+    async def _finish(
+        self, ctx: CommandContext, outcome: Outcome, key_id: str | None = None
+    ) -> None:
         """Record the terminal ack durably, then publish it.
 
         Journal phase 1 is the outcome plus what it applied (weights or config): one fsync, off
@@ -256,7 +285,7 @@ class CommandPath:
             error=outcome.error,
             result=outcome.result,
         )
-        await self._journal.commit_outcome(ack, outcome.applied)
+        await self._journal.commit_outcome(ack, outcome.applied, key_id)
         failpoints.hit("after_apply")
         await self._outbox.settle()
         held = self._outbox.take_held()

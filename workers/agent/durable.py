@@ -59,8 +59,18 @@ class Journal:
         return self._state.weights
 
     @property
+    def weights_key(self) -> str | None:
+        """The trust store key that admitted :attr:`weights` (None: admitted without one)."""
+        return self._state.weights_key
+
+    @property
     def config_overrides(self) -> dict[str, Any]:
         return self._state.config_overrides
+
+    @property
+    def config_keys(self) -> dict[str, str | None]:
+        """Per override, the trust store key that admitted the command that last set it."""
+        return self._state.config_keys
 
     def outcome(self, command_id: str) -> Outcome | None:
         return self._state.outcome(command_id)
@@ -69,12 +79,15 @@ class Journal:
         """Terminal acks recorded and not known to have reached Kafka, oldest first."""
         return [o.ack for o in self._state.outcomes.values() if not o.published]
 
-    async def commit_outcome(self, ack: Ack, applied: Applied | None) -> None:
-        """Phase 1: what the command applied, then its terminal ack (not published yet)."""
+    async def commit_outcome(
+        self, ack: Ack, applied: Applied | None, key_id: str | None = None
+    ) -> None:
+        """Phase 1: what the command applied (and the trust store key that admitted it, checked
+        again before a restart re-applies it), then its terminal ack (not published yet)."""
         if isinstance(applied, ReloadWeightsSpec):
-            self._state.set_weights(applied)
+            self._state.set_weights(applied, key_id)
         elif isinstance(applied, ConfigApplied):
-            self._state.add_config(dict(applied.overrides))
+            self._state.add_config(dict(applied.overrides), key_id)
         self._state.record(ack, published=False)
         await self._sync()
 

@@ -65,8 +65,12 @@ class WorkerState:
         self.next_offset: int | None = None
         #: The last successfully applied reload, re-applied after a restart.
         self.weights: ReloadWeightsSpec | None = None
+        #: The trust store key that admitted :attr:`weights` (None: admitted without a store).
+        self.weights_key: str | None = None
         #: All config overrides applied so far, re-applied after a restart.
         self.config_overrides: dict[str, Any] = {}
+        #: For each override, the trust store key that admitted the command that last set it.
+        self.config_keys: dict[str, str | None] = {}
         #: How many times this state has been opened, this time included (durable before
         #: :meth:`open` returns): orders a worker's incarnations whatever its clock says.
         self.incarnation = 0
@@ -196,15 +200,17 @@ class WorkerState:
                 self.next_offset = next_offset
                 self._stage({"t": "offset", "next": next_offset})
 
-    def set_weights(self, spec: ReloadWeightsSpec) -> None:
+    def set_weights(self, spec: ReloadWeightsSpec, key_id: str | None = None) -> None:
+        """The weights applied, and the trust store key that admitted their command."""
         with self._lock:
-            self.weights = spec
-            self._stage({"t": "weights", "spec": spec.model_dump(mode="json")})
+            self.weights, self.weights_key = spec, key_id
+            self._stage(_keyed({"t": "weights", "spec": spec.model_dump(mode="json")}, key_id))
 
-    def add_config(self, overrides: dict[str, Any]) -> None:
+    def add_config(self, overrides: dict[str, Any], key_id: str | None = None) -> None:
+        """Config overrides applied, and the trust store key that admitted their command."""
         with self._lock:
-            self.config_overrides.update(overrides)
-            self._stage({"t": "config", "overrides": overrides})
+            self._set_config(overrides, key_id)
+            self._stage(_keyed({"t": "config", "overrides": overrides}, key_id))
 
     def compact(self) -> None:
         """Rewrite the journal as the current state (atomically: temp file, fsync, rename,
@@ -307,12 +313,19 @@ class WorkerState:
         if self.next_offset is not None:
             out.append({"t": "offset", "next": self.next_offset})
         if self.weights is not None:
-            out.append({"t": "weights", "spec": self.weights.model_dump(mode="json")})
-        if self.config_overrides:
-            out.append({"t": "config", "overrides": self.config_overrides})
+            spec = self.weights.model_dump(mode="json")
+            out.append(_keyed({"t": "weights", "spec": spec}, self.weights_key))
+        by_key: dict[str | None, dict[str, Any]] = {}
+        for name, value in self.config_overrides.items():
+            by_key.setdefault(self.config_keys.get(name), {})[name] = value
+        out.extend(_keyed({"t": "config", "overrides": o}, k) for k, o in by_key.items())
         if self.incarnation:
             out.append({"t": "incarnation", "n": self.incarnation})
         return out
+
+    def _set_config(self, overrides: dict[str, Any], key_id: str | None) -> None:
+        self.config_overrides.update(overrides)
+        self.config_keys.update(dict.fromkeys(overrides, key_id))
 
     def _apply_outcome(self, ack: Ack, published: bool) -> None:
         self.outcomes[ack.command_id] = Outcome(ack=ack, published=published)
@@ -352,10 +365,24 @@ class WorkerState:
             self.next_offset = int(entry["next"])
         elif kind == "weights":
             self.weights = ReloadWeightsSpec.model_validate(entry["spec"])
+            self.weights_key = _key_of(entry)
         elif kind == "config":
-            self.config_overrides.update(entry["overrides"])
+            self._set_config(dict(entry["overrides"]), _key_of(entry))
         elif kind == "incarnation":
             self.incarnation = max(self.incarnation, int(entry["n"]))
+
+
+def _keyed(entry: dict[str, Any], key_id: str | None) -> dict[str, Any]:
+    """``entry`` with the key that admitted its command (none written when there was none:
+    lines of a worker without a trust store are as before)."""
+    return entry if key_id is None else {**entry, "key": key_id}
+
+
+def _key_of(entry: dict[str, Any]) -> str | None:
+    key = entry.get("key")
+    if key is not None and not isinstance(key, str):
+        raise TypeError(f"key {key!r} is not a string")
+    return key
 
 
 # ---------------------------------------------------------------------- files

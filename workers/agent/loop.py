@@ -44,11 +44,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from controlplane.kafka.bus import Consumer, Producer
 from controlplane.wire.channels import COMMANDS
-from controlplane.wire.errors import BusError, ControlPlaneError, WireCode
-from controlplane.wire.protocol import Degraded, WorkerStatus, utcnow
+from controlplane.wire.errors import BusError, CommandRejected, ControlPlaneError, WireCode
+from controlplane.wire.protocol import CommandKind, Degraded, WorkerStatus, utcnow
 from workers.agent import failpoints
 from workers.agent.commands import CommandPath, Handled, replayed
 from workers.agent.durable import Journal
@@ -102,13 +103,32 @@ class Agent:
         self._unreachable_since: datetime | None = None
         self._started_at = self.clock()
         #: Signed commands: the trust store is read now (SETTINGS_INVALID before any Kafka).
-        self._gate = TrustGate.from_path(settings.trust_store, settings.allowed_roots)
+        self._gate = TrustGate.from_path(
+            settings.trust_store,
+            settings.allowed_roots,
+            check_every_s=settings.trust_store_check_s,
+            log=self._log,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
     def request_stop(self) -> None:
         """Stop taking commands; the one in flight may finish within ``drain_timeout_s``."""
         self._stop.request()
+
+    def reload_trust_store(self) -> bool:
+        """Read the trust store file again (SIGHUP): the next command is admitted by the new
+        store; one that does not read or validate leaves the previous one in force (logged,
+        SETTINGS_INVALID). Whether the store in force changed; nothing without a store."""
+        if self._gate.verifier is None:
+            self._log(logging.INFO, "no trust store to read again (FLEET_WORKER_TRUST_STORE)")
+            return False
+        return self._gate.reload()
+
+    @property
+    def trust_store_digest(self) -> str | None:
+        """The sha256 of the trust store in force (None without one)."""
+        return self._gate.digest
 
     async def run(self) -> None:
         """Run until stopped. Drains on stop: in-flight command acked, last heartbeat sent.
@@ -212,7 +232,7 @@ class Agent:
             tg.create_task(session.heart.run())
             try:
                 await self._publish_pending_acks(session)
-                await self._load_runner(session.journal)
+                await self._load_runner(session.journal, session.commands)
                 self.ready.set()
                 if self._view.degraded is not None:
                     self._log(
@@ -307,7 +327,7 @@ class Agent:
         await session.outbox.publish([replayed(ack, self.clock()) for ack in pending])
         await session.journal.commit_published([ack.command_id for ack in pending])
 
-    async def _load_runner(self, journal: Journal) -> None:
+    async def _load_runner(self, journal: Journal, commands: CommandPath) -> None:
         """Load the model. If that fails the worker keeps running, degraded (RUNNER_LOAD_FAILED
         in its heartbeats), and the runner refuses reloads with MODEL_NOT_LOADED."""
         try:
@@ -323,25 +343,76 @@ class Agent:
             )
         else:
             if self.settings.restore_on_start:
-                await self._restore(journal)
+                await self._restore(journal, commands)
         await self._view.refresh(self.runner, self._log)
         self._view.status = self._view.idle_status(self._stop.is_set())
 
-    async def _restore(self, journal: Journal) -> None:
-        """Re-apply what this worker had applied before a restart (level, not events)."""
-        if journal.config_overrides:
+    async def _restore(self, journal: Journal, commands: CommandPath) -> None:
+        """Re-apply what this worker had applied before a restart (level, not events).
+
+        With a trust store, only what a key the store trusts now admitted: weights or config
+        overrides whose key was since revoked or removed (or that came without a signature)
+        are not re-applied, and the worker reports degraded with that code until a trusted
+        command of that kind replaces them (see docs/signing.md)."""
+        untrusted: dict[CommandKind, CommandRejected] = {}
+        overrides: dict[str, Any] = {}
+        for name, value in journal.config_overrides.items():
+            refused = self._gate.distrusts(journal.config_keys.get(name))
+            if refused is None:
+                overrides[name] = value
+            else:
+                untrusted.setdefault(CommandKind.UPDATE_CONFIG, refused)
+        if overrides:
             try:
-                await asyncio.to_thread(self.runner.update_config, dict(journal.config_overrides))
+                await asyncio.to_thread(self.runner.update_config, overrides)
             except Exception as exc:
                 self._log(logging.ERROR, "could not restore config overrides: %s", exc)
         spec = journal.weights
-        if spec is not None:
+        refused = None if spec is None else self._gate.distrusts(journal.weights_key)
+        if refused is not None:
+            untrusted[CommandKind.RELOAD_WEIGHTS] = refused
+        elif spec is not None:
             try:
                 path = resolve_weights_path(spec.path, self.settings.allowed_roots)
                 await asyncio.to_thread(self.runner.reload_weights, spec, path)
                 self._log(logging.INFO, "restored weights %s from %s", spec.version, spec.path)
             except Exception as exc:
                 self._log(logging.ERROR, "could not restore weights %s: %s", spec.version, exc)
+        if untrusted:
+            self._not_restored(journal, untrusted, commands)
+
+    def _not_restored(
+        self,
+        journal: Journal,
+        untrusted: dict[CommandKind, CommandRejected],
+        commands: CommandPath,
+    ) -> None:
+        """Say, once and in the heartbeats, what a restart did not re-apply, and why."""
+        what = []
+        if CommandKind.RELOAD_WEIGHTS in untrusted and journal.weights is not None:
+            what.append(
+                f"weights {journal.weights.version} ({untrusted[CommandKind.RELOAD_WEIGHTS].message})"
+            )
+        if CommandKind.UPDATE_CONFIG in untrusted:
+            names = sorted(
+                n
+                for n in journal.config_overrides
+                if self._gate.distrusts(journal.config_keys.get(n)) is not None
+            )
+            what.append(
+                f"config overrides {names} ({untrusted[CommandKind.UPDATE_CONFIG].message})"
+            )
+        first = next(iter(untrusted.values()))
+        message = (
+            "not re-applied after the restart, their key no longer trusted: "
+            + "; ".join(what)
+            + "; the worker keeps what it loaded until a trusted command replaces them"
+        )
+        self._log(logging.ERROR, "%s: %s", first.code.value, message)
+        self._view.degraded = Degraded(
+            code=first.code.value, message=message[:4096], since=self.clock()
+        )
+        commands.unrestored.update(untrusted)
 
     # ------------------------------------------------------------------ commands
 

@@ -118,6 +118,15 @@ class WorkerSettings(BaseSettings):
             " applied. Unset: unsigned commands are accepted (said loudly at start-up)."
         ),
     )
+    trust_store_check_s: float = Field(
+        default=2.0,
+        ge=0,
+        description=(
+            "How often, at most, a command's admission looks whether the trust store file changed"
+            " (one stat); a changed file is read again without a restart (so does SIGHUP). 0: at"
+            " every command."
+        ),
+    )
     model_trust: Annotated[list[Path], NoDecode] = Field(
         default_factory=list,
         description=(

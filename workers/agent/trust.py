@@ -3,19 +3,39 @@
 With no trust store configured every command passes (the behaviour before signing existed).
 With one, a command must carry a signature by a trusted, unrevoked key whose scope allows its
 kind, its selector and its reload path; anything else is refused with its code before the
-journal sees it. Reads the store file once, at start-up.
+journal sees it.
+
+The store file is read at start-up (unreadable or invalid: SETTINGS_INVALID, the worker does not
+start) and again, without a restart, on :meth:`TrustGate.reload` (SIGHUP, workers/cli.py) or when
+:meth:`TrustGate.refresh`, called at each command's admission, sees the file changed (its
+inode, size or mtime, looked at most every ``check_every_s``). A store that no longer reads or
+validates leaves the previous one in force, with one coded line: never no store.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from controlplane.wire.errors import CommandRejected, WireCode
+from controlplane.wire.errors import CommandRejected, ControlPlaneError, LocalCode, WireCode
 from controlplane.wire.protocol import Command, ReloadWeightsSpec
-from controlplane.wire.signing import Verifier, read_trust_store, wire_object
+from controlplane.wire.signing import (
+    TrustStore,
+    Verifier,
+    read_trust_store,
+    store_digest,
+    wire_object,
+)
 from workers.weights.paths import resolve_weights_path
+
+_logger = logging.getLogger(__name__)
+
+#: What identifies a version of the store file without reading it: device, inode, size, mtime.
+FileStamp = tuple[int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -42,16 +62,174 @@ def scoped_roots(key_roots: Sequence[Path], worker_roots: Sequence[Path]) -> tup
     return tuple(sorted(both))
 
 
-class TrustGate:
-    """Admits commands: all of them without a trust store, only verified ones with one."""
+def _stamp(path: Path) -> FileStamp | None:
+    """The file's stamp, None when it cannot be looked at (the reload then says why)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
-    def __init__(self, verifier: Verifier | None, worker_roots: Sequence[Path]) -> None:
+
+def _summary(store: TrustStore) -> str:
+    return f"{len(store.keys)} key(s), {len(store.revoked)} revoked, sha256 {store_digest(store)}"
+
+
+def _change(old: TrustStore, new: TrustStore) -> str:
+    """What a reload changed, in a few words (key ids only)."""
+    parts = []
+    for what, before, after in (
+        ("keys", set(old.keys), set(new.keys)),
+        ("revoked", set(old.revoked), set(new.revoked)),
+    ):
+        added, removed = sorted(after - before), sorted(before - after)
+        if added:
+            parts.append(f"{what} +{added}")
+        if removed:
+            parts.append(f"{what} -{removed}")
+    changed = sorted(k for k in set(old.keys) & set(new.keys) if old.keys[k] != new.keys[k])
+    if changed:
+        parts.append(f"keys changed {changed}")
+    return "; ".join(parts) or "no key added, removed or revoked"
+
+
+class TrustGate:
+    """Admits commands: all of them without a trust store, only verified ones with one.
+
+    With a store ``path``, :meth:`reload` reads it again and :meth:`refresh` does so when the
+    file changed; neither ever leaves the gate without a store (fail closed).
+    """
+
+    def __init__(
+        self,
+        verifier: Verifier | None,
+        worker_roots: Sequence[Path],
+        *,
+        path: Path | None = None,
+        check_every_s: float = 2.0,
+        monotonic: Callable[[], float] = time.monotonic,
+        log: Callable[..., None] = _logger.log,
+    ) -> None:
         self.verifier = verifier
         self._worker_roots = tuple(worker_roots)
+        self._path = path if verifier is not None else None
+        self._check_every_s = check_every_s
+        self._monotonic = monotonic
+        #: ``log(level, msg, *args)``: the agent's, which names the worker.
+        self._log = log
+        self._stamp = None if self._path is None else _stamp(self._path)
+        self._checked = monotonic()
 
     @classmethod
-    def from_path(cls, path: Path | None, worker_roots: Sequence[Path]) -> TrustGate:
-        return cls(None if path is None else load_verifier(path), worker_roots)
+    def from_path(
+        cls,
+        path: Path | None,
+        worker_roots: Sequence[Path],
+        *,
+        check_every_s: float = 2.0,
+        log: Callable[..., None] = _logger.log,
+    ) -> TrustGate:
+        if path is None:
+            return cls(None, worker_roots, log=log)
+        stamp = _stamp(path)  # before reading: a change while reading is seen next time
+        gate = cls(
+            load_verifier(path), worker_roots, path=path, check_every_s=check_every_s, log=log
+        )
+        gate._stamp = stamp
+        return gate
+
+    @property
+    def digest(self) -> str | None:
+        """The sha256 of the store in force (RFC 8785 JSON), None without a store."""
+        return None if self.verifier is None else store_digest(self.verifier.store)
+
+    def refresh(self) -> bool:
+        """Read the store again if its file changed since it was last read (looked at no more
+        often than every ``check_every_s``: one ``stat``). Whether the store in force changed."""
+        if self._path is None:
+            return False
+        now = self._monotonic()
+        if now - self._checked < self._check_every_s:
+            return False
+        self._checked = now
+        if _stamp(self._path) == self._stamp:
+            return False
+        return self.reload("the file changed")
+
+    def reload(self, why: str = "asked to (SIGHUP)") -> bool:
+        """Read the store file again. A store that reads and validates replaces the one in
+        force (the change logged); one that does not leaves it in force (one SETTINGS_INVALID
+        line). Whether the store in force changed. Never raises; without a store, does nothing."""
+        path, verifier = self._path, self.verifier
+        if path is None or verifier is None:
+            return False
+        stamp = _stamp(path)
+        self._stamp = stamp  # a broken file is reported once, not at every command
+        self._checked = self._monotonic()
+        try:
+            fresh = load_verifier(path)
+        except ControlPlaneError as exc:
+            self._log(
+                logging.ERROR,
+                "%s: %s; trust store reload (%s) refused: the previous store stays in force (%s)",
+                exc.code.value,
+                exc.message,
+                why,
+                _summary(verifier.store),
+            )
+            return False
+        except Exception as exc:  # never a crash, never no store
+            self._log(
+                logging.ERROR,
+                "%s: trust store %s could not be reloaded (%s): %s: %s; the previous store"
+                " stays in force (%s)",
+                LocalCode.SETTINGS_INVALID.value,
+                path,
+                why,
+                type(exc).__name__,
+                exc,
+                _summary(verifier.store),
+            )
+            return False
+        old = verifier.store
+        if fresh.store == old:
+            self._log(
+                logging.INFO,
+                "trust store %s read again (%s): unchanged (%s)",
+                path,
+                why,
+                _summary(old),
+            )
+            return False
+        self.verifier = fresh
+        self._log(
+            logging.WARNING,
+            "trust store %s reloaded (%s): %s; now %s",
+            path,
+            why,
+            _change(old, fresh.store),
+            _summary(fresh.store),
+        )
+        return True
+
+    def distrusts(self, key_id: str | None) -> CommandRejected | None:
+        """Why what ``key_id`` admitted must not be re-applied now (a restart): its key is
+        revoked, or not in the store, or there was none (admitted without a store); None when
+        it is trusted or when this gate takes unsigned commands."""
+        if self.verifier is None:
+            return None
+        store = self.verifier.store
+        if key_id is None:
+            return CommandRejected(
+                "applied by a command admitted without a signature", code=WireCode.SIGNATURE_MISSING
+            )
+        if key_id in store.revoked:
+            return CommandRejected(f"key {key_id!r} is revoked", code=WireCode.KEY_REVOKED)
+        if key_id not in store.keys:
+            return CommandRejected(
+                f"key {key_id!r} is not in the trust store", code=WireCode.KEY_UNKNOWN
+            )
+        return None
 
     def describe(self, path: Path | None) -> str:
         """For the start-up log: whether unsigned commands are taken."""
