@@ -265,9 +265,17 @@ def _write_certificates(files: SecureFiles, hosts: Sequence[str]) -> None:
 
 
 def _names_lacking(files: SecureFiles, hosts: Sequence[str]) -> bool:
-    """Whether the broker's certificate lacks one of ``hosts`` in its SAN."""
-    cert = x509.load_pem_x509_certificates(files.keystore.read_bytes())[0]
-    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    """Whether the broker's certificate lacks one of ``hosts`` in its SAN; a keystore that holds
+    no such certificate is SETTINGS_INVALID."""
+    try:
+        cert = x509.load_pem_x509_certificates(files.keystore.read_bytes())[0]
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, IndexError, x509.ExtensionNotFound):
+        raise BrokerError(
+            f"{files.keystore} holds no broker certificate with host names: remove "
+            f"{files.directory} to make new files (new passwords too)",
+            code=LocalCode.SETTINGS_INVALID,
+        ) from None
     return not set(hosts) <= set(san.get_values_for_type(x509.DNSName))
 
 

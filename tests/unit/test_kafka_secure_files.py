@@ -207,3 +207,12 @@ def test_the_clis_kafka_settings_refuse_bad_environment_with_one_coded_line(
     assert caught.value.exit_code != 0
     err = capsys.readouterr().err
     assert "invalid settings" in err and "Traceback" not in err
+
+
+def test_a_damaged_keystore_asked_for_more_hosts_is_settings_invalid(tmp_path: Path) -> None:
+    files = ensure_secure_files(tmp_path / "secure")
+    files.keystore.write_bytes(b"-----BEGIN PRIVATE KEY-----\nnot a certificate\n")
+    with pytest.raises(BrokerError) as caught:
+        ensure_secure_files(files.directory, ("kafka",))
+    assert caught.value.code is LocalCode.SETTINGS_INVALID
+    assert str(files.directory) in caught.value.message
