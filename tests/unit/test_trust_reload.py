@@ -16,7 +16,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from controlplane.wire.errors import CommandRejected, WireCode
-from controlplane.wire.protocol import ReloadWeightsSpec, encode
+from controlplane.wire.protocol import CommandKind, ReloadWeightsSpec, encode
 from controlplane.wire.signing import Signer, public_key_text
 from tests.fleet import make_command, wait_for
 from workers.agent.journal import JOURNAL_NAME, WorkerState
@@ -101,20 +101,40 @@ def test_a_broken_store_keeps_the_previous_one_with_one_coded_line(
 def test_without_a_store_nothing_is_read_or_distrusted(tmp_path: Path) -> None:
     gate = TrustGate.from_path(None, [tmp_path])
     assert gate.refresh() is False and gate.reload() is False and gate.digest is None
-    assert gate.distrusts("anything") is None and gate.distrusts(None) is None
+    assert gate.distrusts("anything", CommandKind.UPDATE_CONFIG) is None
+    assert gate.distrusts(None, CommandKind.RELOAD_WEIGHTS, "/m/x") is None
 
 
 def test_distrusts_says_why_a_journaled_key_is_no_longer_trusted(tmp_path: Path) -> None:
     store = tmp_path / "trust.json"
     write_store(store, CI, NEW, revoked=("new",))
-    gate = TrustGate.from_path(store, [tmp_path])
-    assert gate.distrusts("ci") is None
-    codes = {k: gate.distrusts(k) for k in ("new", "gone", None)}
-    assert {k: v.code if v else None for k, v in codes.items()} == {
-        "new": WireCode.KEY_REVOKED,
-        "gone": WireCode.KEY_UNKNOWN,
-        None: WireCode.SIGNATURE_MISSING,
+    document = json.loads(store.read_text())
+    document["keys"]["config"] = {
+        "public_key": document["keys"]["ci"]["public_key"],
+        "scope": {"kinds": ["update_config"]},
     }
+    document["keys"]["narrow"] = {
+        "public_key": document["keys"]["ci"]["public_key"],
+        "scope": {"path_roots": [str(tmp_path / "narrow")]},
+    }
+    store.write_text(json.dumps(document))
+    gate = TrustGate.from_path(store, [tmp_path])
+    reload, config = CommandKind.RELOAD_WEIGHTS, CommandKind.UPDATE_CONFIG
+    inside, outside = str(tmp_path / "narrow" / "m"), str(tmp_path / "wide" / "m")
+    cases = {
+        ("ci", reload, outside): None,
+        ("config", config, None): None,
+        ("narrow", reload, inside): None,
+        ("narrow", reload, "/elsewhere/m"): None,  # not the worker's: PATH_NOT_ALLOWED's
+        ("new", config, None): WireCode.KEY_REVOKED,
+        ("gone", config, None): WireCode.KEY_UNKNOWN,
+        (None, config, None): WireCode.SIGNATURE_MISSING,
+        ("config", reload, inside): WireCode.SCOPE_DENIED,
+        ("narrow", reload, outside): WireCode.SCOPE_DENIED,
+    }
+    for (key, kind, path), code in cases.items():
+        refused = gate.distrusts(key, kind, path)
+        assert (refused.code if refused else None) is code, (key, kind, path, refused)
 
 
 def test_the_journal_remembers_which_key_admitted_what_it_re_applies(tmp_path: Path) -> None:

@@ -43,7 +43,13 @@ from workers.weights.paths import resolve_weights_path
 
 #: Degraded codes of a restart that did not re-apply what an untrusted key had admitted.
 UNRESTORED_CODES = frozenset(
-    c.value for c in (WireCode.KEY_REVOKED, WireCode.KEY_UNKNOWN, WireCode.SIGNATURE_MISSING)
+    c.value
+    for c in (
+        WireCode.KEY_REVOKED,
+        WireCode.KEY_UNKNOWN,
+        WireCode.SIGNATURE_MISSING,
+        WireCode.SCOPE_DENIED,
+    )
 )
 
 
@@ -163,8 +169,8 @@ class CommandPath:
             return await self._nack_garbage(record, exc, received)
         if not command.selector.matches(self._settings.worker_id, self._settings.labels):
             return Handled(acked=False)
+        self._gate.refresh()  # a changed trust store file is read again (cheap, throttled)
         try:
-            self._gate.refresh()  # a changed trust store file is read again (cheap, throttled)
             admitted = self._gate.admit(command, record.value or b"")
         except CommandRejected as exc:
             # No kind on the NACK, as on one of an unreadable record: a reader folds it as an

@@ -357,7 +357,7 @@ class Agent:
         untrusted: dict[CommandKind, CommandRejected] = {}
         overrides: dict[str, Any] = {}
         for name, value in journal.config_overrides.items():
-            refused = self._gate.distrusts(journal.config_keys.get(name))
+            refused = self._gate.distrusts(journal.config_keys.get(name), CommandKind.UPDATE_CONFIG)
             if refused is None:
                 overrides[name] = value
             else:
@@ -368,7 +368,11 @@ class Agent:
             except Exception as exc:
                 self._log(logging.ERROR, "could not restore config overrides: %s", exc)
         spec = journal.weights
-        refused = None if spec is None else self._gate.distrusts(journal.weights_key)
+        refused = (
+            None
+            if spec is None
+            else self._gate.distrusts(journal.weights_key, CommandKind.RELOAD_WEIGHTS, spec.path)
+        )
         if refused is not None:
             untrusted[CommandKind.RELOAD_WEIGHTS] = refused
         elif spec is not None:
@@ -397,14 +401,15 @@ class Agent:
             names = sorted(
                 n
                 for n in journal.config_overrides
-                if self._gate.distrusts(journal.config_keys.get(n)) is not None
+                if self._gate.distrusts(journal.config_keys.get(n), CommandKind.UPDATE_CONFIG)
+                is not None
             )
             what.append(
                 f"config overrides {names} ({untrusted[CommandKind.UPDATE_CONFIG].message})"
             )
-        first = next(iter(untrusted.values()))
+        first = untrusted.get(CommandKind.RELOAD_WEIGHTS) or untrusted[CommandKind.UPDATE_CONFIG]
         message = (
-            "not re-applied after the restart, their key no longer trusted: "
+            "not re-applied after the restart, their key no longer trusted for them: "
             + "; ".join(what)
             + "; the worker keeps what it loaded until a trusted command replaces them"
         )

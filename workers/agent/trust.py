@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from controlplane.wire.errors import CommandRejected, ControlPlaneError, LocalCode, WireCode
-from controlplane.wire.protocol import Command, ReloadWeightsSpec
+from controlplane.wire.protocol import Command, CommandKind, ReloadWeightsSpec
 from controlplane.wire.signing import (
     TrustStore,
     Verifier,
@@ -212,10 +212,14 @@ class TrustGate:
         )
         return True
 
-    def distrusts(self, key_id: str | None) -> CommandRejected | None:
-        """Why what ``key_id`` admitted must not be re-applied now (a restart): its key is
-        revoked, or not in the store, or there was none (admitted without a store); None when
-        it is trusted or when this gate takes unsigned commands."""
+    def distrusts(
+        self, key_id: str | None, kind: CommandKind, weights: str | None = None
+    ) -> CommandRejected | None:
+        """Why what ``key_id`` admitted (a command of ``kind``; ``weights``: a reload's path)
+        must not be re-applied now (a restart): its key is revoked, or not in the store, or
+        there was none (admitted without a store), or its scope no longer allows that kind or
+        path (the selector is not journaled: not checked again). None when it is trusted, and
+        always without a store."""
         if self.verifier is None:
             return None
         store = self.verifier.store
@@ -225,11 +229,47 @@ class TrustGate:
             )
         if key_id in store.revoked:
             return CommandRejected(f"key {key_id!r} is revoked", code=WireCode.KEY_REVOKED)
-        if key_id not in store.keys:
+        entry = store.keys.get(key_id)
+        if entry is None:
             return CommandRejected(
                 f"key {key_id!r} is not in the trust store", code=WireCode.KEY_UNKNOWN
             )
+        kinds = entry.scope.kinds
+        if kinds is not None and kind not in kinds:
+            return CommandRejected(
+                f"key {key_id!r} may no longer sign {kind.value} commands",
+                code=WireCode.SCOPE_DENIED,
+            )
+        roots = entry.scope.path_roots
+        if weights is not None and roots is not None and self._mine(weights):
+            return self._outside_scope(key_id, roots, weights)
         return None
+
+    def _outside_scope(
+        self, key_id: str, key_roots: Sequence[str], path: str
+    ) -> CommandRejected | None:
+        """SCOPE_DENIED when ``path``, which lies in the worker's own roots, lies outside where
+        both the key and the worker allow weights."""
+        try:
+            resolve_weights_path(
+                path, scoped_roots([Path(r) for r in key_roots], self._worker_roots)
+            )
+        except CommandRejected:
+            return CommandRejected(
+                f"key {key_id!r} may not name weights at {path!r}: its scope allows only paths"
+                f" under {list(key_roots)}",
+                code=WireCode.SCOPE_DENIED,
+            )
+        return None
+
+    def _mine(self, path: str) -> bool:
+        """Whether ``path`` lies in the worker's own roots (else PATH_NOT_ALLOWED, the worker's
+        own refusal, comes first)."""
+        try:
+            resolve_weights_path(path, self._worker_roots)
+        except CommandRejected:
+            return False
+        return True
 
     def describe(self, path: Path | None) -> str:
         """For the start-up log: whether unsigned commands are taken."""
@@ -254,17 +294,10 @@ class TrustGate:
         if key_roots is None or not isinstance(command.spec, ReloadWeightsSpec):
             return Admitted(verified.key_id)
         path = command.spec.path
-        try:
-            resolve_weights_path(path, self._worker_roots)
-        except CommandRejected:
+        if not self._mine(path):
             return Admitted(verified.key_id)  # outside the worker's roots: PATH_NOT_ALLOWED later
+        refused = self._outside_scope(verified.key_id, key_roots, path)
+        if refused is not None:
+            raise refused
         roots = scoped_roots([Path(r) for r in key_roots], self._worker_roots)
-        try:
-            resolve_weights_path(path, roots)
-        except CommandRejected:
-            raise CommandRejected(
-                f"key {verified.key_id!r} may not name weights at {path!r}: its scope allows"
-                f" only paths under {key_roots}",
-                code=WireCode.SCOPE_DENIED,
-            ) from None
         return Admitted(verified.key_id, roots)
