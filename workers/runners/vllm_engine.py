@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
+from controlplane.wire.errors import RunnerError
 from workers.runners.vllm_config import CONFIG_SECTIONS
-from workers.runners.vllm_sidecar import SidecarEngine, is_loopback_url
+from workers.runners.vllm_sidecar import Generation, SidecarEngine, is_loopback_url
 
 #: Set (unless already set) before an in-process engine imports vllm.
 IN_PROCESS_ENV: dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
@@ -39,7 +42,11 @@ class VllmRunnerOptions(BaseModel):
     allow_remote: bool = Field(
         default=False, description="Allow a non-loopback base_url (its dev endpoints are open)."
     )
-    pause_mode: Literal["wait", "abort"] = "wait"
+    pause_mode: Literal["wait", "abort", "keep"] | None = Field(
+        default=None,
+        description="Deprecated: the reload command's drain policy decides; when set, it is "
+        "the drain mode of reloads whose command names none.",
+    )
     connect_timeout_s: float = Field(default=5.0, gt=0)
     request_timeout_s: float = Field(default=60.0, gt=0)
     reload_timeout_s: float = Field(default=600.0, gt=0)
@@ -70,6 +77,7 @@ class InProcessEngine:
         self.device = "unknown"
         self.dtype = "unknown"
         self._llm: Any = None
+        self._ids = itertools.count(1)
 
     def start(self) -> bool:
         for key, value in IN_PROCESS_ENV.items():
@@ -108,24 +116,56 @@ class InProcessEngine:
     def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
         self._llm.collective_rpc("update_config", args=(overrides,))
 
-    def pause(self) -> None:
-        pass  # generation runs only under the runner's lock
-
-    def resume(self) -> None:
-        pass
-
     def reload(self, weights_dir: str) -> None:
         self._llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_dir})
 
     def reset_prefix_cache(self) -> bool:
-        return bool(self._llm.reset_prefix_cache())
+        # reset_running_requests: a request kept across the reload (drain mode keep) is preempted
+        # and recomputed with the new weights instead of decoding on KV of the old ones.
+        return bool(self._llm.reset_prefix_cache(reset_running_requests=True))
 
-    def generate(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    def set_weight_version(self, version: str) -> None:
+        self._llm.llm_engine.set_weight_version(version)
+
+    def get_weight_version(self) -> str:
+        return str(self._llm.llm_engine.get_weight_version())
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        between_steps: Callable[[], bool] | None = None,
+    ) -> Generation:
+        """Greedy generation stepped here, one engine step at a time. ``between_steps`` runs
+        before each step (the runner drains there): it may block (drain mode keep), or return
+        True to abort the request through vLLM's own ``abort_request`` (finish reason
+        ``abort``, no tokens: outputs are final-only)."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        outputs = self._llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)
-        return [int(t) for t in outputs[0].outputs[0].token_ids]
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        engine = self._llm.llm_engine
+        request_id = f"fleet-{next(self._ids)}"  # outputs and aborts use this (external) id
+        engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, params)
+        try:
+            while True:
+                if between_steps is not None and between_steps():
+                    engine.abort_request([request_id])
+                    return Generation([], None, "abort")
+                if not engine.has_unfinished_requests():
+                    raise RunnerError(f"vLLM dropped request {request_id} without an output")
+                for output in engine.step():
+                    if output.request_id == request_id and output.finished:
+                        done = output.outputs[0]
+                        spans = [(s.version, s.start, s.end) for s in done.weight_versions or []]
+                        return Generation(
+                            [int(t) for t in done.token_ids], spans, done.finish_reason
+                        )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                engine.abort_request([request_id])
+            raise
 
     def close(self) -> None:
         llm, self._llm = self._llm, None

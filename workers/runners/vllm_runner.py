@@ -20,7 +20,7 @@ import importlib.util
 import mmap
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch
 from pydantic import JsonValue
 
 from controlplane.wire.errors import RunnerError, WeightsCorrupted, WireCode
+from controlplane.wire.messages import DrainPolicy
 from controlplane.wire.protocol import ReloadWeightsSpec
 from workers.runners.base import (
     DegradedInfo,
@@ -46,7 +47,7 @@ from workers.runners.vllm_config import (
     translate_config_error,
 )
 from workers.runners.vllm_engine import Engine, InProcessEngine, VllmRunnerOptions
-from workers.runners.vllm_sidecar import SidecarClient, SidecarEngine
+from workers.runners.vllm_sidecar import Generation, SidecarClient, SidecarEngine
 from workers.weights.checks import (
     DTYPES,
     OpenCheckpoint,
@@ -65,9 +66,21 @@ from workers.weights.snapshot import (
     snapshot_checkpoint,
 )
 
-__all__ = ["VllmRunner", "VllmRunnerOptions", "snapshot_checkpoint"]  # tests patch the last here
+__all__ = [
+    "GenerationAborted",
+    "VllmRunner",
+    "VllmRunnerOptions",
+    "snapshot_checkpoint",  # tests patch it here
+]
 
 _RESET_TRIES = 5
+
+
+class GenerationAborted(RunnerError):
+    """A request vLLM aborted (finish reason ``abort``): a reload with drain mode abort."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code=WireCode.RUNNER_FAILED)
 
 
 class VllmRunner:
@@ -82,8 +95,15 @@ class VllmRunner:
                 "runner 'vllm' in_process needs vllm in this environment "
                 "(scripts/setup-vllm.sh builds one); mode 'sidecar' does not"
             )
-        self._lock = threading.Lock()  # the engine: generate, reload, config, close
+        self._command = threading.Lock()  # load, reload, config, close: one at a time
+        self._lock = threading.Lock()  # the engine: in-process generation, engine calls
         self._state = threading.Lock()  # the facts describe() reads, never held for long
+        #: Set while an in-process reload drains with mode abort or keep (generate reads it).
+        self._drain_mode: str | None = None
+        self._resumed = threading.Event()  # a kept (drain mode keep) generation may go on
+        self._resumed.set()
+        self._admit = threading.Event()  # cleared while a reload drains: new requests wait
+        self._admit.set()
         self._engine: Engine | None = None
         self._fields: dict[str, dict[str, Any]] = {}
         self._reference: dict[str, torch.Tensor] = {}  # the loaded checkpoint's manifest
@@ -116,11 +136,10 @@ class VllmRunner:
             served_model_name=self.options.served_model_name,
             startup_timeout_s=self.options.startup_timeout_s,
             reload_timeout_s=self.options.reload_timeout_s,
-            pause_mode=self.options.pause_mode,
         )
 
     def load(self) -> None:
-        with self._lock:
+        with self._command, self._lock:
             if self._engine is not None:
                 return
             weights_dir = Path(self.options.model).resolve()
@@ -134,6 +153,8 @@ class VllmRunner:
             try:
                 was_paused = engine.start()
                 fields = engine.config_fields()
+                # vLLM labels outputs with its weight version: ours, from the start.
+                engine.set_weight_version(self.options.initial_version)
             except Exception:
                 engine.close()
                 snapshots.close()
@@ -160,7 +181,7 @@ class VllmRunner:
                     self._degraded = DegradedInfo.of(paused)
 
     def close(self) -> None:
-        with self._lock, self._state:
+        with self._command, self._lock, self._state:
             engine, self._engine = self._engine, None
             if engine is not None:
                 engine.close()
@@ -173,7 +194,10 @@ class VllmRunner:
     def reload_weights(
         self, spec: ReloadWeightsSpec, path: Path, *, cancel: threading.Event | None = None
     ) -> ReloadResult:
-        with self._lock:
+        """Validate and snapshot (serving goes on), drain per ``spec``'s policy, reload, reset
+        the prefix cache (unless ``reset_cache`` is false), label vLLM's weight version, resume.
+        A failure after the drain restores the previous weights and still resumes serving."""
+        with self._command:
             engine = self._engine
             if engine is None:
                 raise RunnerError(
@@ -191,9 +215,11 @@ class VllmRunner:
                     raise RunnerError(
                         "reload cancelled before vLLM was called", code=WireCode.COMMAND_TIMEOUT
                     )
-                self._set_phase("reloading")
-                rpc_started = time.perf_counter()
-                self._apply(engine, spec.version, snapshot)
+                self._set_phase("draining")
+                with self._drained(engine, self._policy(spec), spec.version):
+                    self._set_phase("reloading")
+                    rpc_started = time.perf_counter()
+                    self._apply(engine, spec, snapshot)
             except BaseException:
                 if snapshot is not None:
                     snapshots.remove(snapshot)  # vLLM serves the previous one (or nothing)
@@ -219,6 +245,76 @@ class VllmRunner:
             if previous is not None and previous != snapshot:
                 snapshots.remove(previous)  # only ever one of ours; never the operator's model
             return result
+
+    def _policy(self, spec: ReloadWeightsSpec) -> DrainPolicy:
+        if spec.drain is None and self.options.pause_mode is not None:
+            return DrainPolicy(mode=self.options.pause_mode)  # the deprecated runner option
+        return spec.drain_policy
+
+    @contextlib.contextmanager
+    def _drained(self, engine: Engine, policy: DrainPolicy, version: str) -> Iterator[None]:
+        """Hold generation off per ``policy`` for the body; serve again after it, whatever it
+        raised (except when the weights are corrupted: nothing is served then)."""
+        if isinstance(engine, InProcessEngine):
+            acquired = self._drain_in_process(policy, version)
+            try:
+                yield
+            finally:
+                self._admit.set()
+                self._resumed.set()  # kept generations go on, on the new weights
+                acquired.release()
+            return
+        try:
+            engine.pause(policy.mode, policy.timeout_s)
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                engine.resume()  # a pause that timed out may still have taken effect
+            if isinstance(exc, RunnerError) and exc.code is WireCode.COMMAND_TIMEOUT:
+                raise RunnerError(
+                    f"vLLM did not pause (drain mode {policy.mode}) within "
+                    f"{policy.timeout_s:g}s; weights untouched, still serving",
+                    code=WireCode.COMMAND_TIMEOUT,
+                ) from exc
+            raise
+        corrupted = False
+        try:
+            yield
+        except WeightsCorrupted:
+            corrupted = True  # left paused: never serve broken weights
+            raise
+        finally:
+            if not corrupted:
+                try:
+                    engine.resume()
+                except Exception as exc:
+                    raise self._corrupted(
+                        f"reloading {version!r}: could not resume serving "
+                        f"({failure_reason(exc)}); reload again to recover",
+                        self._version,
+                        version,
+                    ) from exc
+
+    def _drain_in_process(self, policy: DrainPolicy, version: str) -> threading.Lock:
+        """Take the engine from in-process generation: ``wait`` for the request running to
+        finish (up to the deadline), ``abort`` it, or ``keep`` it paused between two steps."""
+        self._admit.clear()  # requests not yet running wait (they are not refused)
+        if policy.mode == "keep":
+            self._resumed.clear()
+        self._drain_mode = None if policy.mode == "wait" else policy.mode
+        try:
+            if not self._lock.acquire(timeout=policy.timeout_s):
+                raise RunnerError(
+                    f"the request in flight did not finish within {policy.timeout_s:g}s "
+                    f"(drain mode {policy.mode}); {version!r} not loaded, weights untouched",
+                    code=WireCode.COMMAND_TIMEOUT,
+                )
+        except BaseException:
+            self._admit.set()
+            self._resumed.set()
+            raise
+        finally:
+            self._drain_mode = None
+        return self._lock
 
     def _validate(
         self, spec: ReloadWeightsSpec, path: Path, cancel: threading.Event | None
@@ -273,20 +369,22 @@ class VllmRunner:
                 raise
             return weights_dir, entries, len(ckpt.files.files), snapshot, digest
 
-    def _apply(self, engine: Engine, version: str, weights_dir: Path) -> None:
-        """Pause, reload, reset the prefix cache, resume; restore the old weights on failure."""
+    def _apply(self, engine: Engine, spec: ReloadWeightsSpec, weights_dir: Path) -> None:
+        """Reload, reset the prefix cache, label vLLM's weight version; on any failure restore
+        the previous weights (and label). Runs drained."""
+        version = spec.version
         from_version, from_dir = self._version, self._loaded_dir  # what vLLM loaded last
         try:
-            engine.pause()
-        except Exception:
-            with contextlib.suppress(Exception):
-                engine.resume()  # a pause that timed out may still have taken effect
-            raise
-        try:
             engine.reload(str(weights_dir))
+            if spec.resets_cache and not self._reset_prefix_cache(engine):
+                raise RunnerError(
+                    "vLLM did not reset its prefix cache: it would serve KV blocks of the "
+                    "old weights"
+                )
+            engine.set_weight_version(version)
         except Exception as exc:
             reason = failure_reason(exc)
-            if from_dir is not None and self._restore(engine, from_dir):
+            if from_dir is not None and self._restore(engine, from_dir, from_version):
                 raise RunnerError(
                     f"vLLM failed to reload {version!r} ({reason}); restored {from_version!r}",
                     code=WireCode.RUNNER_FAILED,
@@ -297,29 +395,14 @@ class VllmRunner:
                 from_version,
                 version,
             ) from exc
-        if not self._reset_prefix_cache(engine):
-            raise self._corrupted(
-                f"reloaded {version!r} but vLLM did not reset its prefix cache: it would serve "
-                "KV blocks of the old weights; the engine is left paused",
-                from_version,
-                version,
-            )
-        try:
-            engine.resume()
-        except Exception as exc:
-            raise self._corrupted(
-                f"reloaded {version!r} but could not resume serving ({failure_reason(exc)}); "
-                "reload again to recover",
-                from_version,
-                version,
-            ) from exc
 
-    def _restore(self, engine: Engine, from_dir: Path) -> bool:
+    def _restore(self, engine: Engine, from_dir: Path, from_version: str | None) -> bool:
         try:
             engine.reload(str(from_dir))
             if not self._reset_prefix_cache(engine):
                 return False
-            engine.resume()
+            if from_version is not None:
+                engine.set_weight_version(from_version)
         except Exception:
             return False
         return True
@@ -344,7 +427,7 @@ class VllmRunner:
     # ------------------------------------------------------------------ config
 
     def update_config(self, overrides: dict[str, JsonValue]) -> RunnerDescription:
-        with self._lock:
+        with self._command, self._lock:
             engine = self._engine
             if engine is None:
                 raise RunnerError("no vLLM engine is loaded", code=WireCode.MODEL_NOT_LOADED)
@@ -414,16 +497,64 @@ class VllmRunner:
             )
 
     def generate(self, prompt_ids: list[int], max_tokens: int = 16) -> list[int]:
-        """Greedy new token ids for ``prompt_ids`` (EOS ignored); refused while degraded."""
+        """Greedy new token ids for ``prompt_ids`` (EOS ignored); refused while degraded;
+        :class:`GenerationAborted` when a reload (drain mode abort) aborted it."""
+        out = self.generate_full(prompt_ids, max_tokens)
+        if out.finish_reason == "abort":
+            raise GenerationAborted(
+                f"vLLM aborted the request (finish reason 'abort'): a reload with drain mode "
+                f"abort; {len(out.token_ids)} tokens generated"
+            )
+        return out.token_ids
+
+    def generate_full(self, prompt_ids: list[int], max_tokens: int = 16) -> Generation:
+        """One greedy completion with vLLM's weight-version spans (in process) and finish
+        reason. In process it runs under the engine lock, so a reload drains it per its policy
+        (see ``_drain_in_process``); a sidecar's vLLM drains its own requests on ``/pause``."""
+        with self._state:
+            engine = self._engine
+        if isinstance(engine, SidecarEngine):
+            self._check_serving(engine)
+            return engine.generate(list(prompt_ids), max_tokens)
+        self._admit.wait()
         with self._lock:
-            if self._engine is None:
-                raise RunnerError("no vLLM engine is loaded", code=WireCode.MODEL_NOT_LOADED)
-            if self._degraded is not None:
-                raise RunnerError(
-                    f"refusing to serve: {self._degraded.message}",
-                    code=WireCode.WEIGHTS_CORRUPTED,
-                )
-            return self._engine.generate(list(prompt_ids), max_tokens)
+            engine = self._check_serving(self._engine)
+            return engine.generate(list(prompt_ids), max_tokens, self._between_steps)
+
+    def _check_serving(self, engine: Engine | None) -> Engine:
+        if engine is None:
+            raise RunnerError("no vLLM engine is loaded", code=WireCode.MODEL_NOT_LOADED)
+        degraded = self._degraded
+        if degraded is not None:
+            raise RunnerError(
+                f"refusing to serve: {degraded.message}", code=WireCode.WEIGHTS_CORRUPTED
+            )
+        return engine
+
+    def _between_steps(self) -> bool:
+        """In-process generation, between two engine steps (engine lock held): True to abort;
+        with drain mode keep, hand the engine to the reload and go on once it resumed."""
+        mode = self._drain_mode
+        if mode == "abort":
+            return True
+        if mode == "keep":
+            self._lock.release()
+            try:
+                self._resumed.wait()
+            finally:
+                self._lock.acquire()
+        return False
+
+    def vllm_weight_version(self) -> str:
+        """vLLM's own weight-version label (in process: the engine; sidecar: ``/weight_info``)."""
+        with self._state:
+            engine = self._engine
+        if engine is None:
+            raise RunnerError("no vLLM engine is loaded", code=WireCode.MODEL_NOT_LOADED)
+        if isinstance(engine, InProcessEngine):
+            with self._lock:
+                return engine.get_weight_version()
+        return engine.get_weight_version()
 
     def probe(self, prompt: str, max_tokens: int) -> ProbeResult | None:
         """Not offered: the engine's tokenizer and log-probabilities are not wired up here."""

@@ -10,6 +10,8 @@ import ipaddress
 import os
 import re
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -19,7 +21,18 @@ from controlplane.wire.errors import RunnerError, WireCode
 
 #: vLLM wraps a worker's exception as "... Worker failed with error '<message>', please check ...".
 _WORKER_ERROR = re.compile(r"Worker failed with error '(?P<msg>.*)'(?:, please check|$)", re.S)
-PauseMode = Literal["wait", "abort"]
+#: vLLM's pause modes (``vllm.v1.engine.PauseMode``): what happens to requests in flight.
+PauseMode = Literal["wait", "abort", "keep"]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One greedy completion: new token ids, vLLM's weight-version spans ``(version, start,
+    end)`` over them (None where the API does not report them), and vLLM's finish reason."""
+
+    token_ids: list[int]
+    weight_versions: list[tuple[str, int, int]] | None
+    finish_reason: str | None
 
 
 class SidecarError(RunnerError):
@@ -122,13 +135,25 @@ class SidecarClient:
         return bool(self._call("GET", "/is_paused").get("is_paused"))
 
     def pause(self, mode: PauseMode, timeout_s: float) -> None:
-        self._call("POST", "/pause", params={"mode": mode}, timeout=timeout_s)
+        """``/pause?mode=``; the caches are reset after the reload, not here (clear_cache off)."""
+        params = {"mode": mode, "clear_cache": "false"}
+        self._call("POST", "/pause", params=params, timeout=timeout_s)
 
     def resume(self) -> None:
         self._call("POST", "/resume")
 
     def reset_prefix_cache(self) -> bool:
-        return bool(self._call("POST", "/reset_prefix_cache").get("success"))
+        """Reset the prefix cache; requests held by a ``keep`` pause are preempted and
+        recomputed (``reset_running_requests``), so none decodes on KV of the old weights."""
+        params = {"reset_running_requests": "true"}
+        return bool(self._call("POST", "/reset_prefix_cache", params=params).get("success"))
+
+    def set_weight_version(self, version: str) -> None:
+        """vLLM's weight-version label (``/update_weight_version``, the RL dev endpoints)."""
+        self._call("POST", "/update_weight_version", json={"new_version": version})
+
+    def get_weight_version(self) -> str:
+        return str(self._call("GET", "/weight_info").get("weight_version"))
 
     def collective_rpc(
         self,
@@ -146,6 +171,10 @@ class SidecarClient:
 
     def complete(self, model: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
         """Greedy completion of ``prompt_ids``; the new token ids."""
+        return self.completion(model, prompt_ids, max_tokens).token_ids
+
+    def completion(self, model: str, prompt_ids: list[int], max_tokens: int) -> Generation:
+        """Greedy ``/v1/completions`` of ``prompt_ids`` (no weight-version spans there)."""
         body = {
             "model": model,
             "prompt": prompt_ids,
@@ -161,7 +190,8 @@ class SidecarClient:
                 "vLLM returned no token_ids (a server older than return_token_ids?)",
                 code=WireCode.RUNNER_FAILED,
             )
-        return [int(t) for t in ids]
+        reason = choices[0].get("finish_reason")
+        return Generation([int(t) for t in ids], None, None if reason is None else str(reason))
 
     # ------------------------------------------------------------------ plumbing
 
@@ -243,14 +273,12 @@ class SidecarEngine:
         served_model_name: str | None,
         startup_timeout_s: float,
         reload_timeout_s: float,
-        pause_mode: PauseMode,
     ) -> None:
         self.client = client
         self.model = model
         self.served_model_name = served_model_name
         self.startup_timeout_s = startup_timeout_s
         self.reload_timeout_s = reload_timeout_s
-        self.pause_mode: PauseMode = pause_mode
         self.vllm_version = "unknown"
         self.device = "unknown"
         self.dtype = "unknown"
@@ -318,8 +346,8 @@ class SidecarEngine:
     def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
         self.client.collective_rpc("update_config", args=[overrides])
 
-    def pause(self) -> None:
-        self.client.pause(self.pause_mode, timeout_s=self.reload_timeout_s)
+    def pause(self, mode: PauseMode, timeout_s: float) -> None:
+        self.client.pause(mode, timeout_s=timeout_s)
 
     def resume(self) -> None:
         self.client.resume()
@@ -332,8 +360,21 @@ class SidecarEngine:
     def reset_prefix_cache(self) -> bool:
         return self.client.reset_prefix_cache()
 
-    def generate(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
-        return self.client.complete(self.served_model_name or self.model, prompt_ids, max_tokens)
+    def set_weight_version(self, version: str) -> None:
+        self.client.set_weight_version(version)
+
+    def get_weight_version(self) -> str:
+        return self.client.get_weight_version()
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        between_steps: Callable[[], bool] | None = None,
+    ) -> Generation:
+        """One completion over HTTP; vLLM's own /pause drains it (``between_steps`` unused)."""
+        model = self.served_model_name or self.model
+        return self.client.completion(model, prompt_ids, max_tokens)
 
     def close(self) -> None:
         self.client.close()
