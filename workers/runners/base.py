@@ -5,6 +5,7 @@ No torch here: the agent imports this on any machine; runner modules are importe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -13,7 +14,8 @@ import json
 import math
 import re
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,7 +24,7 @@ from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
 from controlplane.wire.errors import RunnerError, WeightsCorrupted, WireCode
-from controlplane.wire.messages import WEIGHTS_DIGEST_PATTERN
+from controlplane.wire.messages import WEIGHTS_DIGEST_PATTERN, DrainPolicy
 from controlplane.wire.protocol import ReloadWeightsSpec
 from controlplane.wire.validation import summarize
 from workers.weights.stats import LoadStats
@@ -92,14 +94,22 @@ class ReloadResult(LoadStats):
 
     ``weights_digest``: a fingerprint of the weights the model holds after it (see
     ``workers.weights.digest``; the fake runner's is of the version), in the result only when set.
+    ``drain``: what the reload's drain policy did to requests in flight, likewise.
     """
 
     weights_digest: str | None = None
+    drain: DrainReport | None = None
 
     @classmethod
-    def of(cls, stats: LoadStats, *, weights_digest: str | None = None) -> ReloadResult:
+    def of(
+        cls,
+        stats: LoadStats,
+        *,
+        weights_digest: str | None = None,
+        drain: DrainReport | None = None,
+    ) -> ReloadResult:
         fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(LoadStats)}
-        return cls(**fields, weights_digest=weights_digest)
+        return cls(**fields, weights_digest=weights_digest, drain=drain)
 
     def as_dict(self) -> dict[str, JsonValue]:
         out: dict[str, JsonValue] = {
@@ -114,6 +124,8 @@ class ReloadResult(LoadStats):
         }
         if self.weights_digest is not None:
             out["weights_digest"] = self.weights_digest
+        if self.drain is not None:
+            out["drain"] = self.drain.as_dict()
         return out
 
 
@@ -177,6 +189,149 @@ class Runner(Protocol):
 
     def close(self) -> None:
         """Release the model; idempotent."""
+
+
+# --------------------------------------------------------------------------- drain
+
+
+class GenerationAborted(RunnerError):
+    """A request in flight was aborted by a reload with the ``abort`` drain policy: it returned
+    no tokens (none of them generated with the new weights). Retry it: it runs on the new ones."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code=WireCode.RUNNER_FAILED)
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    """What a reload's drain did: the mode applied, how long requests in flight held it off
+    (``paused_s``: from asking for the gate to holding it), and how many it aborted."""
+
+    mode: str
+    paused_s: float
+    in_flight: int
+    aborted: int
+
+    def as_dict(self) -> dict[str, JsonValue]:
+        return {
+            "mode": self.mode,
+            "paused_s": round(self.paused_s, 6),
+            "in_flight": self.in_flight,
+            "aborted": self.aborted,
+        }
+
+
+#: How often a drain waiting for requests looks at the command's cancel event.
+_CANCEL_POLL_S: Final = 0.05
+
+
+class DrainGate:
+    """A reader/writer gate between requests (generate, probe: shared) and reloads (exclusive),
+    so a request runs wholly before or wholly after a reload, never across one.
+
+    A reload asking for the gate stops admitting requests at once (they wait, they are not
+    refused), then, by its :class:`~controlplane.wire.messages.DrainPolicy`:
+
+    - ``wait``: lets the requests in flight finish, up to ``timeout_s``. Past it the reload
+      gives up with COMMAND_TIMEOUT before touching any weight, and requests are admitted again.
+    - ``abort``: flags every request in flight; each stops at its next token and raises
+      :class:`GenerationAborted`. The reload waits for them to stop (bounded by ``timeout_s``:
+      a model that cannot be interrupted runs to its end, as for wait).
+    - ``keep``: as ``wait``. A request here cannot be paused mid-generation and resumed on the
+      new weights without its tokens mixing both versions, which this gate exists to prevent.
+
+    The command's ``cancel`` event (its own timeout, a shutdown) ends a drain the same way as
+    its deadline. Requests never wait for each other; reloads wait for each other.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._requests: set[threading.Event] = set()  # one per admitted request: set = abort it
+        self._draining = False  # a reload holds the gate or is draining for it
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[threading.Event]:
+        """Admit one request (waiting while a reload drains or runs); yields its abort flag,
+        which the request checks between tokens (:meth:`check`)."""
+        with self._cond:
+            while self._draining:
+                self._cond.wait()
+            flag = threading.Event()
+            self._requests.add(flag)
+        try:
+            yield flag
+        finally:
+            with self._cond:
+                self._requests.discard(flag)
+                self._cond.notify_all()
+
+    @staticmethod
+    def check(flag: threading.Event) -> None:
+        """Raise GenerationAborted when a reload aborted the request holding ``flag``."""
+        if flag.is_set():
+            raise GenerationAborted(
+                "aborted: the weights are being reloaded (drain policy abort); retry it"
+            )
+
+    @contextlib.contextmanager
+    def exclusive(
+        self, policy: DrainPolicy, *, cancel: threading.Event | None = None
+    ) -> Iterator[DrainReport]:
+        """Hold the gate alone, draining requests in flight by ``policy`` first.
+
+        Raises RunnerError COMMAND_TIMEOUT when they are still running at the policy's deadline
+        or ``cancel`` is set first: nothing was touched, requests are admitted again."""
+        started = time.monotonic()
+        deadline = started + policy.timeout_s
+        with self._cond:
+            while self._draining:  # another reload: wait for it, under the same deadline
+                self._wait(deadline, cancel, policy, "another reload")
+            self._draining = True
+            self._cond.notify_all()  # wait_draining
+            in_flight = len(self._requests)
+            aborted = 0
+            try:
+                if policy.mode == "abort":
+                    for flag in self._requests:
+                        flag.set()
+                    aborted = in_flight
+                while self._requests:
+                    self._wait(deadline, cancel, policy, f"{len(self._requests)} request(s)")
+            except BaseException:
+                self._draining = False
+                self._cond.notify_all()
+                raise
+        report = DrainReport(policy.mode, time.monotonic() - started, in_flight, aborted)
+        try:
+            yield report
+        finally:
+            with self._cond:
+                self._draining = False
+                self._cond.notify_all()
+
+    def wait_draining(self, timeout: float | None = None) -> bool:
+        """Block until a reload drains for the gate or holds it (no request is admitted from
+        then on); False when ``timeout`` passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._draining, timeout)
+
+    def _wait(
+        self, deadline: float, cancel: threading.Event | None, policy: DrainPolicy, what: str
+    ) -> None:
+        """One wait on the condition (lock held); RunnerError COMMAND_TIMEOUT once it is over."""
+        left = deadline - time.monotonic()
+        if cancel is not None and cancel.is_set():
+            raise RunnerError(
+                f"drain ({policy.mode}) cancelled while {what} still ran; weights untouched",
+                code=WireCode.COMMAND_TIMEOUT,
+            )
+        if left <= 0:
+            raise RunnerError(
+                f"drain ({policy.mode}): {what} still running after {policy.timeout_s:g} s"
+                " (the drain deadline); weights untouched",
+                code=WireCode.COMMAND_TIMEOUT,
+            )
+        self._cond.wait(min(left, _CANCEL_POLL_S) if cancel is not None else left)
 
 
 # --------------------------------------------------------------------------- config

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -104,14 +105,20 @@ class TinyLM(nn.Module):
         top_k: int = 0,
         seed: int = 0,
         pad_to: int | None = None,
+        stop: threading.Event | None = None,
     ) -> list[int]:
-        """New token ids after ``prompt_ids``: greedy when temperature is 0, else seeded sampling."""
+        """New token ids after ``prompt_ids``: greedy when temperature is 0, else seeded sampling.
+
+        ``stop``: checked before each token; once set, the tokens so far are returned (fewer
+        than ``max_new_tokens``: the caller that set it decides what they are worth)."""
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         generator = torch.Generator().manual_seed(seed)
         ids = list(prompt_ids)
         out: list[int] = []
         for _ in range(max_new_tokens):
+            if stop is not None and stop.is_set():
+                break
             logits = self.next_logits(ids, pad_to=pad_to)
             if temperature == 0:
                 token = int(torch.argmax(logits))

@@ -1,14 +1,20 @@
 """A runner that holds one PyTorch model on a CPU or CUDA device and reloads it in place.
 
-It owns the model and its lock; checkpoint parsing and copying live in loaders.py. It never
-touches Kafka or asyncio: the agent calls it from a worker thread.
+It owns the model, its lock and its drain gate; checkpoint parsing and copying live in
+loaders.py. It never touches Kafka or asyncio: the agent calls it from a worker thread.
+
+Requests (``generate``, ``probe``, ``forward_logits``) run concurrently under the drain gate,
+shared; a reload holds it alone, after draining them by the spec's drain policy
+(:class:`~workers.runners.base.DrainGate`): every request runs wholly on one version.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +26,8 @@ from controlplane.wire.errors import RunnerError, WeightsCorrupted, WireCode
 from controlplane.wire.protocol import ReloadWeightsSpec
 from workers.runners.base import (
     DegradedInfo,
+    DrainGate,
+    DrainReport,
     ProbeResult,
     ReloadResult,
     RunnerConfig,
@@ -115,7 +123,11 @@ class TorchConfig(RunnerConfig):
 
 
 class TorchRunner:
-    """One ``torch.nn.Module`` on one device, reloaded in place, serialized by a lock."""
+    """One ``torch.nn.Module`` on one device, reloaded in place.
+
+    Reloads, config changes, load and close are serialized by a lock; requests are not (see
+    the module's docstring), except where ``_one_request_at_a_time`` says so.
+    """
 
     name = "torch"
     options_model: type[TorchRunnerOptions] = TorchRunnerOptions
@@ -127,7 +139,9 @@ class TorchRunner:
             self._config = apply_overrides(self.config_model(), self.options.config)
         except RunnerError as exc:
             raise ValueError(f"invalid initial config for runner {self.name!r}: {exc}") from None
-        self._lock = threading.Lock()  # the model: generate, reload, config, close
+        self._lock = threading.Lock()  # the model: load, reload, config, close
+        self._gate = DrainGate()  # requests shared, a reload's copy alone
+        self._serial = threading.Lock()  # requests one at a time, where the device needs it
         self._state = threading.Lock()  # the facts describe() reads, never held for long
         self._model: torch.nn.Module | None = None
         self._device: torch.device | None = None
@@ -164,6 +178,9 @@ class TorchRunner:
 
     def _pad_to(self, model: torch.nn.Module) -> int | None:
         return None
+
+    #: Whether requests run one at a time (a device whose tracing is not safe across threads).
+    _one_request_at_a_time = False
 
     def _to_host(self, samples: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """``samples`` (small device tensors) on the host, in order: one copy each by default."""
@@ -257,44 +274,59 @@ class TorchRunner:
                     f"cannot reload {spec.version!r}: no model is loaded",
                     code=WireCode.MODEL_NOT_LOADED,
                 )
-            from_version = self._version
-            self._set_phase("validating", (0, 0))
+            self._set_phase("draining", (0, 0))  # requests in flight hold it off
             try:
-                stats = load_checkpoint(
-                    path,
-                    self._copy_targets(self._targets),
-                    version=spec.version,
-                    from_version=from_version,
-                    strict=spec.strict,
-                    sha256=spec.sha256,
-                    aliases=self._aliases,
-                    cancel=cancel,
-                    staging_bytes=self.options.staging_bytes,
-                    progress=lambda done, total: self._on_copy_progress(done, total, cancel),
-                    sync=self._sync,
-                    read_threads=self.options.read_threads,
-                    model_trust=self._trust,
-                    # Hashed as copied (one read) when what is in force now can be restored.
-                    sha256_while_copying=self._in_force is not None,
-                )
-            except CopiedBytesMismatch as exc:
-                self._restore_or_degrade(exc)  # raises
-            except WeightsCorrupted as exc:
-                self._mark_degraded(exc)
-                raise
+                with self._gate.exclusive(spec.drain_policy, cancel=cancel) as drain:
+                    return self._reload_drained(spec, path, cancel, drain)
             finally:
                 self._set_phase("idle", (0, 0))
-            # The copy succeeded: the fingerprint is read back from the model itself.
-            result = ReloadResult.of(stats, weights_digest=self._weights_digest(self._targets))
-            with self._state:
-                self._version = spec.version
-                self._degraded = None
-                self._last_reload = result
-                self._digest = result.weights_digest
-                self._in_force = _InForce(
-                    path, spec.version, spec.strict, spec.sha256, stats.signed
-                )
-            return result
+
+    def _reload_drained(
+        self,
+        spec: ReloadWeightsSpec,
+        path: Path,
+        cancel: threading.Event | None,
+        drain: DrainReport,
+    ) -> ReloadResult:
+        """The reload, once no request is in flight (the model lock and the gate held)."""
+        from_version = self._version
+        self._set_phase("validating", (0, 0))
+        try:
+            stats = load_checkpoint(
+                path,
+                self._copy_targets(self._targets),
+                version=spec.version,
+                from_version=from_version,
+                strict=spec.strict,
+                sha256=spec.sha256,
+                aliases=self._aliases,
+                cancel=cancel,
+                staging_bytes=self.options.staging_bytes,
+                progress=lambda done, total: self._on_copy_progress(done, total, cancel),
+                sync=self._sync,
+                read_threads=self.options.read_threads,
+                model_trust=self._trust,
+                # Hashed as copied (one read) when what is in force now can be restored.
+                sha256_while_copying=self._in_force is not None,
+            )
+        except CopiedBytesMismatch as exc:
+            self._restore_or_degrade(exc)  # raises
+        except WeightsCorrupted as exc:
+            self._mark_degraded(exc)
+            raise
+        finally:
+            self._set_phase("idle", (0, 0))
+        # The copy succeeded: the fingerprint is read back from the model itself.
+        result = ReloadResult.of(
+            stats, weights_digest=self._weights_digest(self._targets), drain=drain
+        )
+        with self._state:
+            self._version = spec.version
+            self._degraded = None
+            self._last_reload = result
+            self._digest = result.weights_digest
+            self._in_force = _InForce(path, spec.version, spec.strict, spec.sha256, stats.signed)
+        return result
 
     def _mark_degraded(self, exc: WeightsCorrupted) -> None:
         with self._state:
@@ -392,15 +424,36 @@ class TorchRunner:
 
     # ------------------------------------------------------------------ serving
 
+    @property
+    def drain_gate(self) -> DrainGate:
+        """The gate requests and reloads pass (see :class:`~workers.runners.base.DrainGate`)."""
+        return self._gate
+
+    @contextlib.contextmanager
+    def _request(self) -> Iterator[threading.Event]:
+        """Admitted through the drain gate (and one at a time where the device needs it);
+        yields the request's abort flag."""
+        with self._gate.request() as aborted:
+            if not self._one_request_at_a_time:
+                yield aborted
+                return
+            with self._serial:
+                yield aborted
+
     def generate(self, prompt: str | Sequence[int]) -> list[int]:
-        """New token ids for ``prompt`` (text is byte-tokenized) under the current config."""
+        """New token ids for ``prompt`` (text is byte-tokenized) under the current config, all
+        generated with one version of the weights: a reload waits for it or, with the drain
+        policy ``abort``, makes it raise GenerationAborted (RUNNER_FAILED) with no tokens."""
         ids = encode_text(prompt) if isinstance(prompt, str) else list(prompt)
-        with self._lock:
+        with self._request() as aborted:
             model = self._serving_model()
             generate = getattr(model, "generate", None)
             if not callable(generate):
                 raise RunnerError(f"model {type(model).__name__} has no generate()")
             config = self._config
+            # A model's generate that takes ``stop`` ends at its next token when aborted; one
+            # that does not runs to its end (the reload waits for it), and fails all the same.
+            stop = {"stop": aborted} if _takes_stop(generate) else {}
             out: list[int] = generate(
                 ids,
                 config.max_new_tokens,
@@ -408,7 +461,9 @@ class TorchRunner:
                 top_k=config.top_k,
                 seed=config.sampling_seed,
                 pad_to=self._pad_to(model),
+                **stop,
             )
+            DrainGate.check(aborted)
             return out
 
     def probe(self, prompt: str, max_tokens: int) -> ProbeResult | None:
@@ -416,7 +471,7 @@ class TorchRunner:
         whatever the sampling config; None when the model has no ``next_logits`` (a factory's
         model that is not the built-in one)."""
         ids = encode_text(prompt)
-        with self._lock:
+        with self._request() as aborted:
             model = self._serving_model()
             next_logits = getattr(model, "next_logits", None)
             if not callable(next_logits):
@@ -432,6 +487,7 @@ class TorchRunner:
             logprobs: list[float] = []
             with torch.no_grad():
                 for _ in range(max_tokens):
+                    DrainGate.check(aborted)
                     logits: torch.Tensor = next_logits(ids, pad_to=pad_to)
                     # The log-softmax in float64 on the host: no rounding of its own to speak of.
                     logp = torch.log_softmax(logits.double(), dim=-1)
@@ -443,7 +499,7 @@ class TorchRunner:
 
     def forward_logits(self, ids: Sequence[int]) -> torch.Tensor:
         """Float32 CPU logits ``[len(ids), vocab]``; a diagnostic that works even when degraded."""
-        with self._lock:
+        with self._request():
             model = self._require_model()
             length = len(ids)
             pad_to = self._pad_to(model)
@@ -466,3 +522,11 @@ class TorchRunner:
                 code=WireCode.WEIGHTS_CORRUPTED,
             )
         return model
+
+
+def _takes_stop(generate: Callable[..., Any]) -> bool:
+    """Whether a model's ``generate`` takes ``stop`` (an event: end at the next token)."""
+    try:
+        return "stop" in inspect.signature(generate).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin)
+        return False

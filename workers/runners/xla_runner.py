@@ -49,6 +49,10 @@ class XlaRunner(TorchRunner):
         host: list[torch.Tensor] = xm._maybe_convert_to_cpu(list(samples))  # type: ignore[assignment]
         return host
 
+    # torch_xla does not promise that tracing and running lazy graphs from several threads at
+    # once is safe: requests run one at a time, as they did before the drain gate.
+    _one_request_at_a_time = True
+
     def _pad_to(self, model: torch.nn.Module) -> int | None:
         # One input shape means one compiled graph, however long the prompt.
         max_seq = getattr(model, "max_seq", None)
@@ -59,7 +63,7 @@ class XlaRunner(TorchRunner):
         if xr.device_type() != "CPU" or tensor.numel() == 0:
             return None
         # Writing into a buffer XLA considers immutable is safe only while nothing reads it:
-        # the caller holds the model lock (no generate or forward can start), and this waits
+        # the caller holds the drain gate alone (no request runs or can start), and this waits
         # for whatever was already queued. Parameters are never aliased by other device tensors
         # (tied weights are copied once, through their canonical name).
         xm.wait_device_ops()
