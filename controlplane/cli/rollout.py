@@ -27,6 +27,7 @@ import inspect
 import json
 import time
 from collections.abc import Callable
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -88,6 +89,7 @@ from controlplane.wire.errors import (
     WireCode,
 )
 from controlplane.wire.exits import PHASE_EXITS, error_line
+from controlplane.wire.messages import DEFAULT_DRAIN_TIMEOUT_S, DrainPolicy
 from controlplane.wire.protocol import (
     Command,
     CommandSpec,
@@ -367,6 +369,14 @@ def _rollout_command(name: str) -> Callable[[SpecMaker], SpecMaker]:
     return register
 
 
+class DrainChoice(StrEnum):
+    """``--drain``: the wire's drain modes (messages.DRAIN_MODES), as choices."""
+
+    WAIT = "wait"
+    ABORT = "abort"
+    KEEP = "keep"
+
+
 @_rollout_command("reload-weights")
 def reload_weights(
     path: Annotated[
@@ -385,6 +395,27 @@ def reload_weights(
     non_strict: Annotated[
         bool, typer.Option("--non-strict", help="Allow a partial checkpoint.")
     ] = False,
+    drain: Annotated[
+        DrainChoice | None,
+        typer.Option(
+            "--drain",
+            help="Requests in flight on each worker: wait for them (default), abort them, or "
+            "keep them paused across the reload (vLLM; torch waits). docs/wire.md.",
+        ),
+    ] = None,
+    drain_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--drain-timeout",
+            help=f"Seconds to wait for requests in flight (default "
+            f"{DEFAULT_DRAIN_TIMEOUT_S:g}); past it the reload fails COMMAND_TIMEOUT, "
+            "weights untouched.",
+        ),
+    ] = None,
+    no_reset_cache: Annotated[
+        bool,
+        typer.Option("--no-reset-cache", help="Keep the server's prefix cache across the reload."),
+    ] = False,
 ) -> ReloadWeightsSpec:
     """Roll new weights out to the selected workers (validated on each worker before any copy)."""
     manifest: dict[str, str] = {}
@@ -393,7 +424,20 @@ def reload_weights(
             manifest = json.loads(sha256.read_text())
         except (OSError, ValueError) as exc:
             raise typer.BadParameter(f"--sha256: {exc}") from None
-    return ReloadWeightsSpec(path=path, version=version, sha256=manifest, strict=not non_strict)
+    policy: dict[str, Any] = {}
+    if drain is not None:
+        policy["mode"] = drain.value
+    if drain_timeout is not None:
+        policy["timeout_s"] = drain_timeout
+    # Written only when asked for: a worker built before drain policies reads the rest.
+    return ReloadWeightsSpec(
+        path=path,
+        version=version,
+        sha256=manifest,
+        strict=not non_strict,
+        drain=DrainPolicy.model_validate(policy) if policy else None,
+        reset_cache=False if no_reset_cache else None,
+    )
 
 
 @_rollout_command("update-config")
