@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, get_args
 
 import jsonschema
@@ -178,3 +179,12 @@ def test_the_api_body_takes_them_through_the_spec_model() -> None:
     del body["drain"], body["reset_cache"]
     spec, _ = parse_rollout_request(json.dumps(body).encode())
     assert isinstance(spec, ReloadWeightsSpec) and (spec.drain, spec.reset_cache) == (None, None)
+
+
+def test_the_docs_example_is_a_valid_spec() -> None:
+    """docs/wire.md's example of the two fields is what the decoder reads."""
+    text = (Path(__file__).parents[2] / "docs" / "wire.md").read_text()
+    section = text.split("## Drain and cache policy", 1)[1]
+    example = section.split("```json", 1)[1].split("```", 1)[0]
+    spec = ReloadWeightsSpec.model_validate_json(example, strict=True)
+    assert spec.drain == DrainPolicy(mode="wait", timeout_s=30) and spec.reset_cache is True
