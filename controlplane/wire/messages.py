@@ -238,13 +238,16 @@ def _is_none(value: object) -> bool:
 #: Bounds of a reload's drain deadline, in seconds, and its default when the spec gives none.
 MAX_DRAIN_TIMEOUT_S: Final = 3600.0
 DEFAULT_DRAIN_TIMEOUT_S: Final = 60.0
+#: The drain modes, in the order the CLI lists them.
+DRAIN_MODES: Final = ("wait", "abort", "keep")
+DrainMode = Literal["wait", "abort", "keep"]
 
 
 class DrainPolicy(WireModel):
     """What a reload does with generation requests in flight on the worker (docs/wire.md,
     "Drain and cache policy"). No request is ever generated partly with each version."""
 
-    mode: Literal["wait", "abort", "keep"] = Field(
+    mode: DrainMode = Field(
         default="wait",
         description="wait: admit no new request, let those running finish (up to timeout_s), "
         "reload, then serve again; past the deadline the reload NACKs COMMAND_TIMEOUT with the "
