@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import JsonValue
 
 from controlplane.wire.errors import CommandRejected, RunnerError, WireCode
 from controlplane.wire.protocol import ReloadWeightsSpec
@@ -157,11 +158,12 @@ def test_sidecar_starts_and_applies_config_when_server_info_fails(
             runner.update_config({"load_config.no_such_field": 1})
         assert caught.value.code is WireCode.CONFIG_KEY_REJECTED
         # Our own checks still stand before vLLM is asked.
-        for overrides, code in (
+        cases: tuple[tuple[dict[str, JsonValue], WireCode], ...] = (
             ({"load_config.load_format": "bogus"}, WireCode.CONFIG_VALUE_INVALID),
             ({"load_config.ignore_patterns": ["*"]}, WireCode.CONFIG_KEY_REJECTED),
             ({"model_config.max_logprobs": 3}, WireCode.CONFIG_KEY_REJECTED),
-        ):
+        )
+        for overrides, code in cases:
             with pytest.raises(RunnerError) as caught:
                 runner.update_config(overrides)
             assert caught.value.code is code, overrides
@@ -354,7 +356,11 @@ def test_a_hugging_face_cache_layout_inside_the_roots_is_snapshotted(
 
 def _routes(fake: FakeVllm, since: int) -> list[str]:
     """The calls the runner made after the first ``since``, as 'METHOD path?query'."""
-    return [f"{method} {path}" for method, path, _ in fake.calls[since:] if "/health" not in path]
+    return [
+        f"{method} {path}"
+        for method, path, _ in fake.calls[since:]
+        if "/health" not in path and path != "/metrics"
+    ]
 
 
 def test_sidecar_reload_pauses_with_the_policy_resets_labels_and_resumes(
@@ -367,7 +373,13 @@ def test_sidecar_reload_pauses_with_the_policy_resets_labels_and_resumes(
     spec = ReloadWeightsSpec.model_validate(
         {"path": str(v2), "version": "v2", "drain": {"mode": "abort", "timeout_s": 5}}
     )
-    runner.reload_weights(spec, v2)
+    result = runner.reload_weights(spec, v2)
+    assert result.as_dict()["drain"] == {
+        "mode": "abort",
+        "paused_s": result.as_dict()["drain"]["paused_s"],  # type: ignore[index,call-overload]
+        "in_flight": 0,  # the stand-in has no /metrics
+        "aborted": 0,
+    }
     calls = _routes(fake, since)
     assert calls == [
         "POST /pause?mode=abort&clear_cache=false",

@@ -40,7 +40,7 @@ from tests.vllm.conftest import (
 from workers.demo.tiny_llama import hf_greedy, write_tiny_llama
 from workers.runners.vllm_config import translate_config_error
 from workers.runners.vllm_runner import GenerationAborted, VllmRunner
-from workers.runners.vllm_sidecar import Generation
+from workers.runners.vllm_sidecar import Generation, SidecarEngine
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -207,6 +207,20 @@ def hold_until_drain(
     return steps
 
 
+def pause_while_running(runner: VllmRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sidecar's requests surely in flight: the runner's /pause waits until vLLM's
+    ``num_requests_running`` gauge shows one running."""
+    engine = runner._engine
+    assert isinstance(engine, SidecarEngine)
+    pause = engine.pause
+
+    def when_running(mode: Any, timeout_s: float) -> None:
+        wait_for(lambda: engine.running_requests() >= 1)
+        pause(mode, timeout_s)
+
+    monkeypatch.setattr(engine, "pause", when_running)
+
+
 class Clients:
     """Threads sending the same greedy request back to back until stopped."""
 
@@ -242,6 +256,8 @@ def test_a_wait_reload_under_load_fails_nothing_and_mixes_no_versions(
         wait_for(lambda: len(clients.results) >= 2)
         result = runner.reload_weights(drain_spec(ckpts.v2, "v2", "wait"), ckpts.v2)
         assert result.version == "v2"
+        assert result.drain is not None and result.drain.mode == "wait"
+        assert result.drain.aborted == 0 and result.drain.paused_s >= 0
         done = len(clients.results)
         wait_for(lambda: len(clients.results) >= done + 3)
     finally:
@@ -263,13 +279,18 @@ def test_an_abort_reload_aborts_the_requests_in_flight_the_rest_are_one_version(
 ) -> None:
     if runner.options.mode == "in_process":
         steps = hold_until_drain(runner, monkeypatch, 3, "abort")
+    else:
+        pause_while_running(runner, monkeypatch)
     clients = Clients(runner, 1 if runner.options.mode == "in_process" else 3, DRAIN_TOKENS)
     try:
         if runner.options.mode == "in_process":
             wait_for(lambda: steps["n"] >= 3)
         else:
             wait_for(lambda: len(clients.results) >= 1)
-        runner.reload_weights(drain_spec(ckpts.v2, "v2", "abort"), ckpts.v2)
+        result = runner.reload_weights(drain_spec(ckpts.v2, "v2", "abort"), ckpts.v2)
+        assert result.drain is not None and result.drain.mode == "abort"
+        if runner.options.mode == "in_process":  # exact here; a sidecar's are vLLM's gauge
+            assert (result.drain.in_flight, result.drain.aborted) == (1, 1)
         done = len(clients.results)
         wait_for(lambda: len(clients.results) >= done + 2)
     finally:
@@ -286,33 +307,47 @@ def test_an_abort_reload_aborts_the_requests_in_flight_the_rest_are_one_version(
     assert GenerationAborted("x").code is WireCode.RUNNER_FAILED
 
 
-def test_a_keep_reload_carries_the_request_on_with_the_new_weights_labelled_by_span(
-    runner: VllmRunner, ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch
+def test_a_keep_reload_carries_requests_on_with_the_new_weights_labelled_by_span(
+    runner: VllmRunner,
+    ckpts: Checkpoints,
+    long_refs: dict[str, list[int]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """What vLLM's keep guarantees: the request in flight is not failed; it is frozen, and after
+    """What vLLM's keep guarantees: a request in flight is not failed; it is frozen, and after
     the reload it goes on with the new weights over its whole context (the prefix cache reset
     preempts it, so its KV is recomputed, none of the old weights' is reused); vLLM's spans say
-    which tokens came from which version."""
-    if runner.options.mode != "in_process":
-        pytest.skip("keep on the sidecar: not tested yet (see docs/vllm.md)")
-    steps = hold_until_drain(runner, monkeypatch, 4, "keep")
-    out: list[Generation] = []
-    thread = threading.Thread(target=lambda: out.append(runner.generate_full(SHORT, 24)))
-    thread.start()
+    which tokens came from which version. Others are one version."""
+    if runner.options.mode == "in_process":
+        steps = hold_until_drain(runner, monkeypatch, 4, "keep")
+    else:
+        pause_while_running(runner, monkeypatch)
+    clients = Clients(runner, 1 if runner.options.mode == "in_process" else 3, DRAIN_TOKENS)
     try:
-        wait_for(lambda: steps["n"] >= 4)
+        if runner.options.mode == "in_process":
+            wait_for(lambda: steps["n"] >= 4)
+        else:
+            wait_for(lambda: len(clients.results) >= 1)
         runner.reload_weights(drain_spec(ckpts.v2, "v2", "keep"), ckpts.v2)
-        thread.join(timeout=300)
+        done = len(clients.results)
+        wait_for(lambda: len(clients.results) >= done + 2)
     finally:
+        clients.finish()
         monkeypatch.undo()
         runner.reload_weights(ReloadWeightsSpec(path=str(ckpts.v1), version="v1"), ckpts.v1)
-    (kept,) = out
-    assert kept.finish_reason == "length" and len(kept.token_ids) == 24
-    assert kept.weight_versions is not None and len(kept.weight_versions) == 2, kept
-    (first, _, cut), (second, start, end) = kept.weight_versions
-    assert (first, second, start, end) == ("v1", "v2", cut, 24) and 0 < cut < 24
-    assert kept.token_ids[:cut] == hf_greedy(ckpts.v1, SHORT, cut)
-    assert kept.token_ids[cut:] == hf_greedy(ckpts.v2, SHORT + kept.token_ids[:cut], 24 - cut)
+    assert clients.errors == []
+    assert all(out.finish_reason == "length" for out in clients.results), clients.results
+    kept = [out for out in clients.results if len(out.weight_versions or []) > 1]
+    assert kept, [(out.weight_versions, out.finish_reason) for out in clients.results]
+    for out in kept:
+        assert out.weight_versions is not None
+        (first, _, cut), (second, start, end) = out.weight_versions
+        assert (first, second, start, end) == ("v1", "v2", cut, DRAIN_TOKENS), out
+        assert 0 < cut < DRAIN_TOKENS
+        assert out.token_ids[:cut] == long_refs["v1"][:cut]
+        continued = hf_greedy(ckpts.v2, SHORT + out.token_ids[:cut], DRAIN_TOKENS - cut)
+        assert out.token_ids[cut:] == continued
+    served = [one_version(out, long_refs) for out in clients.results if out not in kept]
+    assert served[-1] == "v2", served
 
 
 @pytest.mark.kafka
@@ -324,13 +359,17 @@ async def test_reload_rollout_through_kafka_matches_fresh_weights(
         forward = await ack_of(kafka, acks, reload_cmd(ckpts.v2, "v2", sha256=sha256_of(ckpts.v2)))
         assert forward.state is AckState.SUCCEEDED, forward.error
         assert forward.weights_version == "v2"
-        assert forward.result["files"] == len(sha256_of(ckpts.v2)) > 1
-        assert forward.result["tensors"] == 21 and forward.result["bytes"] > 0
+        shards = len(sha256_of(ckpts.v2))
+        assert forward.result["files"] == shards and shards > 1
+        nbytes = forward.result["bytes"]
+        assert forward.result["tensors"] == 21 and isinstance(nbytes, int) and nbytes > 0
         assert await generate(runner) == ckpts.want("v2")
         back = await ack_of(kafka, acks, reload_cmd(ckpts.v1, "v1"))
         assert back.state is AckState.SUCCEEDED, back.error
         assert await generate(runner) == ckpts.want("v1")
-    TIMINGS[f"{runner.options.mode}_reload_s"] = forward.result["duration_s"]
+    duration = forward.result["duration_s"]
+    assert isinstance(duration, float)
+    TIMINGS[f"{runner.options.mode}_reload_s"] = duration
     states = [a.state for a in acks.items if a.command_id == forward.command_id]
     assert states == [AckState.ACCEPTED, AckState.RUNNING, AckState.SUCCEEDED]
 

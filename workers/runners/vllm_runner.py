@@ -3,8 +3,9 @@
 Two shapes: a ``vllm.LLM`` in this process, or a ``vllm serve`` sidecar on loopback (HTTP, see
 vllm_sidecar.py; the in-process engine and the options are in vllm_engine.py). Every checkpoint is
 checked against the loaded one's manifest (weights/checks.py) and copied to a private snapshot
-(weights/snapshot.py) before vLLM sees it, and the prefix cache is reset after a reload. Never
-imports ``vllm._C``.
+(weights/snapshot.py) before vLLM sees it. A reload drains generation per the command's policy
+(vLLM's pause modes wait/abort/keep; in process, between engine steps), resets the prefix cache
+unless told not to, labels vLLM's weight version with ours and resumes. Never imports ``vllm._C``.
 
 Its weights digest (``workers.weights.digest.weights_digest``, the torch runners' fingerprint) is
 of the tensors in the files vLLM was told to load (the verified snapshot, or the operator's model
@@ -32,6 +33,8 @@ from controlplane.wire.messages import DrainPolicy
 from controlplane.wire.protocol import ReloadWeightsSpec
 from workers.runners.base import (
     DegradedInfo,
+    DrainReport,
+    GenerationAborted,
     ProbeResult,
     ReloadResult,
     RunnerDescription,
@@ -76,13 +79,6 @@ __all__ = [
 _RESET_TRIES = 5
 
 
-class GenerationAborted(RunnerError):
-    """A request vLLM aborted (finish reason ``abort``): a reload with drain mode abort."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, code=WireCode.RUNNER_FAILED)
-
-
 class VllmRunner:
     """One vLLM engine, reloaded through its RPCs; every command serialized by one lock."""
 
@@ -104,6 +100,9 @@ class VllmRunner:
         self._resumed.set()
         self._admit = threading.Event()  # cleared while a reload drains: new requests wait
         self._admit.set()
+        self._in_flight = 0  # in-process requests running or kept (under or for the lock)
+        self._aborted = 0  # in-process requests aborted by the drain running now
+        self._drain: DrainReport | None = None  # what the last drain did
         self._engine: Engine | None = None
         self._fields: dict[str, dict[str, Any]] = {}
         self._reference: dict[str, torch.Tensor] = {}  # the loaded checkpoint's manifest
@@ -236,7 +235,7 @@ class VllmRunner:
                 copy_started=rpc_started,  # vLLM's own load counts as the copy
                 finished=finished,
             )
-            result = ReloadResult.of(stats, weights_digest=digest)
+            result = ReloadResult.of(stats, weights_digest=digest, drain=self._drain)
             with self._state:
                 self._reference, self._weights_dir = stand_ins(entries), weights_dir
                 self._version, self._degraded, self._last_reload = spec.version, None, result
@@ -255,8 +254,13 @@ class VllmRunner:
     def _drained(self, engine: Engine, policy: DrainPolicy, version: str) -> Iterator[None]:
         """Hold generation off per ``policy`` for the body; serve again after it, whatever it
         raised (except when the weights are corrupted: nothing is served then)."""
+        asked = time.perf_counter()
         if isinstance(engine, InProcessEngine):
+            in_flight = self._in_flight
             acquired = self._drain_in_process(policy, version)
+            self._drain = DrainReport(
+                policy.mode, time.perf_counter() - asked, in_flight, self._aborted
+            )
             try:
                 yield
             finally:
@@ -264,8 +268,11 @@ class VllmRunner:
                 self._resumed.set()  # kept generations go on, on the new weights
                 acquired.release()
             return
+        in_flight = engine.running_requests()  # vLLM's gauge: /pause does not count them
         try:
             engine.pause(policy.mode, policy.timeout_s)
+            aborted = in_flight if policy.mode == "abort" else 0
+            self._drain = DrainReport(policy.mode, time.perf_counter() - asked, in_flight, aborted)
         except Exception as exc:
             with contextlib.suppress(Exception):
                 engine.resume()  # a pause that timed out may still have taken effect
@@ -298,6 +305,7 @@ class VllmRunner:
         """Take the engine from in-process generation: ``wait`` for the request running to
         finish (up to the deadline), ``abort`` it, or ``keep`` it paused between two steps."""
         self._admit.clear()  # requests not yet running wait (they are not refused)
+        self._aborted = 0
         if policy.mode == "keep":
             self._resumed.clear()
         self._drain_mode = None if policy.mode == "wait" else policy.mode
@@ -519,7 +527,11 @@ class VllmRunner:
         self._admit.wait()
         with self._lock:
             engine = self._check_serving(self._engine)
-            return engine.generate(list(prompt_ids), max_tokens, self._between_steps)
+            self._in_flight += 1
+            try:
+                return engine.generate(list(prompt_ids), max_tokens, self._between_steps)
+            finally:
+                self._in_flight -= 1
 
     def _check_serving(self, engine: Engine | None) -> Engine:
         if engine is None:
@@ -536,6 +548,7 @@ class VllmRunner:
         with drain mode keep, hand the engine to the reload and go on once it resumed."""
         mode = self._drain_mode
         if mode == "abort":
+            self._aborted += 1
             return True
         if mode == "keep":
             self._lock.release()

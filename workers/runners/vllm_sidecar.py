@@ -148,6 +148,22 @@ class SidecarClient:
         params = {"reset_running_requests": "true"}
         return bool(self._call("POST", "/reset_prefix_cache", params=params).get("success"))
 
+    def running_requests(self) -> int:
+        """vLLM's ``vllm:num_requests_running`` gauge (Prometheus ``/metrics``); 0 if absent."""
+        try:
+            response = self._http.get("/metrics")
+        except httpx.HTTPError:
+            return 0
+        if response.status_code != 200:
+            return 0
+        return int(
+            sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in response.text.splitlines()
+                if line.startswith("vllm:num_requests_running")
+            )
+        )
+
     def set_weight_version(self, version: str) -> None:
         """vLLM's weight-version label (``/update_weight_version``, the RL dev endpoints)."""
         self._call("POST", "/update_weight_version", json={"new_version": version})
@@ -362,6 +378,9 @@ class SidecarEngine:
 
     def set_weight_version(self, version: str) -> None:
         self.client.set_weight_version(version)
+
+    def running_requests(self) -> int:
+        return self.client.running_requests()
 
     def get_weight_version(self) -> str:
         return self.client.get_weight_version()
