@@ -25,6 +25,7 @@ pytest.importorskip("vllm", reason=SKIP_REASON)
 
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.errors import RunnerError, WireCode
+from controlplane.wire.messages import DrainPolicy
 from controlplane.wire.protocol import Ack, AckState, ReloadWeightsSpec, UpdateConfigSpec
 from tests.fleet import acks_tail, make_command, settled, terminal
 from tests.vllm.conftest import (
@@ -248,18 +249,27 @@ class Clients:
             thread.join(timeout=300)
 
 
-def test_a_wait_reload_under_load_fails_nothing_and_mixes_no_versions(
-    runner: VllmRunner, ckpts: Checkpoints, long_refs: dict[str, list[int]]
+@pytest.mark.kafka
+async def test_a_wait_rollout_under_load_fails_nothing_and_mixes_no_versions(
+    runner: VllmRunner,
+    ckpts: Checkpoints,
+    long_refs: dict[str, list[int]],
+    kafka: KafkaSettings,
+    tmp_path: Path,
 ) -> None:
+    """Clients send greedy requests continuously while a reload v1 -> v2 with drain wait comes
+    through Kafka and the agent."""
     clients = Clients(runner, 3, DRAIN_TOKENS)
     try:
-        wait_for(lambda: len(clients.results) >= 2)
-        result = runner.reload_weights(drain_spec(ckpts.v2, "v2", "wait"), ckpts.v2)
-        assert result.version == "v2"
-        assert result.drain is not None and result.drain.mode == "wait"
-        assert result.drain.aborted == 0 and result.drain.paused_s >= 0
+        await asyncio.to_thread(wait_for, lambda: len(clients.results) >= 2)
+        async with running_agent(kafka, tmp_path, runner, ckpts.root), acks_tail(kafka) as acks:
+            wait = DrainPolicy(mode="wait", timeout_s=120)
+            ack = await ack_of(kafka, acks, reload_cmd(ckpts.v2, "v2", drain=wait))
+        assert ack.state is AckState.SUCCEEDED, ack.error
+        drain = ack.result["drain"]
+        assert isinstance(drain, dict) and drain["mode"] == "wait" and drain["aborted"] == 0
         done = len(clients.results)
-        wait_for(lambda: len(clients.results) >= done + 3)
+        await asyncio.to_thread(wait_for, lambda: len(clients.results) >= done + 3)
     finally:
         clients.finish()
         runner.reload_weights(ReloadWeightsSpec(path=str(ckpts.v1), version="v1"), ckpts.v1)
