@@ -22,7 +22,7 @@ from controlplane.wire.errors import CommandRejected, RunnerError, WireCode
 from controlplane.wire.protocol import ReloadWeightsSpec
 from tests.component.conftest import TINY
 from workers.demo.checkpoints import sha256_manifest, write_checkpoint
-from workers.runners.vllm_runner import VllmRunner
+from workers.runners.vllm_runner import GenerationAborted, VllmRunner
 
 #: What vLLM 0.32 answers on /server_info when `uv` is not on the server's PATH.
 SERVER_INFO_500 = {"error": {"message": "'NoneType' object has no attribute 'splitlines'"}}
@@ -73,6 +73,8 @@ class FakeVllm:
             return 200, {"success": True, "new_version": self.weight_version}
         if route == "/weight_info":
             return 200, {"weight_version": self.weight_version}
+        if route == "/v1/completions":  # as vLLM answers a request a pause (abort) aborted
+            return 200, {"choices": [{"token_ids": [7, 8], "finish_reason": "abort"}]}
         if route == "/collective_rpc" and body.get("method") == "reload_weights":
             if self.failing_reloads:
                 self.failing_reloads -= 1
@@ -442,3 +444,14 @@ def test_sidecar_drain_past_its_deadline_is_a_timeout_and_serving_goes_on(
     assert "POST /collective_rpc" not in calls
     assert calls[-1] == "POST /resume"
     assert fake.weight_version == "init" == runner.describe().weights_version
+
+
+def test_a_request_vllm_aborted_is_a_coded_error_from_generate(
+    loaded: tuple[VllmRunner, FakeVllm, Path],
+) -> None:
+    runner, _, _ = loaded
+    assert runner.generate_full([1, 2, 3], 4).finish_reason == "abort"
+    with pytest.raises(GenerationAborted) as caught:
+        runner.generate([1, 2, 3], 4)
+    assert caught.value.code is WireCode.RUNNER_FAILED
+    assert "finish reason 'abort'" in caught.value.message
