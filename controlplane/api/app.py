@@ -44,12 +44,12 @@ from controlplane.api.models import (
     RolloutOut,
     RolloutWorker,
     WorkerOut,
+    cursor_time,
     decode_cursor,
     decode_time_cursor,
     encode_cursor,
     error_response,
     from_domain,
-    invalid_cursor,
     parse_label_selector,
     parse_rollout_request,
     validation_details,
@@ -757,13 +757,7 @@ def _page(
 def _unverified_key(key: tuple[str, ...]) -> tuple[datetime, str, str]:
     """The (issued_at, rollout id, command id) an unverified commands cursor holds."""
     when, rollout_id, command_id = key
-    try:
-        instant = datetime.fromisoformat(when)
-    except ValueError:
-        raise invalid_cursor() from None
-    if instant.tzinfo is None:
-        raise invalid_cursor()
-    return instant, rollout_id, command_id
+    return cursor_time(when), rollout_id, command_id
 
 
 def _link_next(request: Request, response: Response, *key: str) -> None:

@@ -242,16 +242,21 @@ def decode_cursor(cursor: str, arity: int) -> tuple[str, ...]:
     return tuple(key)
 
 
-def decode_time_cursor(cursor: str) -> tuple[datetime, str]:
-    """The (instant, id) key of a cursor of :func:`encode_cursor` over a time and an id."""
-    when, name = decode_cursor(cursor, 2)
+def cursor_time(when: str) -> datetime:
+    """An aware instant a cursor holds; 422 INVALID_REQUEST otherwise."""
     try:
         instant = datetime.fromisoformat(when)
     except ValueError:
         raise invalid_cursor() from None
     if instant.tzinfo is None:
         raise invalid_cursor()
-    return instant, name
+    return instant
+
+
+def decode_time_cursor(cursor: str) -> tuple[datetime, str]:
+    """The (instant, id) key of a cursor of :func:`encode_cursor` over a time and an id."""
+    when, name = decode_cursor(cursor, 2)
+    return cursor_time(when), name
 
 
 def invalid_cursor() -> ApiError:
