@@ -245,15 +245,18 @@ DrainMode = Literal["wait", "abort", "keep"]
 
 class DrainPolicy(WireModel):
     """What a reload does with generation requests in flight on the worker (docs/wire.md,
-    "Drain and cache policy"). No request is ever generated partly with each version."""
+    "Drain and cache policy"). With wait and abort no request is generated partly with each
+    version; with keep on vLLM a paused request continues on the new weights (its tokens span
+    both versions), while torch and XLA treat keep as wait."""
 
     mode: DrainMode = Field(
         default="wait",
         description="wait: admit no new request, let those running finish (up to timeout_s), "
         "reload, then serve again; past the deadline the reload NACKs COMMAND_TIMEOUT with the "
         "weights untouched. abort: fail the requests in flight and reload at once. keep: "
-        "requests in flight are paused and carry on after the reload (vLLM); a runner that "
-        "cannot pause a request mid-generation (torch, XLA) waits as for wait.",
+        "requests in flight are paused and carry on after the reload on the new weights (vLLM: "
+        "such a response is generated partly with each version); a runner that cannot pause a "
+        "request mid-generation (torch, XLA) waits as for wait.",
     )
     timeout_s: Annotated[float, Field(gt=0, le=MAX_DRAIN_TIMEOUT_S)] = Field(
         default=DEFAULT_DRAIN_TIMEOUT_S,
@@ -362,6 +365,15 @@ class Command(WireModel):
     timeout_s: Annotated[float, Field(gt=0, le=86400)] | None = Field(
         default=None,
         description="How long a worker may spend applying it; worker default if omitted.",
+    )
+    # Never written when None: a worker built before dry runs (whose schema forbids unknown
+    # fields) reads every real command, and rejects a dry run (SCHEMA_INVALID) -- never applies it.
+    dry_run: bool | None = Field(
+        default=None,
+        exclude_if=_is_none,
+        description="A dry run (preflight): the worker checks everything the command would check "
+        "and changes nothing; it acks succeeded with result.dry_run true, or rejected with the "
+        "code the command would get. Omitted: a real command.",
     )
     signature: Signature | None = None
 
