@@ -4,14 +4,18 @@ Each instance owns its CollectorRegistry (never the process-global one). No I/O,
 serves the text. Counters include the replay of the log at start, so they count the log's history.
 Gauges come from :class:`~controlplane.coordinator.summary.Summaries` (cached judgments and
 counts kept as heartbeats arrive): a scrape costs O(rollouts + targets), never O(workers x
-rollouts); await ``summaries.prepare()`` before :meth:`CoordinatorMetrics.render` so that it
-judges nothing itself.
+rollouts) plus O(workers of targets) for the per-target version counts; await
+``summaries.prepare()`` before :meth:`CoordinatorMetrics.render` so that it judges nothing itself.
+
+No ``_created`` series: creating :class:`CoordinatorMetrics` turns them off for the process
+(``prometheus_client.disable_created_metrics``), one per label set of every counter and histogram
+otherwise, which nobody graphs.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Final, NamedTuple
 
@@ -20,13 +24,14 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from controlplane.coordinator.follower import Batch
-from controlplane.coordinator.summary import Summaries
+from controlplane.coordinator.summary import Desire, GroupCount, Summaries
 from controlplane.rollout.desired import Alignment
 from controlplane.rollout.models import RolloutPhase
 from controlplane.wire.ack_codec import AckLike
@@ -53,6 +58,23 @@ LATENCY_BUCKETS: Final = (
     300.0,
     600.0,
     1800.0,
+)
+
+#: Seconds from a rollout's issue to its verdict: a canary rollout with bakes takes hours.
+DURATION_BUCKETS: Final = (
+    1.0,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+    3600.0,
+    7200.0,
+    21600.0,
+    86400.0,
 )
 
 CONTENT_TYPE: Final = CONTENT_TYPE_LATEST
@@ -160,7 +182,9 @@ class CoordinatorMetrics:
         buckets: tuple[float, ...] = LATENCY_BUCKETS,
         summaries: Summaries | None = None,
     ) -> None:
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide: see the docstring
         self.registry = registry if registry is not None else CollectorRegistry()
+        self._coordinator = coordinator
         self.summaries = summaries if summaries is not None else Summaries(coordinator)
         self.latency = AckLatency()
         self._messages = Counter(
@@ -183,6 +207,18 @@ class CoordinatorMetrics:
             buckets=buckets,
             registry=self.registry,
         )
+        self._duration = Histogram(
+            "controlplane_rollout_duration_seconds",
+            "Seconds from a rollout's issue to its verdict, once per ended rollout, by type "
+            "(command: one command, each batch of a progressive rollout included; progressive: "
+            "a target's rollout, issued to ended) and final phase.",
+            ["type", "phase"],
+            buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        #: Ended rollouts already observed in the duration histogram, by type (pruned to the
+        #: rollouts the fold still knows: bounded as the fold is).
+        self._timed: dict[str, set[str]] = {"command": set(), "progressive": set()}
         self.registry.register(_FleetCollector(coordinator, self.summaries, self.latency))
         coordinator.follower.listeners.append(self.on_batch)
 
@@ -211,8 +247,40 @@ class CoordinatorMetrics:
         for sample in samples:
             self._latency.labels(sample.kind, sample.state).observe(sample.seconds)
 
+    def observe_durations(self) -> None:
+        """Observe the duration of each rollout seen ended for the first time (issue to verdict),
+        from the cached judgments (a command rollout) and the control topic's fold (a
+        progressive one). :meth:`render` calls it; nothing while the coordinator is not caught up."""
+        coordinator = self._coordinator
+        if coordinator.judge_time() is None:
+            return
+        timed = self._timed["command"]
+        known = coordinator.fleet.rollout_ids()
+        for rollout_id in known:
+            if rollout_id in timed:
+                continue
+            overview = self.summaries.overview_cached(rollout_id)
+            if overview.terminal and overview.duration_s is not None:
+                timed.add(rollout_id)
+                seconds = max(0.0, overview.duration_s)
+                self._duration.labels("command", overview.phase.value).observe(seconds)
+        timed.intersection_update(known)
+        timed = self._timed["progressive"]
+        rollouts = coordinator.control.rollouts()
+        for rollout in rollouts:
+            state = rollout.state
+            if rollout.rollout_id in timed or state is None or state.ended_at is None:
+                continue
+            if not state.phase.terminal:
+                continue
+            timed.add(rollout.rollout_id)
+            seconds = max(0.0, (state.ended_at - rollout.spec.issued_at).total_seconds())
+            self._duration.labels("progressive", state.phase.value).observe(seconds)
+        timed.intersection_update(r.rollout_id for r in rollouts)
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (content type :data:`CONTENT_TYPE`)."""
+        self.observe_durations()
         return generate_latest(self.registry)
 
 
@@ -293,6 +361,8 @@ class _FleetCollector(Collector):
         yield rollouts
 
         workers = summaries.workers
+        yield from self._versions(workers.summary(now, None).by_version)
+        yield from self._target_versions(levels.desired, now)
         stats = fleet.stats()
         for name, text, value in (
             ("controlplane_workers", "Workers known from heartbeats.", len(workers)),
@@ -378,6 +448,38 @@ class _FleetCollector(Collector):
             counter = CounterMetricFamily(name, text)
             counter.add_metric([], value)
             yield counter
+
+    @staticmethod
+    def _versions(by_version: dict[str, GroupCount]) -> Iterator[Metric]:
+        gauge = GaugeMetricFamily(
+            "controlplane_workers_by_version",
+            'Live workers by the weights version their heartbeats report ("": none).',
+            labels=["version"],
+        )
+        for version, count in by_version.items():
+            if count.alive:
+                gauge.add_metric([version], count.alive)
+        yield gauge
+
+    def _target_versions(self, desired: Mapping[str, Desire], now: datetime) -> Iterator[Metric]:
+        """Live members of each target (as last judged; conflicts aside) by reported version."""
+        registry = self._coordinator.fleet.registry
+        counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        for worker_id, want in desired.items():
+            if want.target is None:
+                continue
+            hb = registry.latest(worker_id)
+            if hb is not None and registry.is_alive(worker_id, now):
+                counts[want.target, hb.weights_version or ""] += 1
+        gauge = GaugeMetricFamily(
+            "controlplane_target_workers_by_version",
+            "Live workers of each target by the weights version their heartbeats report "
+            '("": none), as last judged.',
+            labels=["target", "version"],
+        )
+        for (target, version), n in sorted(counts.items()):
+            gauge.add_metric([target, version], n)
+        yield gauge
 
     def _targets(self, targets: dict[str, dict[Alignment, int]]) -> Iterator[Metric]:
         control = self._coordinator.control

@@ -153,3 +153,110 @@ async def test_metrics_show_the_controller_and_each_target_against_its_desired_s
     assert sample(text, aligned, target="tiny", alignment="in_sync") == 1
     assert sample(text, aligned, target="tiny", alignment="drifting") == 1
     assert sample(text, aligned, target="tiny", alignment="lost") == 0
+
+
+# --------------------------------------------------------------------------- issue 15's metrics
+
+
+async def test_no_created_series_in_the_metrics_page(
+    client: httpx.AsyncClient, fleet_of_two: dict[str, Command]
+) -> None:
+    """Counters and histograms export no ``_created`` series (one per label set otherwise)."""
+    text = (await client.get("/metrics")).text
+    assert "controlplane_acks_total" in text  # counters are there...
+    assert "controlplane_command_ack_latency_seconds_count" in text
+    created = [
+        line
+        for line in text.splitlines()
+        if line.split("{")[0].split(" ")[0].endswith("_created") or " _created" in line
+    ]
+    assert created == []  # ...without their creation timestamps
+
+
+async def test_rollout_duration_is_observed_once_from_issue_to_verdict(
+    client: httpx.AsyncClient, fleet_of_two: dict[str, Command]
+) -> None:
+    """r-old: issued at 1 s, succeeded at 4 s (3 s); r-new is still running: not observed."""
+    name = "controlplane_rollout_duration_seconds"
+    for _ in range(2):  # a second scrape observes nothing again
+        text = (await client.get("/metrics")).text
+        labels = {"type": "command", "phase": "succeeded"}
+        assert sample(text, f"{name}_count", **labels) == 1
+        assert sample(text, f"{name}_sum", **labels) == pytest.approx(3.0)
+        assert sample(text, f"{name}_bucket", **labels, le="5.0") == 1
+        assert sample(text, f"{name}_bucket", **labels, le="1.0") == 0
+        assert sample(text, f"{name}_count", type="command", phase="failed") is None
+
+
+async def test_rollout_duration_of_a_progressive_rollout_and_rollouts_by_phase(
+    client: httpx.AsyncClient, coordinator: Coordinator
+) -> None:
+    from datetime import timedelta
+
+    from controlplane.wire.control import (
+        ControlPhase,
+        Desired,
+        RolloutSpec,
+        RolloutState,
+        TargetSpec,
+        WeightsRef,
+    )
+
+    coordinator.control.observe(
+        TargetSpec(name="tiny", selector={"model": "tiny"}, issued_at=T0, issuer="t")
+    )
+    coordinator.control.observe(
+        RolloutSpec(
+            rollout_id="r-prog",
+            target="tiny",
+            desired=Desired(weights=WeightsRef(path="/ckpt/v2", version="v2")),
+            issued_at=T0,
+            issuer="t",
+        )
+    )
+    feed(coordinator, heartbeat("w1", 1.0))
+    name = "controlplane_rollout_duration_seconds"
+    text = (await client.get("/metrics")).text
+    assert sample(text, "controlplane_progressive_rollouts", phase="pending") == 1
+    assert sample(text, f"{name}_count", type="progressive", phase="succeeded") is None
+    coordinator.control.observe(
+        RolloutState(
+            rollout_id="r-prog",
+            target="tiny",
+            revision=1,
+            phase=ControlPhase.SUCCEEDED,
+            started_at=T0 + timedelta(seconds=1),
+            updated_at=T0 + timedelta(seconds=90),
+            ended_at=T0 + timedelta(seconds=90),
+        )
+    )
+    text = (await client.get("/metrics")).text
+    assert sample(text, "controlplane_progressive_rollouts", phase="succeeded") == 1
+    assert sample(text, f"{name}_count", type="progressive", phase="succeeded") == 1
+    assert sample(text, f"{name}_sum", type="progressive", phase="succeeded") == 90.0
+
+
+async def test_workers_by_weights_version_fleet_wide_and_per_target(
+    client: httpx.AsyncClient, coordinator: Coordinator
+) -> None:
+    from controlplane.wire.control import Desired, TargetSpec, WeightsRef
+
+    stable = Desired(weights=WeightsRef(path="/ckpt/v1", version="v1"))
+    coordinator.control.observe(
+        TargetSpec(name="tiny", selector={"model": "tiny"}, stable=stable, issued_at=T0, issuer="t")
+    )
+    feed(
+        coordinator,
+        heartbeat("w1", 1, labels={"model": "tiny"}),
+        heartbeat("w2", 1, version="v0", labels={"model": "tiny"}),
+        heartbeat("w3", 1, version="v0", labels={"model": "tiny"}),
+        heartbeat("x1", 1, version="v0", labels={"model": "other"}),
+    )
+    text = (await client.get("/metrics")).text
+    by_target = "controlplane_target_workers_by_version"
+    assert sample(text, by_target, target="tiny", version="v1") == 1
+    assert sample(text, by_target, target="tiny", version="v0") == 2
+    assert sample(text, by_target, target="other", version="v0") is None  # no such target
+    fleet = "controlplane_workers_by_version"
+    assert sample(text, fleet, version="v0") == 3
+    assert sample(text, fleet, version="v1") == 1
