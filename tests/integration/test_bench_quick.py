@@ -177,3 +177,26 @@ def test_scale_quick(tmp_path: Path, pytestconfig: pytest.Config) -> None:
     per_level = 11  # publish, status <id> (log, --api), ready and RSS (start, restart), ...
     assert len(data["targets"]) == per_level * len(data["levels"])
     assert {t["verdict"] for t in data["targets"]} <= {"met", "missed"}
+
+
+def test_drain_quick(tmp_path: Path, pytestconfig: pytest.Config) -> None:
+    data = run_bench(pytestconfig, "drain", tmp_path)
+    params = data["parameters"]
+    (engine,) = data["engines"]
+    assert engine["engine"] == "torch" and engine["clients"] == params["clients"]
+    modes = engine["modes"]
+    assert list(modes) == ["idle", "wait", "abort", "keep"]
+    for mode, row in modes.items():
+        assert row["reloads"] == params["rounds"], mode
+        assert {"p50", "p99"} <= row["wall_s"].keys(), mode
+        assert number(row["paused_s"]["p50"]) and number(row["paused_s"]["p99"]), mode
+    for mode in ("wait", "abort", "keep"):
+        row = modes[mode]
+        assert number(row["gap_s"]["p50"]) and number(row["gap_s"]["p99"]), mode
+        assert row["completed"] > 0 and row["failed"] >= 0 and row["mixed"] >= 0, mode
+        assert row["in_flight"] > 0, mode  # every reload ran with requests in flight
+        assert {"gap_over_idle_reload", "reload_over_idle_reload"} <= row["ratios"].keys()
+    for run in engine["runs"]:
+        assert run["result"]["version"] == run["version"]
+        assert run["result"]["drain"]["mode"] == ("wait" if run["mode"] == "idle" else run["mode"])
+    assert {t["verdict"] for t in data["targets"]} <= {"met", "missed", "reported"}

@@ -1,0 +1,31 @@
+"""Reload pause per drain policy, with requests in flight: wait, abort and keep, against an idle reload.
+
+A client keeps N greedy generation requests going (N threads, each sending the same fixed prompt
+back to back) while the weights are reloaded v1 -> v2 -> v1 ... on one engine, in rounds. Each
+round reloads once with no request in flight (the **baseline**: the idle reload's wall time,
+taken in the same run, interleaved with the rest) and once per drain policy under load
+(``ReloadWeightsSpec.drain``: ``wait``, ``abort``, ``keep``; docs/wire.md "Drain and cache
+policy"). Per policy it reports:
+
+* **paused_s** (p50/p99): the ack's ``result["drain"]["paused_s"]`` (the runner's
+  ``ReloadResult``, which the agent puts into the ack as is): from asking for the drain to
+  holding the engine alone, i.e. how long requests in flight held the reload off;
+* **gap** (p50/p99): measured by the client, the longest time no token was produced around the
+  reload (token arrival times: the torch model's decode steps, the in-process vLLM engine's
+  steps, a sidecar's streamed chunks): how long serving stopped, as a user sees it;
+* **reload** (p50/p99): the reload's wall time under load;
+* requests **failed** (by cause), **completed**, and **mixed** (a response generated partly
+  with each version: its tokens match neither version's greedy output, or vLLM's weight-version
+  spans name two versions; only ``keep`` on vLLM may, by design);
+* ratios: gap / idle reload, reload / idle reload (p50).
+
+Engines: the torch runner (``workers/runners/torch_runner.py``, a TinyLM whose decode steps are
+timed) in ``.venv``, and vLLM (``workers/runners/vllm_runner.py``: in process, and in full mode a
+``vllm serve`` sidecar) in ``.venv-vllm``, on a tiny Llama (``workers/demo/tiny_llama.py``).
+Nothing goes through Kafka: the runner's reload is called directly, as the agent would.
+
+    .venv/bin/python -m bench.drain --quick                         # torch, seconds
+    .venv/bin/python -m bench.drain                                 # torch, full
+    .venv-vllm/bin/python -m bench.drain --engine vllm --quick      # vLLM in process
+    .venv-vllm/bin/python -m bench.drain --engine vllm              # in process and sidecar
+"""
