@@ -36,8 +36,12 @@ from controlplane.kafka.launch import free_port
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.errors import ControlPlaneError
 from controlplane.wire.protocol import WorkerStatus, utcnow
+from controlplane.wire.topics import DEFAULT_PREFIX
 
 LABELS = {"model": "tiny-lm"}
+#: What a second terminal needs from the demo's environment, when set: where its topics are
+#: (a prefix other than the default), and the key the CLI signs with (workers refuse unsigned).
+PASSED_ON = ("FLEET_TOPIC_PREFIX", "FLEET_SIGNING_KEY", "FLEET_SIGNING_KEY_ID")
 #: The probe gate's fixed prompt in the progressive rollouts (steps 10-12).
 PROBE_PROMPT = "The capital of France is"
 
@@ -61,6 +65,9 @@ class Demo:
         self.trust_store: Path | None = None
         #: The coordinator's own key (it signs its progressive waves and rollbacks).
         self.coordinator_key: Path | None = None
+        #: The coordinator's URL and its write token, once it runs.
+        self.api = ""
+        self.token = ""
 
     # ------------------------------------------------------------------ steps
 
@@ -73,6 +80,7 @@ class Demo:
             if self.signed:
                 self._make_keys()
             api = self._start_coordinator()
+            self.second_terminal(api, self.token)
             self._start_workers(ckpts)
             code = self._rollouts(ckpts)
             if self.signed:
@@ -87,6 +95,7 @@ class Demo:
                 f"dashboard and API: {api}  (demo took {time.monotonic() - started:.1f}s)"
             )
             if self.keep:
+                self.second_terminal(api, self.token)
                 self.out.print("running; press Ctrl-C to stop everything")
                 with contextlib.suppress(KeyboardInterrupt):
                     signal.pause()
@@ -233,7 +242,8 @@ class Demo:
         )
         url = f"http://127.0.0.1:{port}/"
         self._wait_http(url + "healthz", 60)
-        self.out.print(f"coordinator at {url} (write token in FLEET_COORDINATOR_API_TOKEN)")
+        self.out.print(f"coordinator at {url}")
+        self.api, self.token = url, token
         if self.trust_store is not None:
             self.out.print(
                 f"  with FLEET_COORDINATOR_TRUST_STORE={self.trust_store}: commands it cannot"
@@ -577,6 +587,39 @@ class Demo:
         raise ControlPlaneError(
             f"workers not ready within {timeout:.0f}s; see {self.workdir / 'logs'}"
         )
+
+    def exports(self, api: str, token: str) -> list[str]:
+        """The shell lines that point a CLI at this demo: its broker, its topics (when not the
+        default prefix), its coordinator, a token the coordinator accepts (the write token reads
+        too), and the demo's signing key when it signs."""
+        values = {
+            "FLEET_KAFKA_BOOTSTRAP": self.bootstrap,
+            "FLEET_API_URL": api,
+            "FLEET_API_TOKEN": token,
+        }
+        for name in PASSED_ON:
+            value = self.env.get(name, "")
+            if value and not (name == "FLEET_TOPIC_PREFIX" and value == DEFAULT_PREFIX):
+                values[name] = value
+        return [f"export {name}={shlex.quote(value)}" for name, value in values.items()]
+
+    def second_terminal(self, api: str, token: str) -> Path:
+        """Print what a second terminal needs (the ``export`` lines, the write token) and write
+        the lines to ``<workdir>/env.sh``; returns its path."""
+        lines = self.exports(api, token)
+        script = self.workdir / "env.sh"
+        script.write_text("\n".join(lines) + "\n")
+        self.out.print(
+            f"in a second terminal (or `source {script}`), `controlplane ...` reaches this demo:"
+        )
+        for line in lines:
+            self.out.print(f"  {line}", markup=False)
+        self.out.print(
+            f"  write token: {token}  (the dashboard's token field; API writes: "
+            "Authorization: Bearer ...)",
+            markup=False,
+        )
+        return script
 
     def _trust_flags(self) -> list[str]:
         return [] if self.trust_store is None else ["--trust-store", str(self.trust_store)]
