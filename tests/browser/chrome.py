@@ -40,7 +40,7 @@ def _binary(name: str) -> str | None:
     return found
 
 
-def chrome(*, performance_log: bool = False) -> WebDriver:
+def chrome(*, performance_log: bool = False) -> webdriver.Chrome:
     """A headless Chromium, 1,400 x 1,000; ``performance_log``: DevTools' network events are
     kept for ``driver.get_log("performance")``."""
     browser, driver = _binary("chromium"), _binary("chromedriver")
