@@ -38,7 +38,7 @@ if ((${#need_apt[@]})); then
 fi
 
 # Headless Chromium and chromedriver for tests/browser and bench/dashboard (Selenium drives them;
-# it downloads no browser: tests/browser/driver.py names these two paths).
+# it downloads no browser: tests/browser/chrome.py finds these two).
 need_browser=()
 [[ -x /usr/bin/chromium ]] || need_browser+=(chromium)
 [[ -x /usr/bin/chromedriver ]] || need_browser+=(chromium-driver)
