@@ -133,8 +133,14 @@ class Page:
         return await self.until(found, css, timeout)
 
     async def text(self, css: str, timeout: float = 60) -> str:
-        element = await self.element(css, timeout)
-        return await self.call(lambda: element.text)
+        """The text of the first element matching ``css``, once it has some."""
+
+        def shown(driver: WebDriver) -> str | None:
+            elements = driver.find_elements(By.CSS_SELECTOR, css)
+            text = elements[0].text.strip() if elements else ""
+            return text or None
+
+        return await self.until(shown, f"text in {css}", timeout)
 
     async def attribute(self, css: str, name: str) -> str | None:
         element = await self.element(css)

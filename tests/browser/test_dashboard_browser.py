@@ -63,7 +63,7 @@ async def phases_seen(page: Page, rollout_id: str) -> list[str]:
 async def test_a_rollout_appears_progresses_and_names_the_failed_worker_without_a_reload(
     kafka: KafkaSettings, tmp_path: Path, page: Page
 ) -> None:
-    slow = {"reload_delay_s": 2.0}
+    slow = {"reload_delay_s": 3.0}  # each worker's reload: the row shows it running
     async with fleet_of(kafka, tmp_path, 2, runner=slow) as fleet, api_of(kafka) as api:
         await fleet.start_agent("w-bad", tmp_path, {**slow, "fail_prefix": "v2"})
         await until(api, "/api/v1/workers", lambda ws: sum(w["alive"] for w in ws) == 3)
