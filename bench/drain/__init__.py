@@ -11,8 +11,9 @@ policy"). Per policy it reports:
   ``ReloadResult``, which the agent puts into the ack as is): from asking for the drain to
   holding the engine alone, i.e. how long requests in flight held the reload off;
 * **gap** (p50/p99): measured by the client, the longest time no token was produced around the
-  reload (token arrival times: the torch model's decode steps, the in-process vLLM engine's
-  steps, a sidecar's streamed chunks): how long serving stopped, as a user sees it;
+  reload (arrival times: the torch model's decode steps, a sidecar's streamed chunks; the
+  in-process vLLM engine's responses, its outputs being final-only): how long serving stopped,
+  as a user sees it;
 * **reload** (p50/p99): the reload's wall time under load;
 * requests **failed** (by cause), **completed**, and **mixed** (a response generated partly
   with each version: its tokens match neither version's greedy output, or vLLM's weight-version

@@ -4,8 +4,8 @@ greedy output of each version (to tell a mixed response).
 
 * ``torch``: the torch runner on a TinyLM whose decode steps tick the clock (the factory
   :func:`timed_tiny_lm`, named in the runner's options like any model factory).
-* ``vllm-in-process``: the vLLM runner driving a ``vllm.LLM`` in this process; its engine steps
-  tick the clock.
+* ``vllm-in-process``: the vLLM runner driving a ``vllm.LLM`` in this process; its outputs are
+  final-only, so a response (success or failure) ticks the clock.
 * ``vllm-sidecar``: the vLLM runner driving a ``vllm serve`` child on loopback; the clients
   stream from vLLM's token-in/token-out endpoint (its weight-version spans), each chunk a tick.
 """
@@ -94,7 +94,7 @@ def _outcome(start: float, tokens: list[int], why: str, spans: Any = None) -> Ou
 
 def _failed(start: float, exc: Exception) -> Outcome:
     code = exc.code.value if isinstance(exc, RunnerError) else type(exc).__name__
-    return Outcome(start, time.monotonic(), False, str(code), ())
+    return Outcome(start, time.monotonic(), False, str(code), (), detail=str(exc)[:500])
 
 
 def _learn_refs(engine: Engine) -> None:
@@ -186,11 +186,12 @@ def vllm_environment() -> None:
 
 
 def tiny_llamas(work: Path) -> dict[str, Path]:
-    """v1 (seed 1, one file) and v2 (seed 2, sharded with an index), as tests/vllm makes them."""
+    """v1 (seed 1) and v2 (seed 2), one file each (the same layout: reloads to either cost the
+    same), as tests/vllm makes them."""
     from workers.demo.tiny_llama import write_tiny_llama
 
     v1 = write_tiny_llama(work / "v1", seed=1)
-    v2 = write_tiny_llama(work / "v2", seed=2, tokenizer_from=v1, max_shard_size="100KB")
+    v2 = write_tiny_llama(work / "v2", seed=2, tokenizer_from=v1)
     return {"v1": v1, "v2": v2}
 
 
@@ -220,13 +221,6 @@ def vllm_in_process(ckpts: dict[str, Path], new_tokens: int) -> Iterator[Engine]
     started = time.perf_counter()
     runner.load()
     start_s = time.perf_counter() - started
-    between = runner._between_steps  # the runner's own hook between two engine steps
-
-    def ticking() -> bool:
-        CLOCK.tick()
-        return between()
-
-    runner._between_steps = ticking  # type: ignore[method-assign]
 
     def send() -> Outcome:
         start = time.monotonic()
@@ -234,11 +228,13 @@ def vllm_in_process(ckpts: dict[str, Path], new_tokens: int) -> Iterator[Engine]
             out = runner.generate_full(PROMPT, new_tokens)
         except RunnerError as exc:
             return _failed(start, exc)
+        finally:
+            CLOCK.tick()  # its outputs are final-only: a response is what a client sees arrive
         why = "ok" if out.finish_reason == "length" else str(out.finish_reason)
         return _outcome(start, out.token_ids, why, out.weight_versions)
 
     try:
-        engine = _vllm_engine("vllm-in-process", runner, send, ckpts, "engine step", new_tokens)
+        engine = _vllm_engine("vllm-in-process", runner, send, ckpts, "response", new_tokens)
         engine.facts["engine_start_s"] = start_s
         yield engine
     finally:
@@ -323,7 +319,7 @@ def _stream(url: str, new_tokens: int) -> Outcome:
                     if found is not None:
                         spans = [(s["version"], s["start"], s["end"]) for s in found]
     except httpx.HTTPError as exc:
-        return Outcome(start, time.monotonic(), False, type(exc).__name__, ())
+        return Outcome(start, time.monotonic(), False, type(exc).__name__, (), detail=str(exc))
     return _outcome(start, tokens, "ok" if reason == "length" else str(reason), spans)
 
 

@@ -38,6 +38,7 @@ class Outcome:
     why: str
     tokens: tuple[int, ...]
     versions: tuple[str, ...] | None = None
+    detail: str = ""  # a failure's message
 
 
 Request = Callable[[], Outcome]

@@ -30,9 +30,12 @@ def derive(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         }
         if mode != IDLE:
             failed_by: dict[str, int] = {}
+            examples: dict[str, str] = {}
             for r in mine:
                 for why, count in r["failed_by"].items():
                     failed_by[why] = failed_by.get(why, 0) + count
+                for why, text in r["failed_examples"].items():
+                    examples.setdefault(why, text)
             row |= {
                 "gap_s": _p([r["gap_s"] for r in mine if r["gap_s"] is not None]),
                 "normal_gap_s": _p([g for r in mine for g in r["normal_gaps_s"]]),
@@ -40,6 +43,7 @@ def derive(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "completed": sum(r["completed"] for r in mine),
                 "failed": sum(r["failed"] for r in mine),
                 "failed_by": failed_by,
+                "failed_examples": examples,
                 "mixed": sum(r["mixed"] for r in mine),
                 "in_flight": sum(d.get("in_flight", 0) for d in drains),
                 "aborted": sum(d.get("aborted", 0) for d in drains),

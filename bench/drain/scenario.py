@@ -19,10 +19,12 @@ def _describe(
 ) -> dict[str, Any]:
     """Counts of a load window's requests: completed, failed by cause, mixed, in the reload."""
     failed: dict[str, int] = {}
+    examples: dict[str, str] = {}
     mixed = 0
     for out in outcomes:
         if not out.ok:
             failed[out.why] = failed.get(out.why, 0) + 1
+            examples.setdefault(out.why, out.detail)
             continue
         by_tokens = engine.version_of(out.tokens)
         if by_tokens is None or (out.versions is not None and len(out.versions) > 1):
@@ -34,6 +36,7 @@ def _describe(
         "completed": sum(1 for o in outcomes if o.ok),
         "failed": sum(failed.values()),
         "failed_by": failed,
+        "failed_examples": examples,
         "mixed": mixed,
         "overlapping": sum(1 for o in outcomes if o.start < end and o.end > start),
         "latencies_s": latencies,
@@ -73,11 +76,13 @@ def one_reload(engine: Engine, version: str, mode: str, clients: int) -> dict[st
 def measure(
     engine: Engine, rounds: int, clients: int, modes: Sequence[str]
 ) -> list[dict[str, Any]]:
-    """``rounds`` x (idle + each of ``modes``); the engine starts on v1 and ends on v1 or v2."""
+    """``rounds`` x (idle + each of ``modes``), starting from v1."""
     runs: list[dict[str, Any]] = []
     version = "v1"
     for rnd in range(rounds):
-        for mode in (IDLE, *modes):
+        order = (IDLE, *modes)
+        # Odd rounds in reverse: each mode reloads to both versions, and goes first and last.
+        for mode in order if rnd % 2 == 0 else order[::-1]:
             version = "v2" if version == "v1" else "v1"
             run = one_reload(engine, version, mode, clients)
             run["round"] = rnd
