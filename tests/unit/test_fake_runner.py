@@ -218,3 +218,59 @@ def test_a_reload_result_without_a_digest_has_no_digest_key() -> None:
         **plain,
         "weights_digest": "ab",
     }
+
+
+def test_a_dry_run_checks_what_a_reload_checks_and_changes_nothing(ckpt: Path) -> None:
+    """validate_reload: the path's files and "badshape-*" (WEIGHTS_SHAPE_MISMATCH, as the
+    reload gets); "fail-*" and "corrupt-*" fail while applying, which a dry run cannot see.
+    Nothing is applied or recorded as a reload."""
+    runner = FakeRunner({})
+    with pytest.raises(RunnerError) as unloaded:
+        runner.validate_reload(spec("v1", ckpt), ckpt)
+    assert unloaded.value.code is WireCode.MODEL_NOT_LOADED
+    runner.load()
+    before = runner.describe()
+    assert runner.validate_reload(spec("v1", ckpt), ckpt) == {
+        "files": 1,
+        "tensors": 0,
+        "bytes": 100,
+    }
+    for version in ("fail-1", "corrupt-1"):
+        runner.validate_reload(spec(version, ckpt), ckpt)
+    with pytest.raises(RunnerError) as shape:
+        runner.validate_reload(spec("badshape-1", ckpt), ckpt)
+    assert shape.value.code is WireCode.WEIGHTS_SHAPE_MISMATCH
+    with pytest.raises(RunnerError) as missing:
+        runner.validate_reload(spec("v1", ckpt.parent / "nope"), ckpt.parent / "nope")
+    assert missing.value.code is WireCode.WEIGHTS_UNREADABLE
+    assert [s.version for s in runner.validations] == [
+        "v1",
+        "v1",
+        "fail-1",
+        "corrupt-1",
+        "badshape-1",
+        "v1",
+    ]
+    assert runner.history == ["init"] and runner.reloads == []
+    assert runner.describe() == before
+    with pytest.raises(RunnerError) as real:
+        runner.reload_weights(spec("badshape-1", ckpt), ckpt)
+    assert real.value.code is WireCode.WEIGHTS_SHAPE_MISMATCH
+    assert runner.history == ["init"] and runner.describe().weights_version == "init"
+
+
+def test_validate_config_checks_and_changes_nothing() -> None:
+    runner = FakeRunner({})
+    runner.load()
+    before = runner.describe()
+    assert runner.validate_config({"top_k": 3, "temperature": 1.0}) == {
+        "keys": ["temperature", "top_k"]
+    }
+    with pytest.raises(RunnerError) as key:
+        runner.validate_config({"nope": 1})
+    assert key.value.code is WireCode.CONFIG_KEY_REJECTED
+    with pytest.raises(RunnerError) as value:
+        runner.validate_config({"top_k": "many"})
+    assert value.value.code is WireCode.CONFIG_VALUE_INVALID
+    assert runner.config_updates == [] and len(runner.config_validations) == 3
+    assert runner.describe() == before

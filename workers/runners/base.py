@@ -178,6 +178,16 @@ class Runner(Protocol):
     def update_config(self, overrides: dict[str, JsonValue]) -> RunnerDescription:
         """Apply overrides all or nothing; RunnerError CONFIG_KEY_REJECTED / CONFIG_VALUE_INVALID."""
 
+    def validate_reload(self, spec: ReloadWeightsSpec, path: Path) -> dict[str, JsonValue]:
+        """Every check reload_weights makes before it would touch the model (signature, files,
+        every header's names/shapes/dtypes against the model, the sha256 manifest), the model
+        untouched and serving. Raises RunnerError with the code reload_weights would raise.
+        Returns facts: tensors, bytes, files. (A dry run; ``path`` is resolved and contained.)"""
+
+    def validate_config(self, overrides: dict[str, JsonValue]) -> dict[str, JsonValue]:
+        """update_config's checks (keys, values), config untouched. RunnerError
+        CONFIG_KEY_REJECTED / CONFIG_VALUE_INVALID. Returns facts: keys."""
+
     def probe(self, prompt: str, max_tokens: int) -> ProbeResult | None:
         """Greedy-decode ``max_tokens`` tokens after ``prompt`` with the weights in force.
 
@@ -204,8 +214,10 @@ class GenerationAborted(RunnerError):
 
 @dataclass(frozen=True)
 class DrainReport:
-    """What a reload's drain did: the mode applied, how long requests in flight held it off
-    (``paused_s``: from asking for the gate to holding it), and how many it aborted."""
+    """What a reload's drain did: the mode applied, how long new requests were held off
+    (``paused_s``: from asking for the gate to releasing it: the wait for the requests in
+    flight, then the copy; the checks run before it, while serving), how many requests were in
+    flight, and how many it aborted."""
 
     mode: str
     paused_s: float
@@ -223,6 +235,24 @@ class DrainReport:
 
 #: How often a drain waiting for requests looks at the command's cancel event.
 _CANCEL_POLL_S: Final = 0.05
+
+
+@dataclass
+class DrainHold:
+    """A reload holding the gate alone (:meth:`DrainGate.exclusive`): what its drain did, and
+    when it asked for the gate and released it (``time.monotonic()``)."""
+
+    mode: str
+    in_flight: int
+    aborted: int
+    asked: float
+    released: float | None = None
+
+    @property
+    def report(self) -> DrainReport:
+        """The drain's report; ``paused_s`` up to the release (up to now while still held)."""
+        end = self.released if self.released is not None else time.monotonic()
+        return DrainReport(self.mode, end - self.asked, self.in_flight, self.aborted)
 
 
 class DrainGate:
@@ -276,8 +306,9 @@ class DrainGate:
     @contextlib.contextmanager
     def exclusive(
         self, policy: DrainPolicy, *, cancel: threading.Event | None = None
-    ) -> Iterator[DrainReport]:
-        """Hold the gate alone, draining requests in flight by ``policy`` first.
+    ) -> Iterator[DrainHold]:
+        """Hold the gate alone, draining requests in flight by ``policy`` first; the hold's
+        :attr:`~DrainHold.report` covers the drain and the body, once the block ends.
 
         Raises RunnerError COMMAND_TIMEOUT when they are still running at the policy's deadline
         or ``cancel`` is set first: nothing was touched, requests are admitted again."""
@@ -301,12 +332,13 @@ class DrainGate:
                 self._draining = False
                 self._cond.notify_all()
                 raise
-        report = DrainReport(policy.mode, time.monotonic() - started, in_flight, aborted)
+        hold = DrainHold(policy.mode, in_flight, aborted, started)
         try:
-            yield report
+            yield hold
         finally:
             with self._cond:
                 self._draining = False
+                hold.released = time.monotonic()
                 self._cond.notify_all()
 
     def wait_draining(self, timeout: float | None = None) -> bool:
@@ -370,6 +402,12 @@ def _accepted_keys(model: type[RunnerConfig]) -> dict[str, str]:  # describe() r
         else:
             out[key] = "any"
     return out
+
+
+def config_facts(overrides: Mapping[str, Any]) -> dict[str, JsonValue]:
+    """What a config dry run checked (``validate_config``'s facts): the keys."""
+    keys: list[JsonValue] = [str(key) for key in sorted(overrides)]
+    return {"keys": keys}
 
 
 def apply_overrides(current: ConfigT, overrides: Mapping[str, Any]) -> ConfigT:

@@ -1,8 +1,14 @@
 """A runner without a model, for agent and benchmark tests: it records what it was told.
 
 No torch. Scripted outcomes by version name: "fail-*" fails (RUNNER_FAILED), "corrupt-*" raises
-WeightsCorrupted and degrades it. A reload still needs its path to exist. With ``load_error`` set
-its model never loads (a worker that must report RUNNER_LOAD_FAILED).
+WeightsCorrupted and degrades it, "badshape-*" is refused as a checkpoint whose shapes are not the
+model's (WEIGHTS_SHAPE_MISMATCH, nothing changed). A reload still needs its path to exist. With
+``load_error`` set its model never loads (a worker that must report RUNNER_LOAD_FAILED).
+
+Its dry run (``validate_reload``) makes the checks a reload makes before it would change
+anything: a model loaded, the path's files, "badshape-*"; "fail-*" and "corrupt-*" are failures of
+applying, which a dry run cannot see, so they validate. Dry runs are recorded in ``validations``
+and ``config_validations``, never in ``reloads``, ``history`` or ``config_updates``.
 
 Its probe (:func:`fake_probe`) is a function of the version in force and the prompt: workers on
 the same version agree. A version "badprobe-*" applies fine but probes with other tokens and a
@@ -37,6 +43,7 @@ from workers.runners.base import (
     accepted_keys,
     apply_overrides,
     config_digest,
+    config_facts,
     parse_options,
 )
 
@@ -53,6 +60,9 @@ class FakeRunnerOptions(BaseModel):
     reload_delay_s: float = Field(default=0.0, ge=0, description="Sleep per reload (cancellable).")
     fail_prefix: str = "fail-"
     corrupt_prefix: str = "corrupt-"
+    shape_mismatch_prefix: str = Field(
+        default="badshape-", description="Versions refused WEIGHTS_SHAPE_MISMATCH (checked)."
+    )
     bad_probe_prefix: str = Field(
         default="badprobe-", description="Versions whose probe says the weights are wrong."
     )
@@ -95,6 +105,9 @@ class FakeRunner:
         #: Every reload spec received, applied or not.
         self.reloads: list[ReloadWeightsSpec] = []
         self.config_updates: list[dict[str, JsonValue]] = []
+        #: Every dry run asked for: reload specs, and config overrides.
+        self.validations: list[ReloadWeightsSpec] = []
+        self.config_validations: list[dict[str, JsonValue]] = []
         #: Every probe asked for: (version in force, prompt, max_tokens).
         self.probes: list[tuple[str | None, str, int]] = []
         self._closed = threading.Event()  # ends a probe's delay
@@ -118,9 +131,7 @@ class FakeRunner:
         started = time.perf_counter()
         with self._lock:
             self.reloads.append(spec)
-            if not self._loaded:
-                raise RunnerError("no model is loaded", code=WireCode.MODEL_NOT_LOADED)
-            files = _files(path)
+            files = self._check(spec, path)
             delay = self.options.reload_delay_s
             if cancel is not None:
                 if cancel.wait(delay):
@@ -153,6 +164,30 @@ class FakeRunner:
             finished=time.perf_counter(),
         )
         return ReloadResult.of(stats, weights_digest=digest)
+
+    def validate_reload(self, spec: ReloadWeightsSpec, path: Path) -> dict[str, JsonValue]:
+        with self._lock:
+            self.validations.append(spec)
+            files = self._check(spec, path)
+        return {"files": len(files), "tensors": 0, "bytes": sum(f.stat().st_size for f in files)}
+
+    def validate_config(self, overrides: dict[str, JsonValue]) -> dict[str, JsonValue]:
+        with self._lock:
+            self.config_validations.append(dict(overrides))
+            apply_overrides(self._config, overrides)
+        return config_facts(overrides)
+
+    def _check(self, spec: ReloadWeightsSpec, path: Path) -> list[Path]:
+        """A reload's checks before it would change anything (the lock held): its files."""
+        if not self._loaded:
+            raise RunnerError("no model is loaded", code=WireCode.MODEL_NOT_LOADED)
+        files = _files(path)
+        if spec.version.startswith(self.options.shape_mismatch_prefix):
+            raise RunnerError(
+                f"scripted shape mismatch for {spec.version!r} (checkpoint vs model)",
+                code=WireCode.WEIGHTS_SHAPE_MISMATCH,
+            )
+        return files
 
     def update_config(self, overrides: dict[str, JsonValue]) -> RunnerDescription:
         with self._lock:

@@ -4,8 +4,10 @@ It owns the model, its lock and its drain gate; checkpoint parsing and copying l
 loaders.py. It never touches Kafka or asyncio: the agent calls it from a worker thread.
 
 Requests (``generate``, ``probe``, ``forward_logits``) run concurrently under the drain gate,
-shared; a reload holds it alone, after draining them by the spec's drain policy
-(:class:`~workers.runners.base.DrainGate`): every request runs wholly on one version.
+shared. A reload checks the checkpoint while they go on (``prepare_checkpoint``), then holds the
+gate alone for the copy, after draining them by the spec's drain policy
+(:class:`~workers.runners.base.DrainGate`): every request runs wholly on one version, and
+requests wait for the copy only. A dry run (``validate_reload``) is the checks alone.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from controlplane.wire.protocol import ReloadWeightsSpec
 from workers.runners.base import (
     DegradedInfo,
     DrainGate,
-    DrainReport,
     ProbeResult,
     ReloadResult,
     RunnerConfig,
@@ -35,6 +36,7 @@ from workers.runners.base import (
     accepted_keys,
     apply_overrides,
     config_digest,
+    config_facts,
     parse_options,
 )
 from workers.runners.tiny_lm import build_model, encode_text
@@ -42,8 +44,10 @@ from workers.weights.digest import weights_digest
 from workers.weights.loaders import (
     DEFAULT_STAGING_BYTES,
     CopiedBytesMismatch,
+    PreparedCheckpoint,
     load_checkpoint,
     module_targets,
+    prepare_checkpoint,
 )
 from workers.weights.oms import ModelTrust, SignedDigests, load_model_trust
 from workers.weights.stats import LoadStats
@@ -268,65 +272,109 @@ class TorchRunner:
     def reload_weights(
         self, spec: ReloadWeightsSpec, path: Path, *, cancel: threading.Event | None = None
     ) -> ReloadResult:
+        """Prepare (every check, the model serving meanwhile), then drain by the spec's policy
+        and copy: requests are held off for the copy only (``result.drain.paused_s``)."""
         with self._lock:
-            if self._model is None:
-                raise RunnerError(
-                    f"cannot reload {spec.version!r}: no model is loaded",
-                    code=WireCode.MODEL_NOT_LOADED,
-                )
-            self._set_phase("draining", (0, 0))  # requests in flight hold it off
+            self._require_loaded(spec.version)
+            from_version = self._version
             try:
-                with self._gate.exclusive(spec.drain_policy, cancel=cancel) as drain:
-                    return self._reload_drained(spec, path, cancel, drain)
+                self._set_phase("validating", (0, 0))  # requests are served meanwhile
+                with self._prepare(spec, path, cancel) as prepared:
+                    self._set_phase("draining", (0, 0))  # requests in flight hold it off
+                    with self._gate.exclusive(spec.drain_policy, cancel=cancel) as hold:
+                        stats = self._copy_drained(spec, path, prepared, from_version, cancel)
             finally:
                 self._set_phase("idle", (0, 0))
+            result = ReloadResult.of(stats, weights_digest=self._digest, drain=hold.report)
+            with self._state:
+                self._last_reload = result
+            return result
 
-    def _reload_drained(
+    def validate_reload(
+        self, spec: ReloadWeightsSpec, path: Path, *, cancel: threading.Event | None = None
+    ) -> dict[str, JsonValue]:
+        """A dry run of :meth:`reload_weights`: the same checks, then every byte the copy would
+        hash is hashed from the files (the manifest's, the signed spans); nothing is copied and
+        requests are served throughout. Raises the RunnerError the reload would raise."""
+        started = time.perf_counter()
+        with self._lock:
+            self._require_loaded(spec.version)
+            try:
+                self._set_phase("validating", (0, 0))
+                with self._prepare(spec, path, cancel, dry_run=True) as prepared:
+                    prepared.verify_bytes(cancel)
+                    facts = prepared.facts()
+            finally:
+                self._set_phase("idle", (0, 0))
+        facts["validate_s"] = round(time.perf_counter() - started, 6)
+        return facts
+
+    def validate_config(self, overrides: dict[str, JsonValue]) -> dict[str, JsonValue]:
+        apply_overrides(self._config, overrides)  # raises; the config in force is not changed
+        return config_facts(overrides)
+
+    def _require_loaded(self, version: str) -> None:
+        if self._model is None:
+            raise RunnerError(
+                f"cannot reload {version!r}: no model is loaded", code=WireCode.MODEL_NOT_LOADED
+            )
+
+    def _prepare(
         self,
         spec: ReloadWeightsSpec,
         path: Path,
         cancel: threading.Event | None,
-        drain: DrainReport,
-    ) -> ReloadResult:
-        """The reload, once no request is in flight (the model lock and the gate held)."""
-        from_version = self._version
-        self._set_phase("validating", (0, 0))
+        *,
+        dry_run: bool = False,
+    ) -> contextlib.AbstractContextManager[PreparedCheckpoint]:
+        """The checkpoint checked against the model (the model lock held; the targets only
+        read, so requests go on). A reload hashes the manifest's data files as it copies when
+        what is in force can be restored; a dry run hashes them all now."""
+        return prepare_checkpoint(
+            path,
+            self._targets,
+            strict=spec.strict,
+            sha256=spec.sha256,
+            aliases=self._aliases,
+            cancel=cancel,
+            model_trust=self._trust,
+            sha256_while_copying=self._in_force is not None and not dry_run,
+        )
+
+    def _copy_drained(
+        self,
+        spec: ReloadWeightsSpec,
+        path: Path,
+        prepared: PreparedCheckpoint,
+        from_version: str | None,
+        cancel: threading.Event | None,
+    ) -> LoadStats:
+        """The copy, once no request is in flight (the model lock and the gate held); the
+        weights in force are what was copied, or restored, or degraded."""
         try:
-            stats = load_checkpoint(
-                path,
+            stats = prepared.copy(
                 self._copy_targets(self._targets),
                 version=spec.version,
                 from_version=from_version,
-                strict=spec.strict,
-                sha256=spec.sha256,
-                aliases=self._aliases,
                 cancel=cancel,
                 staging_bytes=self.options.staging_bytes,
                 progress=lambda done, total: self._on_copy_progress(done, total, cancel),
                 sync=self._sync,
                 read_threads=self.options.read_threads,
-                model_trust=self._trust,
-                # Hashed as copied (one read) when what is in force now can be restored.
-                sha256_while_copying=self._in_force is not None,
             )
         except CopiedBytesMismatch as exc:
             self._restore_or_degrade(exc)  # raises
         except WeightsCorrupted as exc:
             self._mark_degraded(exc)
             raise
-        finally:
-            self._set_phase("idle", (0, 0))
         # The copy succeeded: the fingerprint is read back from the model itself.
-        result = ReloadResult.of(
-            stats, weights_digest=self._weights_digest(self._targets), drain=drain
-        )
+        digest = self._weights_digest(self._targets)
         with self._state:
             self._version = spec.version
             self._degraded = None
-            self._last_reload = result
-            self._digest = result.weights_digest
+            self._digest = digest
             self._in_force = _InForce(path, spec.version, spec.strict, spec.sha256, stats.signed)
-        return result
+        return stats
 
     def _mark_degraded(self, exc: WeightsCorrupted) -> None:
         with self._state:

@@ -256,12 +256,8 @@ class CopyHasher:
         """Every tensor is in (and the copy done: ``sync`` ran): hash the spans that read back
         from the destinations, wait for every span's hash; CopiedBytesMismatch if one differs
         from its signed digest (or could not be taken)."""
-        self.advance(self._planned + 1)
-        wrong: list[str] = []
         try:
-            for unit, future in self._hashed:
-                if future.result() != unit.span.digest:
-                    wrong.append(f"{unit.file.name}[{unit.span.start}:{unit.span.end}]")
+            wrong = self.mismatches()
         except (RunnerError, OSError) as exc:
             unchecked = CopiedBytesMismatch(
                 f"the bytes copied for {version!r} could not be checked ({failure_reason(exc)});"
@@ -279,6 +275,16 @@ class CopyHasher:
                 from_version=from_version,
                 to_version=version,
             )
+
+    def mismatches(self) -> list[str]:
+        """Every tensor is in: hash what is left, wait for every span's hash, and name the spans
+        that differ from their digests. Raises what hashing raised (RunnerError, OSError)."""
+        self.advance(self._planned + 1)
+        return [
+            f"{unit.file.name}[{unit.span.start}:{unit.span.end}]"
+            for unit, future in self._hashed
+            if future.result() != unit.span.digest
+        ]
 
     def close(self) -> None:
         """No hashing thread outlives the reload (spans not started are dropped)."""
