@@ -101,10 +101,13 @@ from controlplane.wire.protocol import (
 from controlplane.wire.signing import Signer, Verifier, wire_object
 
 SelectorOpt = Annotated[
-    list[str] | None, typer.Option("--selector", "-s", help="Label match key=value, repeatable.")
+    list[str] | None,
+    typer.Option(
+        "--selector", "-s", metavar="KEY=VALUE", help="Label match key=value, repeatable."
+    ),
 ]
 WorkerOpt = Annotated[
-    list[str] | None, typer.Option("--worker", "-w", help="Worker id, repeatable.")
+    list[str] | None, typer.Option("--worker", "-w", metavar="ID", help="Worker id, repeatable.")
 ]
 AllOpt = Annotated[bool, typer.Option("--all", help="Every live worker (an explicit choice).")]
 WaitOpt = Annotated[
@@ -386,7 +389,8 @@ def reload_weights(
         ),
     ],
     version: Annotated[
-        str, typer.Option("--version", "-v", help="Version label the workers will report.")
+        str,
+        typer.Option("--version", metavar="VERSION", help="Version label the workers will report."),
     ],
     sha256: Annotated[
         Path | None,
@@ -443,7 +447,10 @@ def reload_weights(
 @_rollout_command("update-config")
 def update_config(
     set_: Annotated[
-        list[str], typer.Option("--set", help="key=JSON value (or plain string), repeatable.")
+        list[str],
+        typer.Option(
+            "--set", metavar="KEY=VALUE", help="key=JSON value (or plain string), repeatable."
+        ),
     ],
 ) -> UpdateConfigSpec:
     """Roll runtime config overrides out, applied all or nothing on each worker."""

@@ -29,6 +29,36 @@ class CliExit(IntEnum):
     UNKNOWN = 6  # a publish not confirmed in time: it may be in the log (check status)
     ABORTED = 7  # a progressive rollout aborted (without rollback, or its rollback failed)
     ROLLED_BACK = 8  # a progressive rollout aborted and every updated worker put back on stable
+    #: The command line itself was wrong (a typo'd command or option, a missing one, a bad
+    #: value, no worker selector): nothing was done. sysexits' EX_USAGE, apart from every
+    #: outcome above (click's own 2 would read as "timed out").
+    USAGE = 64
+
+
+#: What each `controlplane` exit means, in the words README.md and ``--help`` use.
+CLI_EXIT_MEANINGS: Mapping[CliExit, str] = MappingProxyType(
+    {
+        CliExit.OK: "succeeded",
+        CliExit.FAILED: "failed",
+        CliExit.TIMED_OUT: "timed out",
+        CliExit.INVALID: "invalid input",
+        CliExit.UNREACHABLE: "Kafka unreachable (not published)",
+        CliExit.INTERNAL: "internal error",
+        CliExit.UNKNOWN: "publish outcome unknown",
+        CliExit.ABORTED: "aborted",
+        CliExit.ROLLED_BACK: "rolled back",
+        CliExit.USAGE: "usage error (nothing done)",
+    }
+)
+
+
+def exit_codes_help() -> str:
+    """The exit codes on one line, for ``controlplane --help`` (and every command's)."""
+    return (
+        "Exit codes: "
+        + ", ".join(f"{int(code)} {words}" for code, words in CLI_EXIT_MEANINGS.items())
+        + "."
+    )
 
 
 class WorkerExit(IntEnum):
@@ -130,7 +160,8 @@ def internal_line(exc: BaseException) -> str:
 
 class AppSettings(TypedDict):
     """What both command lines' ``typer.Typer(...)`` share: no traceback ever reaches a user
-    (errors end as :func:`error_line`), and no completion commands."""
+    (errors end as :func:`error_line`), and typer's shell completion (``--install-completion``,
+    ``--show-completion SHELL``)."""
 
     no_args_is_help: bool
     pretty_exceptions_enable: bool
@@ -138,5 +169,5 @@ class AppSettings(TypedDict):
 
 
 APP_SETTINGS = AppSettings(
-    no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False
+    no_args_is_help=True, pretty_exceptions_enable=False, add_completion=True
 )

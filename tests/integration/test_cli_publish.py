@@ -118,7 +118,9 @@ def test_a_ttl_over_the_maximum_is_refused_before_kafka() -> None:
     proc = cli("update-config", "--set", "a=1", "--all", "--ttl", str(MAX_TTL_S + 1), "-b", dead)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert one_error_line(proc).startswith("error: TTL_TOO_LONG")
-    proc = cli("reload-weights", "/m.safetensors", "-v", "v1", "--all", "--ttl", "1e9", "-b", dead)
+    proc = cli(
+        "reload-weights", "/m.safetensors", "--version", "v1", "--all", "--ttl", "1e9", "-b", dead
+    )
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert one_error_line(proc).startswith("error: TTL_TOO_LONG")
     with pytest.raises(CommandRejected) as info:  # the API's path too

@@ -51,7 +51,7 @@ def _paragraph(text: str, start: str, end: str) -> str:
 
 def test_the_controlplane_codes_are_the_ones_readme_documents() -> None:
     text = _paragraph(README.read_text(), "Exit codes:", "--json")
-    documented = {int(n): words for n, words in re.findall(r"`(\d)` ([a-zA-Z ]+)", text)}
+    documented = {int(n): words for n, words in re.findall(r"`(\d+)` ([a-zA-Z ]+)", text)}
     meaning = {
         CliExit.OK: "succeeded",
         CliExit.FAILED: "failed",
@@ -62,6 +62,7 @@ def test_the_controlplane_codes_are_the_ones_readme_documents() -> None:
         CliExit.UNKNOWN: "publish outcome unknown",
         CliExit.ABORTED: "aborted",
         CliExit.ROLLED_BACK: "rolled back",
+        CliExit.USAGE: "usage error",
     }
     assert set(documented) == {int(e) for e in CliExit}, text
     for code, words in meaning.items():
