@@ -60,22 +60,9 @@ LATENCY_BUCKETS: Final = (
     1800.0,
 )
 
-#: Seconds from a rollout's issue to its verdict: a canary rollout with bakes takes hours.
-DURATION_BUCKETS: Final = (
-    1.0,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
-    600.0,
-    1800.0,
-    3600.0,
-    7200.0,
-    21600.0,
-    86400.0,
-)
+#: Seconds from a rollout's issue to its verdict: a canary rollout with bakes takes hours
+#: (the latency buckets from 30 s to 30 min, with seconds below and hours above).
+DURATION_BUCKETS: Final = (1.0, 5.0, 10.0, *LATENCY_BUCKETS[8:], 3600.0, 7200.0, 21600.0, 86400.0)
 
 CONTENT_TYPE: Final = CONTENT_TYPE_LATEST
 

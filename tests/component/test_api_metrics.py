@@ -5,6 +5,10 @@ No Kafka: a Coordinator that is never started, fixtures in tests/component/conft
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import httpx
 import pytest
 from fastapi import FastAPI
@@ -260,3 +264,59 @@ async def test_workers_by_weights_version_fleet_wide_and_per_target(
     fleet = "controlplane_workers_by_version"
     assert sample(text, fleet, version="v0") == 3
     assert sample(text, fleet, version="v1") == 1
+
+
+def dashboard_queries() -> set[str]:
+    """Every controlplane_* name the Grafana dashboards in docs/grafana/ query."""
+    folder = Path(__file__).resolve().parents[2] / "docs" / "grafana"
+    queried: set[str] = set()
+    for path in sorted(folder.glob("*.json")):
+        dashboard = json.loads(path.read_text())
+        exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+        exprs += [v["definition"] for v in dashboard["templating"]["list"] if v.get("definition")]
+        for expr in exprs:
+            queried.update(re.findall(r"\bcontrolplane_[a-z_]+", expr))
+    return queried
+
+
+async def test_every_metric_the_grafana_dashboard_queries_is_served(
+    client: httpx.AsyncClient, coordinator: Coordinator, fleet_of_two: dict[str, Command]
+) -> None:
+    """docs/grafana/*.json names only series a real /metrics page has (a renamed metric would
+    leave a panel empty without an error)."""
+    from controlplane.wire.control import Desired, TargetSpec, WeightsRef
+
+    stable = Desired(weights=WeightsRef(path="/ckpt/v2", version="v2"))
+    coordinator.control.observe(
+        TargetSpec(name="tiny", selector={"model": "tiny"}, stable=stable, issued_at=T0, issuer="t")
+    )
+    text = (await client.get("/metrics")).text
+    served = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"}
+    queried = dashboard_queries()
+    assert len(queried) >= 15
+    assert sorted(queried - served) == []
+
+
+async def test_metrics_need_no_token_when_reads_do() -> None:
+    """Prometheus scrapes without credentials (deploy/prometheus/prometheus.yml) even where the
+    API's reads need the read token."""
+    from pydantic import SecretStr
+
+    from controlplane.coordinator.service import CoordinatorSettings
+    from controlplane.kafka.settings import KafkaSettings
+
+    settings = CoordinatorSettings(
+        kafka=KafkaSettings(bootstrap_servers="127.0.0.1:9"),
+        api_token=SecretStr("w"),
+        api_read_token=SecretStr("r"),
+    )
+    coordinator = Coordinator(settings)
+    coordinator.follower.caught_up.set()
+    try:
+        transport = httpx.ASGITransport(app=create_app(coordinator))
+        async with httpx.AsyncClient(transport=transport, base_url="http://coordinator") as c:
+            assert (await c.get("/api/v1/workers")).status_code == 401
+            r = await c.get("/metrics")
+            assert r.status_code == 200 and "controlplane_ready" in r.text
+    finally:
+        await coordinator.stop()

@@ -39,6 +39,9 @@ PYTHON_MODULES: dict[str, str] = {"controlplane": "controlplane", "workers": "fl
 
 _VAR = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
 
+#: Services that run someone else's pinned image (not ours, built from the Dockerfile).
+THIRD_PARTY: frozenset[str] = frozenset({"kafka", "prometheus", "grafana"})
+
 #: What a user exports before `docker compose up` (docs/compose.md): the write token, required.
 UP_ENV: dict[str, str] = {"FLEET_COORDINATOR_API_TOKEN": "token-given-at-up"}
 
@@ -233,8 +236,10 @@ def test_coordinator_environment_is_real_settings(
 ) -> None:
     coordinator = services["coordinator"]
     env = environment(coordinator)
-    ours = {k: v for k, v in env.items() if k.startswith("FLEET_")}
-    assert ours and all(k.startswith(COORDINATOR_PREFIX) for k in ours), sorted(ours)
+    ours = {k: v for k, v in env.items() if k.startswith(COORDINATOR_PREFIX)}
+    # The other FLEET_* variables are exactly the CLI's (test_the_cli_in_the_coordinator_...).
+    others = {k for k in env if k.startswith("FLEET_") and k not in ours}
+    assert ours and others <= set(cli_envvars().values()), sorted(others)
     settings = settings_from(monkeypatch, env, CoordinatorSettings)
     for key, raw in ours.items():
         path = field_path(CoordinatorSettings, key.removeprefix(COORDINATOR_PREFIX))
@@ -255,6 +260,44 @@ def test_coordinator_environment_is_real_settings(
     assert targets == {settings.port}
     probe = " ".join(coordinator["healthcheck"]["test"])
     assert f"127.0.0.1:{settings.port}/readyz" in probe
+
+
+def cli_envvars() -> dict[str, str]:
+    """Each option of the controlplane CLI that an environment variable sets -> the variable,
+    read from the typer app (the same name in every command, checked)."""
+    found: dict[str, str] = {}
+
+    def walk(cmd: Any) -> None:  # typer's own click (typer._click), not the click package
+        for param in cmd.params:
+            if param.param_type_name == "option" and isinstance(param.envvar, str):
+                name = max(param.opts, key=len)
+                assert found.setdefault(name, param.envvar) == param.envvar, (name, param.envvar)
+        for sub in getattr(cmd, "commands", {}).values():
+            walk(sub)
+
+    walk(typer.main.get_command(controlplane_app))
+    return found
+
+
+def test_the_cli_in_the_coordinator_container_needs_no_flag(
+    services: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`docker compose exec coordinator controlplane status`: the CLI's variables point it at
+    the broker and the topics the coordinator itself uses."""
+    env = environment(services["coordinator"])
+    names = cli_envvars()
+    settings = settings_from(monkeypatch, env, CoordinatorSettings)
+    assert env[names["--bootstrap"]] == settings.kafka.bootstrap_servers
+    assert env[names["--topic-prefix"]] == settings.kafka.topic_prefix
+    assert (names["--bootstrap"], names["--topic-prefix"]) == (
+        "FLEET_KAFKA_BOOTSTRAP",
+        "FLEET_TOPIC_PREFIX",
+    )
+    # The documented `docker compose exec coordinator controlplane ...` lines (with their
+    # continuation lines) pass no --bootstrap; neither does this file's own example.
+    for text in ((ROOT / "docs" / "compose.md").read_text(), COMPOSE.read_text()):
+        calls = re.findall(r"exec coordinator controlplane (?:[^\n]*\\\n)*[^\n]*", text)
+        assert calls and not [c for c in calls if "--bootstrap" in c], calls
 
 
 @pytest.mark.parametrize("env", [{}, {"FLEET_COORDINATOR_API_TOKEN": ""}])
@@ -429,7 +472,7 @@ def test_fleet_services_run_the_image_built_from_the_dockerfile(
     assert re.search(r"^FROM python:3\.11-slim\b", dockerfile, re.M)
     assert re.search(r"pip install .*\.\[torch,verify\]", dockerfile)
     for name, service in services.items():
-        if name == "kafka":
+        if name in THIRD_PARTY:
             continue
         build = service["build"]
         assert (
