@@ -22,7 +22,7 @@ from controlplane.wire.errors import CommandRejected, RunnerError, WireCode
 from controlplane.wire.protocol import ReloadWeightsSpec
 from tests.component.conftest import TINY
 from workers.demo.checkpoints import sha256_manifest, write_checkpoint
-from workers.runners.vllm_runner import GenerationAborted, VllmRunner
+from workers.runners.vllm_runner import GenerationAborted, VllmRunner, degraded_label
 
 #: What vLLM 0.32 answers on /server_info when `uv` is not on the server's PATH.
 SERVER_INFO_500 = {"error": {"message": "'NoneType' object has no attribute 'splitlines'"}}
@@ -405,18 +405,26 @@ def test_sidecar_reload_pauses_with_the_policy_resets_labels_and_resumes(
     assert calls[-1] == "POST /resume" and fake.weight_version == "v3"
 
 
-def test_sidecar_failed_reload_restores_keeps_the_label_and_still_resumes(
-    loaded: tuple[VllmRunner, FakeVllm, Path],
-) -> None:
+def _failing_reload(
+    loaded: tuple[VllmRunner, FakeVllm, Path], failures: int
+) -> tuple[RunnerError, list[str]]:
+    """Reload v2 while vLLM's next ``failures`` reload_weights calls fail: the error, the calls."""
     runner, fake, tmp_path = loaded
     v2 = _write(tmp_path / "v2", seed=2)
-    fake.failing_reloads = 1
+    fake.failing_reloads = failures
     since = len(fake.calls)
     with pytest.raises(RunnerError) as caught:
         runner.reload_weights(ReloadWeightsSpec(path=str(v2), version="v2"), v2)
-    assert caught.value.code is WireCode.RUNNER_FAILED
-    assert "restored 'init'" in caught.value.message
-    calls = _routes(fake, since)
+    return caught.value, _routes(fake, since)
+
+
+def test_sidecar_failed_reload_restores_keeps_the_label_and_still_resumes(
+    loaded: tuple[VllmRunner, FakeVllm, Path],
+) -> None:
+    runner, fake, _ = loaded
+    error, calls = _failing_reload(loaded, 1)
+    assert error.code is WireCode.RUNNER_FAILED
+    assert "restored 'init'" in error.message
     assert calls.count("POST /collective_rpc") == 2  # the failed reload, then the restore
     assert calls[-1] == "POST /resume"
     assert fake.weight_version == "init" == runner.describe().weights_version
@@ -455,3 +463,63 @@ def test_a_request_vllm_aborted_is_a_coded_error_from_generate(
         runner.generate([1, 2, 3], 4)
     assert caught.value.code is WireCode.RUNNER_FAILED
     assert "finish reason 'abort'" in caught.value.message
+
+
+def test_sidecar_failed_restore_resumes_labelled_degraded_until_a_reload_succeeds(
+    loaded: tuple[VllmRunner, FakeVllm, Path],
+) -> None:
+    """The reload and the restore both fail: serving resumes (never left paused), vLLM's weight
+    version is the marker that is no version, and the runner reports degraded."""
+    runner, fake, tmp_path = loaded
+    error, calls = _failing_reload(loaded, 2)
+    assert error.code is WireCode.WEIGHTS_CORRUPTED
+    assert "'init!degraded'" in error.message
+    assert calls.count("POST /collective_rpc") == 2  # the failed reload, the failed restore
+    assert calls[-1] == "POST /resume"
+    assert fake.weight_version == degraded_label("init") == "init!degraded"
+    described = runner.describe()
+    assert described.degraded is not None and described.degraded.code == "WEIGHTS_CORRUPTED"
+    assert described.weights_version == "init" and described.extra["weights_digest"] is None
+    v2 = tmp_path / "v2"
+    runner.reload_weights(ReloadWeightsSpec(path=str(v2), version="v2"), v2)  # recovers
+    assert fake.weight_version == "v2" == runner.describe().weights_version
+    assert runner.describe().degraded is None
+
+
+def test_sidecar_dry_runs_check_like_the_command_and_call_no_vllm_endpoint(
+    loaded: tuple[VllmRunner, FakeVllm, Path],
+) -> None:
+    """validate_reload / validate_config (contract C2): the checks only, not one call to vLLM."""
+    runner, fake, tmp_path = loaded
+    v2 = _write(tmp_path / "v2", seed=2)
+    wide = _write(tmp_path / "wide", seed=3, d_model=2 * TINY["d_model"])
+    before = runner.describe()
+    since = len(fake.calls)
+    spec = ReloadWeightsSpec(path=str(v2), version="v2", sha256=sha256_manifest(v2))
+    facts = runner.validate_reload(spec, v2)
+    assert facts["files"] == 1 and facts["tensors"] == before.extra["tensors"]
+    assert isinstance(facts["bytes"], int) and facts["bytes"] > 0
+    bad_sum = ReloadWeightsSpec(
+        path=str(v2), version="v2", sha256=dict.fromkeys(sha256_manifest(v2), "0" * 64)
+    )
+    for bad, code in [
+        (ReloadWeightsSpec(path=str(wide), version="wide"), WireCode.WEIGHTS_SHAPE_MISMATCH),
+        (bad_sum, WireCode.CHECKSUM_MISMATCH),
+    ]:
+        with pytest.raises(RunnerError) as caught:
+            runner.validate_reload(bad, Path(bad.path))
+        assert caught.value.code is code
+    assert runner.validate_config({"load_config.load_format": "safetensors"}) == {
+        "keys": ["load_config.load_format"]
+    }
+    for overrides, code in [
+        ({"load_config": {"no_such_field": 1}}, WireCode.CONFIG_KEY_REJECTED),
+        ({"load_config": {"load_format": "bogus"}}, WireCode.CONFIG_VALUE_INVALID),
+    ]:
+        with pytest.raises(RunnerError) as caught:
+            runner.validate_config(overrides)  # type: ignore[arg-type]
+        assert caught.value.code is code
+    assert _routes(fake, since) == []
+    after = runner.describe()
+    assert (after.weights_version, after.config_digest) == ("init", before.config_digest)
+    assert fake.weight_version == "init"

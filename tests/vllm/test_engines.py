@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import JsonValue
 
 from tests.vllm.conftest import SKIP_REASON
 
@@ -40,8 +41,9 @@ from tests.vllm.conftest import (
 )
 from workers.demo.tiny_llama import hf_greedy, write_tiny_llama
 from workers.runners.vllm_config import translate_config_error
+from workers.runners.vllm_engine import InProcessEngine
 from workers.runners.vllm_runner import VllmRunner
-from workers.runners.vllm_sidecar import Generation
+from workers.runners.vllm_sidecar import Generation, SidecarClient, SidecarEngine
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -110,7 +112,12 @@ def wait_for(condition: Callable[[], bool], timeout: float = 120) -> None:
         time.sleep(0.02)
 
 
-def request(runner: VllmRunner, prompt: list[int], max_tokens: int) -> Generation:
+def request(
+    runner: VllmRunner,
+    prompt: list[int],
+    max_tokens: int,
+    on_tokens: Callable[[], None] | None = None,
+) -> Generation:
     """One greedy request with vLLM's weight-version spans: in process from the engine's
     outputs; a sidecar's through vLLM's token-in/token-out endpoint, streamed, straight to the
     server (as a client of the server would, not through the runner)."""
@@ -137,6 +144,8 @@ def request(runner: VllmRunner, prompt: list[int], max_tokens: int) -> Generatio
                 continue
             for choice in json.loads(line[len("data: ") :]).get("choices", []):
                 tokens.extend(choice.get("token_ids") or [])
+                if tokens and on_tokens is not None:
+                    on_tokens()
                 reason = choice.get("finish_reason") or reason
                 found = choice.get("weight_versions")
                 if found is not None:
@@ -188,44 +197,52 @@ def test_vllm_weight_version_is_ours_at_start_after_reloads_and_after_a_failed_o
     assert runner.vllm_weight_version() == "v1"
 
 
-def test_sidecar_runner_restart_labels_vllm_with_the_restored_version(
-    runner: VllmRunner, ckpts: Checkpoints
+def test_a_failed_restore_resumes_serving_labelled_degraded(
+    runner: VllmRunner, ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A worker restart next to a running server: the new runner's start labels vLLM with its
-    initial version, and the agent's restore (a reload of the journaled one) with that one."""
-    if runner.options.mode != "sidecar":
-        pytest.skip("in process a restart is a new engine (covered by the start label above)")
-    runner.reload_weights(ReloadWeightsSpec(path=str(ckpts.v2), version="v2"), ckpts.v2)
-    again = VllmRunner({**runner.options.model_dump(), "initial_version": "v1"})
-    again.load()
-    try:
-        assert again.vllm_weight_version() == "v1"
-        again.reload_weights(ReloadWeightsSpec(path=str(ckpts.v2), version="v2"), ckpts.v2)
-        assert again.vllm_weight_version() == "v2" == again.describe().weights_version
-        assert again.generate(SHORT, NEW_TOKENS) == ckpts.want("v2")
-        again.reload_weights(ReloadWeightsSpec(path=str(ckpts.v1), version="v1"), ckpts.v1)
-    finally:
-        again.close()
+    """vLLM fails the reload and then the restore of v1 (both inside vLLM, mid-load): serving
+    resumes all the same (never left paused), vLLM's weight version is ``v1!degraded`` (no
+    version can be that), the runner reports degraded, and a good reload recovers."""
+    fail_inside_vllm(runner, ckpts, monkeypatch)
+    monkeypatch.setattr(runner, "_loaded_dir", ckpts.root / "vanished-before-the-restore")
+    with pytest.raises(RunnerError) as caught:
+        runner.reload_weights(ReloadWeightsSpec(path=str(ckpts.v2), version="v2"), ckpts.v2)
+    monkeypatch.undo()
+    assert caught.value.code is WireCode.WEIGHTS_CORRUPTED, caught.value
+    assert runner.vllm_weight_version() == "v1!degraded"
+    described = runner.describe()
+    assert described.degraded is not None and described.degraded.code == "WEIGHTS_CORRUPTED"
+    assert described.weights_version == "v1"
+    engine = runner._engine
+    if isinstance(engine, InProcessEngine):
+        assert not engine._paused and not engine._draining  # the stepping loop serves again
+        with pytest.raises(RunnerError) as refused:  # the runner's own generate refuses
+            runner.generate(SHORT, NEW_TOKENS)
+        assert refused.value.code is WireCode.WEIGHTS_CORRUPTED
+    else:
+        assert isinstance(engine, SidecarEngine) and not engine.client.is_paused()
     runner.reload_weights(ReloadWeightsSpec(path=str(ckpts.v1), version="v1"), ckpts.v1)
-    assert runner.vllm_weight_version() == "v1"
+    assert runner.describe().degraded is None and runner.vllm_weight_version() == "v1"
+    assert runner.generate(SHORT, NEW_TOKENS) == ckpts.want("v1")
 
 
-def hold_until_drain(
-    runner: VllmRunner, monkeypatch: pytest.MonkeyPatch, step: int, mode: str
-) -> dict[str, int]:
-    """In process, a request surely in flight: before its ``step``-th engine step it waits
-    until a reload's drain (``mode``) has begun. Returns the step counter."""
-    between = runner._between_steps
-    steps = {"n": 0}
+def hold_until_drain(runner: VllmRunner, monkeypatch: pytest.MonkeyPatch, requests: int) -> Any:
+    """In process, ``requests`` requests surely in flight together: once that many are in vLLM,
+    the engine's stepping loop waits before its next step until a reload's drain began (then it
+    steps on; the drain takes the engine after that step). Returns an event set at the hold."""
+    engine = runner._engine
+    assert isinstance(engine, InProcessEngine)
+    step = engine._step
+    held = threading.Event()
 
-    def held() -> bool:
-        steps["n"] += 1
-        if steps["n"] == step:
-            wait_for(lambda: runner._drain_mode == mode)
-        return between()
+    def hold() -> list[Any]:
+        if not held.is_set() and sum(r.added for r in engine._requests.values()) >= requests:
+            held.set()
+            wait_for(lambda: engine._draining)
+        return step()
 
-    monkeypatch.setattr(runner, "_between_steps", held)
-    return steps
+    monkeypatch.setattr(engine, "_step", hold)
+    return held
 
 
 class Clients:
@@ -248,6 +265,11 @@ class Clients:
                 self.results.append(request(runner, SHORT, max_tokens))
             except BaseException as exc:  # every failure is the test's result
                 self.errors.append(exc)
+
+    def wait_more(self, count: int) -> None:
+        """Until ``count`` more responses than now have come back."""
+        done = len(self.results)
+        wait_for(lambda: len(self.results) >= done + count)
 
     def finish(self) -> None:
         self.stop.set()
@@ -290,19 +312,15 @@ async def test_a_wait_rollout_under_load_fails_nothing_and_mixes_no_versions(
 def reload_under_load(
     runner: VllmRunner, ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> tuple[Any, Clients]:
-    """In process: reload v1 -> v2 with drain ``mode`` while a request is surely in flight (held
-    between two engine steps until the drain began); then two more responses, then back to v1."""
-    if runner.options.mode != "in_process":
-        # Passed in some runs, not all: no way found yet to hold a sidecar's request in flight
-        # until /pause lands (vLLM's running gauge is stale at idle; streamed tokens arrive late).
-        pytest.skip(f"{mode} under load on a sidecar: not deterministic yet (docs/vllm.md)")
-    steps = hold_until_drain(runner, monkeypatch, 4, mode)
-    clients = Clients(runner, 1, DRAIN_TOKENS)
+    """In process: reload v1 -> v2 with drain ``mode`` while two requests are surely in flight
+    together (served by the same engine steps, held until the drain began); then two more
+    responses, then back to v1."""
+    held = hold_until_drain(runner, monkeypatch, 2)
+    clients = Clients(runner, 2, DRAIN_TOKENS)
     try:
-        wait_for(lambda: steps["n"] >= 4)
+        assert held.wait(120), "two requests were never in flight together"
         result = runner.reload_weights(drain_spec(ckpts.v2, "v2", mode), ckpts.v2)
-        done = len(clients.results)
-        wait_for(lambda: len(clients.results) >= done + 2)
+        clients.wait_more(2)
     finally:
         clients.finish()
         monkeypatch.undo()
@@ -311,46 +329,165 @@ def reload_under_load(
     return result, clients
 
 
-def test_an_abort_reload_aborts_the_requests_in_flight_the_rest_are_one_version(
+#: The request a sidecar test holds in flight: long, so that it is still running when held.
+HELD_TOKENS = 200
+
+
+@pytest.fixture(scope="module")
+def held_refs(ckpts: Checkpoints) -> dict[str, list[int]]:
+    """transformers' greedy HELD_TOKENS new tokens of SHORT, per version."""
+    return {name: hf_greedy(path, SHORT, HELD_TOKENS) for name, path in
+            (("v1", ckpts.v1), ("v2", ckpts.v2))}  # fmt: skip
+
+
+class HeldRequest:
+    """A sidecar request held in flight for sure: streamed from vLLM's token-in/token-out
+    endpoint; once its first tokens arrived the test freezes vLLM's scheduler with its own
+    ``/pause?mode=keep`` (the request stays in vLLM, unfinished, its tokens so far from v1), so
+    the reload's drain, whenever it lands, meets it in flight. The reload's resume unfreezes it."""
+
+    def __init__(self, runner: VllmRunner) -> None:
+        self.first_tokens = threading.Event()
+        self.result: Generation | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(runner,), daemon=True)
+        self._thread.start()
+
+    def _run(self, runner: VllmRunner) -> None:
+        try:
+            self.result = request(runner, SHORT, HELD_TOKENS, on_tokens=self.first_tokens.set)
+        except BaseException as exc:  # the test's result
+            self.error = exc
+        finally:
+            self.first_tokens.set()
+
+    def hold(self, runner: VllmRunner) -> None:
+        assert self.first_tokens.wait(120), "the held request produced no token"
+        SidecarClient(runner.options.base_url).pause("keep", timeout_s=60)
+
+    def finish(self) -> Generation:
+        self._thread.join(timeout=300)
+        assert self.error is None, self.error
+        assert self.result is not None
+        return self.result
+
+
+async def sidecar_rollout_under_load(
+    runner: VllmRunner, ckpts: Checkpoints, kafka: KafkaSettings, tmp_path: Path, mode: str
+) -> tuple[Ack, Generation, Clients]:
+    """A sidecar: v1 -> v2 through Kafka and the agent with drain ``mode`` while one request is
+    held in flight (HeldRequest) and a client sends requests back to back; then two more
+    responses, then back to v1. A held request that finished before the hold landed (all its
+    tokens v1, finish reason length: nothing was in flight) is tried again (three times at most)."""
+    for _ in range(3):
+        clients = Clients(runner, 1, DRAIN_TOKENS)
+        held = HeldRequest(runner)
+        try:
+            await asyncio.to_thread(held.hold, runner)
+            async with running_agent(kafka, tmp_path, runner, ckpts.root), acks_tail(kafka) as acks:
+                policy = DrainPolicy.model_validate({"mode": mode, "timeout_s": 120})
+                ack = await ack_of(kafka, acks, reload_cmd(ckpts.v2, "v2", drain=policy))
+            out = await asyncio.to_thread(held.finish)
+            await asyncio.to_thread(clients.wait_more, 2)
+        finally:
+            clients.finish()
+            runner.reload_weights(ReloadWeightsSpec(path=str(ckpts.v1), version="v1"), ckpts.v1)
+        assert ack.state is AckState.SUCCEEDED, ack.error
+        assert clients.errors == []
+        if not (out.finish_reason == "length" and out.weight_versions == [("v1", 0, HELD_TOKENS)]):
+            return ack, out, clients
+    raise AssertionError("the held request finished before the hold, three times")
+
+
+@pytest.mark.kafka
+async def test_an_abort_reload_aborts_the_requests_in_flight_the_rest_are_one_version(
     runner: VllmRunner,
     ckpts: Checkpoints,
     long_refs: dict[str, list[int]],
+    held_refs: dict[str, list[int]],
     monkeypatch: pytest.MonkeyPatch,
+    kafka: KafkaSettings,
+    tmp_path: Path,
 ) -> None:
-    result, clients = reload_under_load(runner, ckpts, monkeypatch, "abort")
-    assert result.drain is not None and result.drain.mode == "abort"
-    assert (result.drain.in_flight, result.drain.aborted) == (1, 1)  # in process: exact
-    aborted = [out for out in clients.results if out.finish_reason != "length"]
-    assert aborted, "no request was in flight when the reload aborted"
-    assert all(out.finish_reason == "abort" for out in aborted), aborted
-    served = [one_version(out, long_refs) for out in clients.results if out not in aborted]
+    if runner.options.mode == "sidecar":
+        ack, held, clients = await sidecar_rollout_under_load(
+            runner, ckpts, kafka, tmp_path, "abort"
+        )
+        drain = ack.result["drain"]
+        assert isinstance(drain, dict) and drain["mode"] == "abort", ack.result
+        # vLLM's answer to an aborted request: its last chunk, finish_reason "abort" (HTTP 200),
+        # after the tokens it had streamed, all from v1 (vLLM's span says so).
+        assert held.finish_reason == "abort", held
+        cut = len(held.token_ids)
+        assert 0 < cut < HELD_TOKENS and held.token_ids == held_refs["v1"][:cut], held
+        assert held.weight_versions == [("v1", 0, cut)], held
+        results = clients.results
+    else:
+        result, clients = await asyncio.to_thread(
+            reload_under_load, runner, ckpts, monkeypatch, "abort"
+        )
+        assert result.drain is not None and result.drain.mode == "abort"
+        assert (result.drain.in_flight, result.drain.aborted) == (2, 2)  # in process: exact
+        aborted = [out for out in clients.results if out.finish_reason != "length"]
+        assert len(aborted) == 2, "the two requests in flight were not both aborted"
+        assert all(out == Generation([], None, "abort") for out in aborted), aborted
+        results = [out for out in clients.results if out not in aborted]
+    for out in clients.results:
+        if out.finish_reason == "abort":  # another request in flight: a v1 prefix, or none
+            assert out.token_ids == long_refs["v1"][: len(out.token_ids)], out
+    served = [one_version(out, long_refs) for out in results if out.finish_reason == "length"]
     assert served[-1] == "v2", served
 
 
-def test_a_keep_reload_carries_requests_on_with_the_new_weights_labelled_by_span(
+@pytest.mark.kafka
+async def test_a_keep_reload_carries_requests_on_with_the_new_weights_labelled_by_span(
     runner: VllmRunner,
     ckpts: Checkpoints,
     long_refs: dict[str, list[int]],
+    held_refs: dict[str, list[int]],
     monkeypatch: pytest.MonkeyPatch,
+    kafka: KafkaSettings,
+    tmp_path: Path,
 ) -> None:
     """What vLLM's keep guarantees: a request in flight is not failed; it is frozen, and after
     the reload it goes on with the new weights over its whole context (the prefix cache reset
     preempts it, so its KV is recomputed, none of the old weights' is reused); vLLM's spans say
-    which tokens came from which version. Others are one version."""
-    _, clients = reload_under_load(runner, ckpts, monkeypatch, "keep")
+    which tokens came from which version: keep mixes two versions in one response. Others are
+    one version."""
+    if runner.options.mode == "sidecar":
+        ack, held, clients = await sidecar_rollout_under_load(
+            runner, ckpts, kafka, tmp_path, "keep"
+        )
+        drain = ack.result["drain"]
+        assert isinstance(drain, dict) and drain["mode"] == "keep" and drain["aborted"] == 0
+        kept = [out for out in clients.results if len(out.weight_versions or []) > 1]
+        check_kept(held, ckpts, held_refs, HELD_TOKENS)
+    else:
+        result, clients = await asyncio.to_thread(
+            reload_under_load, runner, ckpts, monkeypatch, "keep"
+        )
+        assert result.drain is not None and (result.drain.in_flight, result.drain.aborted) == (2, 0)
+        kept = [out for out in clients.results if len(out.weight_versions or []) > 1]
+        assert len(kept) == 2, [(out.weight_versions, out.finish_reason) for out in clients.results]
     assert all(out.finish_reason == "length" for out in clients.results), clients.results
-    kept = [out for out in clients.results if len(out.weight_versions or []) > 1]
-    assert kept, [(out.weight_versions, out.finish_reason) for out in clients.results]
     for out in kept:
-        assert out.weight_versions is not None
-        (first, _, cut), (second, start, end) = out.weight_versions
-        assert (first, second, start, end) == ("v1", "v2", cut, DRAIN_TOKENS), out
-        assert 0 < cut < DRAIN_TOKENS
-        assert out.token_ids[:cut] == long_refs["v1"][:cut]
-        continued = hf_greedy(ckpts.v2, SHORT + out.token_ids[:cut], DRAIN_TOKENS - cut)
-        assert out.token_ids[cut:] == continued
+        check_kept(out, ckpts, long_refs, DRAIN_TOKENS)
     served = [one_version(out, long_refs) for out in clients.results if out not in kept]
     assert served[-1] == "v2", served
+
+
+def check_kept(
+    out: Generation, ckpts: Checkpoints, refs: dict[str, list[int]], max_tokens: int
+) -> None:
+    """A kept request: v1's greedy tokens up to the pause, then v2's greedy continuation of the
+    prompt plus those tokens (KV recomputed with v2), vLLM's spans v1 [0, cut), v2 [cut, n)."""
+    assert out.finish_reason == "length" and out.weight_versions is not None, out
+    (first, _, cut), (second, start, end) = out.weight_versions
+    assert (first, second, start, end) == ("v1", "v2", cut, max_tokens), out
+    assert 0 < cut < max_tokens
+    assert out.token_ids[:cut] == refs["v1"][:cut]
+    continued = hf_greedy(ckpts.v2, SHORT + out.token_ids[:cut], max_tokens - cut)
+    assert out.token_ids[cut:] == continued
 
 
 @pytest.mark.kafka
@@ -552,3 +689,74 @@ def test_a_checkpoint_rewritten_after_its_check_is_never_what_vllm_loads(
         runner.reload_weights(back, ckpts.v1)
     assert snapshot is not None and not snapshot.exists()  # removed once v1 is loaded
     assert runner.generate(SHORT, NEW_TOKENS) == ckpts.want("v1")
+
+
+def test_validate_reload_and_config_check_everything_and_touch_nothing(
+    runner: VllmRunner, ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Contract C2 (dry runs): a good checkpoint validates with its facts; each bad one raises
+    the code its reload raises; config errors are update_config's codes; vLLM is never called,
+    its weights, weight version and config stay as they were."""
+    spy = ReloadSpy(runner, monkeypatch)
+    before = runner.describe()
+    spec = ReloadWeightsSpec(path=str(ckpts.v2), version="v2", sha256=sha256_of(ckpts.v2))
+    facts = runner.validate_reload(spec, ckpts.v2)
+    assert facts["tensors"] == 21 and facts["files"] == len(sha256_of(ckpts.v2)) > 1
+    assert isinstance(facts["bytes"], int) and facts["bytes"] > 0
+    bad_sum = dict.fromkeys(sha256_of(ckpts.v2), "0" * 64)
+    cases = [
+        (ReloadWeightsSpec(path=str(ckpts.wide), version="wide"), "WEIGHTS_SHAPE_MISMATCH"),
+        (ReloadWeightsSpec(path=str(ckpts.deep), version="deep"), "WEIGHTS_UNEXPECTED"),
+        (ReloadWeightsSpec(path=str(ckpts.half), version="half"), "WEIGHTS_DTYPE_MISMATCH"),
+        (ReloadWeightsSpec(path=str(ckpts.v2), version="v2", sha256=bad_sum), "CHECKSUM_MISMATCH"),
+        (ReloadWeightsSpec(path=str(min(ckpts.v2.glob("model-*.safetensors"))), version="one"),
+         "WEIGHTS_UNREADABLE"),
+    ]  # fmt: skip
+    for bad, code in cases:
+        with pytest.raises(RunnerError) as dry:
+            runner.validate_reload(bad, Path(bad.path))
+        with pytest.raises(RunnerError) as real:
+            runner.reload_weights(bad, Path(bad.path))
+        assert dry.value.code.value == real.value.code.value == code, (dry.value, real.value)
+    for overrides, code in CONFIG_ERRORS:
+        with pytest.raises(RunnerError) as refused:
+            runner.validate_config(overrides)
+        assert refused.value.code.value == code, (overrides, refused.value)
+    good: dict[str, JsonValue] = {"load_config": {"load_format": "safetensors"}}
+    assert runner.validate_config(good) == {"keys": ["load_config.load_format"]}
+    assert spy.calls == []
+    after = runner.describe()
+    assert after.config_digest == before.config_digest and after.config == before.config
+    assert after.weights_version == "v1" == runner.vllm_weight_version()
+    assert after.extra["weights_digest"] == before.extra["weights_digest"]
+    assert runner.generate(SHORT, NEW_TOKENS) == ckpts.want("v1")
+
+
+@pytest.mark.kafka
+async def test_a_worker_restart_labels_vllm_with_the_journaled_version(
+    runner: VllmRunner, ckpts: Checkpoints, kafka: KafkaSettings, tmp_path: Path
+) -> None:
+    """A worker restart: its journal holds v2 (applied through Kafka); then a new engine (in
+    process: a new ``vllm.LLM``, as a new process would start; sidecar: a new runner next to the
+    running server) starts labelled with its initial version v1, and the new agent's restore
+    reloads the journaled v2: vLLM's weight version is v2, the version the worker reports.
+    Last in the module: in process it replaces the module's engine."""
+    async with running_agent(kafka, tmp_path, runner, ckpts.root), acks_tail(kafka) as acks:
+        ack = await ack_of(kafka, acks, reload_cmd(ckpts.v2, "v2"))
+        assert ack.state is AckState.SUCCEEDED, ack.error
+    if runner.options.mode == "in_process":
+        await asyncio.to_thread(runner.close)  # the worker's process ends: its engine with it
+        again = runner
+    else:
+        again = VllmRunner({**runner.options.model_dump(), "initial_version": "v1"})
+    try:
+        await asyncio.to_thread(again.load)
+        assert again.vllm_weight_version() == "v1" == again.describe().weights_version
+        async with running_agent(kafka, tmp_path, again, ckpts.root):  # restores the journal
+            assert again.vllm_weight_version() == "v2" == again.describe().weights_version
+            assert await generate(again) == ckpts.want("v2")
+    finally:
+        if again is not runner:
+            again.close()
+    runner.reload_weights(ReloadWeightsSpec(path=str(ckpts.v1), version="v1"), ckpts.v1)
+    assert runner.vllm_weight_version() == "v1"

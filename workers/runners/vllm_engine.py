@@ -9,14 +9,16 @@ import contextlib
 import dataclasses
 import itertools
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
-from controlplane.wire.errors import RunnerError
+from controlplane.wire.errors import RunnerError, WireCode
+from controlplane.wire.messages import IDENTIFIER
 from workers.runners.vllm_config import CONFIG_SECTIONS
-from workers.runners.vllm_sidecar import Generation, SidecarEngine, is_loopback_url
+from workers.runners.vllm_sidecar import Generation, PauseMode, SidecarEngine, is_loopback_url
 
 #: Set (unless already set) before an in-process engine imports vllm.
 IN_PROCESS_ENV: dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
@@ -29,7 +31,7 @@ class VllmRunnerOptions(BaseModel):
 
     mode: Literal["in_process", "sidecar"] = "in_process"
     model: str = Field(min_length=1, description="Checkpoint directory the engine starts from.")
-    initial_version: str = Field(default="init", min_length=1, max_length=128)
+    initial_version: str = Field(default="init", pattern=rf"^{IDENTIFIER}$")
     engine_args: dict[str, JsonValue] = Field(
         default_factory=dict, description="in_process: keyword arguments of vllm.LLM."
     )
@@ -68,8 +70,23 @@ class VllmRunnerOptions(BaseModel):
         return self
 
 
+@dataclasses.dataclass
+class _Request:
+    """One in-process request: what to generate, and its outcome once finished."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    added: bool = False  # given to vLLM (by the stepping loop)
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    result: Generation | None = None
+    error: BaseException | None = None
+
+
 class InProcessEngine:
-    """A ``vllm.LLM`` in this process; the runner's lock serializes generation and reloads."""
+    """A ``vllm.LLM`` in this process, served by one stepping loop (a thread): every
+    :meth:`generate` call adds its request to vLLM and waits; each engine step serves all of them
+    together (vLLM batches them). Every other call on vLLM runs between two steps (the loop holds
+    off), and :meth:`pause` / :meth:`resume` drain it for a reload with vLLM's pause modes."""
 
     def __init__(self, options: VllmRunnerOptions) -> None:
         self.options = options
@@ -78,6 +95,14 @@ class InProcessEngine:
         self.dtype = "unknown"
         self._llm: Any = None
         self._ids = itertools.count(1)
+        self._cond = threading.Condition()
+        self._requests: dict[str, _Request] = {}  # admitted, not finished (external ids)
+        self._draining = False  # pause() began: new requests wait to be admitted
+        self._paused = False  # no step until resume()
+        self._holders = 0  # calls on vLLM running between two steps
+        self._stepping = False  # the loop is in vLLM (adding, stepping), outside the lock
+        self._closed = False
+        self._loop: threading.Thread | None = None
 
     def start(self) -> bool:
         for key, value in IN_PROCESS_ENV.items():
@@ -90,10 +115,25 @@ class InProcessEngine:
         self.vllm_version = str(vllm.__version__)
         self.device = str(current_platform.device_type)
         self.dtype = str(self._vllm_config().model_config.dtype).removeprefix("torch.")
+        self._loop = threading.Thread(target=self._serve, name="vllm-steps", daemon=True)
+        self._loop.start()
         return False
 
     def _vllm_config(self) -> Any:
         return self._llm.llm_engine.vllm_config
+
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[Any]:
+        """vLLM's engine between two steps, for the body (requests in flight stay in it)."""
+        with self._cond:
+            self._holders += 1
+            self._cond.wait_for(lambda: not self._stepping)
+        try:
+            yield self._llm
+        finally:
+            with self._cond:
+                self._holders -= 1
+                self._cond.notify_all()
 
     def config_fields(self) -> dict[str, dict[str, Any]]:
         config = self._vllm_config()
@@ -114,65 +154,173 @@ class InProcessEngine:
             update_config(getattr(config, section), values)
 
     def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
-        self._llm.collective_rpc("update_config", args=(overrides,))
+        with self._held() as llm:
+            llm.collective_rpc("update_config", args=(overrides,))
 
     def reload(self, weights_dir: str) -> None:
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_dir})
+        with self._held() as llm:
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_dir})
 
     def reset_prefix_cache(self) -> bool:
         # reset_running_requests: a request kept across the reload (drain mode keep) is preempted
         # and recomputed with the new weights instead of decoding on KV of the old ones.
-        return bool(self._llm.reset_prefix_cache(reset_running_requests=True))
+        with self._held() as llm:
+            return bool(llm.reset_prefix_cache(reset_running_requests=True))
 
     def set_weight_version(self, version: str) -> None:
-        self._llm.llm_engine.set_weight_version(version)
+        with self._held() as llm:
+            llm.llm_engine.set_weight_version(version)
 
     def get_weight_version(self) -> str:
-        return str(self._llm.llm_engine.get_weight_version())
+        with self._held() as llm:
+            return str(llm.llm_engine.get_weight_version())
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        max_tokens: int,
-        between_steps: Callable[[], bool] | None = None,
-    ) -> Generation:
-        """Greedy generation stepped here, one engine step at a time. ``between_steps`` runs
-        before each step (the runner drains there): it may block (drain mode keep), or return
-        True to abort the request through vLLM's own ``abort_request`` (finish reason
-        ``abort``, no tokens: outputs are final-only)."""
+    # ------------------------------------------------------------------ serving
+
+    def generate(self, prompt_ids: list[int], max_tokens: int) -> Generation:
+        """Greedy generation (EOS ignored) served with every other request in flight; waits
+        while a reload drains. Finish reason ``abort`` and no tokens when a drain (mode abort)
+        ended it (outputs are final-only)."""
+        request = _Request(list(prompt_ids), max_tokens)
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or not self._draining)
+            if self._closed:
+                raise RunnerError("no vLLM engine is loaded", code=WireCode.MODEL_NOT_LOADED)
+            self._requests[f"fleet-{next(self._ids)}"] = request
+            self._cond.notify_all()
+        request.done.wait()
+        if request.error is not None:
+            raise request.error
+        assert request.result is not None
+        return request.result
+
+    def running_requests(self) -> int:
+        with self._cond:
+            return len(self._requests)
+
+    def pause(self, mode: PauseMode, timeout_s: float) -> tuple[int, int]:
+        """Drain for a reload; returns (requests in flight, requests aborted). New requests
+        wait; ``wait``: the ones in flight finish (past ``timeout_s``: COMMAND_TIMEOUT and
+        serving goes on); ``abort``: each ends now through vLLM's ``abort_request``;
+        ``keep``: they stay in vLLM, frozen between two steps, and go on after :meth:`resume`.
+        The stepping loop is stopped after it."""
+        with self._cond:
+            self._draining = True
+            in_flight = len(self._requests)
+            if mode == "wait" and not self._cond.wait_for(lambda: not self._requests, timeout_s):
+                running = len(self._requests)
+                self._draining = False
+                self._cond.notify_all()
+                raise RunnerError(
+                    f"{running} request(s) still running after {timeout_s:g}s",
+                    code=WireCode.COMMAND_TIMEOUT,
+                )
+            self._paused = True
+            self._cond.wait_for(lambda: not self._stepping)
+            aborted = 0
+            if mode == "abort" and self._requests:
+                added = [rid for rid, r in self._requests.items() if r.added]
+                if added:
+                    with contextlib.suppress(Exception):
+                        self._llm.llm_engine.abort_request(added)
+                for rid in list(self._requests):
+                    self._finish(rid, result=Generation([], None, "abort"))
+                aborted = in_flight
+            return in_flight, aborted
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = self._draining = False
+            self._cond.notify_all()
+
+    def _finish(
+        self, rid: str, *, result: Generation | None = None, error: BaseException | None = None
+    ) -> None:
+        """``rid``'s outcome, to its caller (lock held); unknown ids (aborted) are ignored."""
+        request = self._requests.pop(rid, None)
+        if request is not None:
+            request.result, request.error = result, error
+            request.done.set()
+
+    def _serve(self) -> None:
+        """The stepping loop: adds the requests admitted, steps vLLM, hands out what finished."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        params.output_kind = RequestOutputKind.FINAL_ONLY
-        engine = self._llm.llm_engine
-        request_id = f"fleet-{next(self._ids)}"  # outputs and aborts use this (external) id
-        engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, params)
-        try:
-            while True:
-                if between_steps is not None and between_steps():
-                    engine.abort_request([request_id])
-                    return Generation([], None, "abort")
-                if not engine.has_unfinished_requests():
-                    raise RunnerError(f"vLLM dropped request {request_id} without an output")
-                for output in engine.step():
-                    if output.request_id == request_id and output.finished:
-                        done = output.outputs[0]
-                        spans = [(s.version, s.start, s.end) for s in done.weight_versions or []]
-                        return Generation(
-                            [int(t) for t in done.token_ids], spans, done.finish_reason
+        def params(max_tokens: int) -> Any:
+            out = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            out.output_kind = RequestOutputKind.FINAL_ONLY
+            return out
+
+        while True:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: (
+                        self._closed
+                        or (not self._paused and not self._holders and bool(self._requests))
+                    )
+                )
+                if self._closed:
+                    return
+                new = [(rid, r) for rid, r in self._requests.items() if not r.added]
+                for _, r in new:
+                    r.added = True
+                self._stepping = True
+            refused: list[tuple[str, BaseException]] = []
+            finished: list[tuple[str, Generation]] = []
+            failed: BaseException | None = None
+            engine = self._llm.llm_engine
+            try:
+                for rid, r in new:
+                    try:
+                        engine.add_request(
+                            rid, {"prompt_token_ids": r.prompt_ids}, params(r.max_tokens)
                         )
-        except BaseException:
-            with contextlib.suppress(Exception):
-                engine.abort_request([request_id])
-            raise
+                    except Exception as exc:  # this request's own fault (too long, ...)
+                        refused.append((rid, exc))
+                if engine.has_unfinished_requests():
+                    finished = [(o.request_id, _generation(o)) for o in self._step() if o.finished]
+            except Exception as exc:
+                failed = exc
+            with self._cond:
+                self._stepping = False
+                for rid, cause in refused:
+                    self._finish(rid, error=RunnerError(f"vLLM refused the request: {cause}"))
+                for rid, generation in finished:
+                    self._finish(rid, result=generation)
+                if failed is not None or not engine.has_unfinished_requests():
+                    why = f"vLLM failed a step: {failed}" if failed else "vLLM dropped it"
+                    for rid in [rid for rid, r in self._requests.items() if r.added]:
+                        self._finish(rid, error=RunnerError(f"request {rid} lost: {why}"))
+                self._cond.notify_all()
+
+    def _step(self) -> list[Any]:
+        """One vLLM engine step (the loop's; tests hold it here)."""
+        return list(self._llm.llm_engine.step())
 
     def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            for rid in list(self._requests):
+                self._finish(
+                    rid,
+                    error=RunnerError("the vLLM engine was closed", code=WireCode.MODEL_NOT_LOADED),
+                )
+            self._cond.notify_all()
+        if self._loop is not None:
+            self._loop.join(timeout=60)
         llm, self._llm = self._llm, None
         if llm is not None:
             with contextlib.suppress(Exception):
                 llm.llm_engine.engine_core.shutdown()
             del llm
+
+
+def _generation(output: Any) -> Generation:
+    """A finished vLLM ``RequestOutput``: its tokens, weight-version spans, finish reason."""
+    done = output.outputs[0]
+    spans = [(v.version, v.start, v.end) for v in done.weight_versions or []]
+    return Generation([int(t) for t in done.token_ids], spans, done.finish_reason)
 
 
 Engine = InProcessEngine | SidecarEngine  # one interface: start, reload, reset_prefix_cache, ...

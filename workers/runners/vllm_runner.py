@@ -70,13 +70,23 @@ from workers.weights.snapshot import (
 )
 
 __all__ = [
+    "DEGRADED_MARK",
     "GenerationAborted",
     "VllmRunner",
     "VllmRunnerOptions",
+    "degraded_label",
     "snapshot_checkpoint",  # tests patch it here
 ]
 
 _RESET_TRIES = 5
+#: Appended to vLLM's weight version when a failed reload could not restore the old weights:
+#: ``!`` is never in a version (an Identifier), so no response can pass for a real version.
+DEGRADED_MARK = "!degraded"
+
+
+def degraded_label(version: str) -> str:
+    """vLLM's weight version while degraded: the worker's version, marked as not it."""
+    return f"{version}{DEGRADED_MARK}"
 
 
 class VllmRunner:
@@ -92,16 +102,7 @@ class VllmRunner:
                 "(scripts/setup-vllm.sh builds one); mode 'sidecar' does not"
             )
         self._command = threading.Lock()  # load, reload, config, close: one at a time
-        self._lock = threading.Lock()  # the engine: in-process generation, engine calls
         self._state = threading.Lock()  # the facts describe() reads, never held for long
-        #: Set while an in-process reload drains with mode abort or keep (generate reads it).
-        self._drain_mode: str | None = None
-        self._resumed = threading.Event()  # a kept (drain mode keep) generation may go on
-        self._resumed.set()
-        self._admit = threading.Event()  # cleared while a reload drains: new requests wait
-        self._admit.set()
-        self._in_flight = 0  # in-process requests running or kept (under or for the lock)
-        self._aborted = 0  # in-process requests aborted by the drain running now
         self._drain: DrainReport | None = None  # what the last drain did
         self._engine: Engine | None = None
         self._fields: dict[str, dict[str, Any]] = {}
@@ -138,7 +139,7 @@ class VllmRunner:
         )
 
     def load(self) -> None:
-        with self._command, self._lock:
+        with self._command:
             if self._engine is not None:
                 return
             weights_dir = Path(self.options.model).resolve()
@@ -180,7 +181,7 @@ class VllmRunner:
                     self._degraded = DegradedInfo.of(paused)
 
     def close(self) -> None:
-        with self._command, self._lock, self._state:
+        with self._command, self._state:
             engine, self._engine = self._engine, None
             if engine is not None:
                 engine.close()
@@ -253,76 +254,36 @@ class VllmRunner:
     @contextlib.contextmanager
     def _drained(self, engine: Engine, policy: DrainPolicy, version: str) -> Iterator[None]:
         """Hold generation off per ``policy`` for the body; serve again after it, whatever it
-        raised (except when the weights are corrupted: nothing is served then)."""
+        raised (corrupted weights too: vLLM's weight version then says so, see ``_apply``)."""
         asked = time.perf_counter()
-        if isinstance(engine, InProcessEngine):
-            in_flight = self._in_flight
-            acquired = self._drain_in_process(policy, version)
-            self._drain = DrainReport(
-                policy.mode, time.perf_counter() - asked, in_flight, self._aborted
-            )
-            try:
-                yield
-            finally:
-                self._admit.set()
-                self._resumed.set()  # kept generations go on, on the new weights
-                acquired.release()
-            return
-        in_flight = engine.running_requests()  # vLLM's gauge: /pause does not count them
         try:
-            engine.pause(policy.mode, policy.timeout_s)
-            aborted = in_flight if policy.mode == "abort" else 0
-            self._drain = DrainReport(policy.mode, time.perf_counter() - asked, in_flight, aborted)
+            in_flight, aborted = engine.pause(policy.mode, policy.timeout_s)
         except Exception as exc:
             with contextlib.suppress(Exception):
                 engine.resume()  # a pause that timed out may still have taken effect
             if isinstance(exc, RunnerError) and exc.code is WireCode.COMMAND_TIMEOUT:
                 raise RunnerError(
                     f"vLLM did not pause (drain mode {policy.mode}) within "
-                    f"{policy.timeout_s:g}s; weights untouched, still serving",
+                    f"{policy.timeout_s:g}s; {version!r} not loaded, weights untouched, "
+                    f"still serving ({exc.message})",
                     code=WireCode.COMMAND_TIMEOUT,
                 ) from exc
             raise
-        corrupted = False
         try:
             yield
-        except WeightsCorrupted:
-            corrupted = True  # left paused: never serve broken weights
-            raise
         finally:
-            if not corrupted:
-                try:
-                    engine.resume()
-                except Exception as exc:
-                    raise self._corrupted(
-                        f"reloading {version!r}: could not resume serving "
-                        f"({failure_reason(exc)}); reload again to recover",
-                        self._version,
-                        version,
-                    ) from exc
-
-    def _drain_in_process(self, policy: DrainPolicy, version: str) -> threading.Lock:
-        """Take the engine from in-process generation: ``wait`` for the request running to
-        finish (up to the deadline), ``abort`` it, or ``keep`` it paused between two steps."""
-        self._admit.clear()  # requests not yet running wait (they are not refused)
-        self._aborted = 0
-        if policy.mode == "keep":
-            self._resumed.clear()
-        self._drain_mode = None if policy.mode == "wait" else policy.mode
-        try:
-            if not self._lock.acquire(timeout=policy.timeout_s):
-                raise RunnerError(
-                    f"the request in flight did not finish within {policy.timeout_s:g}s "
-                    f"(drain mode {policy.mode}); {version!r} not loaded, weights untouched",
-                    code=WireCode.COMMAND_TIMEOUT,
-                )
-        except BaseException:
-            self._admit.set()
-            self._resumed.set()
-            raise
-        finally:
-            self._drain_mode = None
-        return self._lock
+            try:
+                engine.resume()  # whatever the body raised: a failure never leaves it paused
+            except Exception as exc:
+                raise self._corrupted(
+                    f"reloading {version!r}: could not resume serving "
+                    f"({failure_reason(exc)}); reload again to recover",
+                    self._version,
+                    version,
+                ) from exc
+            finally:  # paused_s: from asking for the drain to serving again
+                paused_s = time.perf_counter() - asked
+                self._drain = DrainReport(policy.mode, paused_s, in_flight, aborted)
 
     def _validate(
         self, spec: ReloadWeightsSpec, path: Path, cancel: threading.Event | None
@@ -341,17 +302,7 @@ class VllmRunner:
         assert snapshots is not None
         weights_dir = path if path.is_dir() else path.parent
         with open_checkpoint(path) as ckpt:
-            ours = {f.resolve() for f in ckpt.files.files}
-            theirs = {f.resolve() for f in files_vllm_reads(weights_dir, ckpt.files.within)}
-            if ours != theirs:
-                raise RunnerError(
-                    f"vLLM loads whole directories: {str(weights_dir)!r} holds "
-                    f"{sorted(f.name for f in theirs)}, the checkpoint named is "
-                    f"{sorted(f.name for f in ours)}; give each checkpoint its own directory",
-                    code=WireCode.WEIGHTS_UNREADABLE,
-                )
-            # Always strict: a partial layerwise reload leaves vLLM's parameters on the meta device.
-            plan_copy(ckpt.entries, self._reference, strict=True, aliases={})
+            self._check_layout(ckpt, weights_dir)
             snapshot = snapshots.new()
             try:
                 digests = snapshot_checkpoint(
@@ -377,6 +328,47 @@ class VllmRunner:
                 raise
             return weights_dir, entries, len(ckpt.files.files), snapshot, digest
 
+    def _check_layout(self, ckpt: OpenCheckpoint, weights_dir: Path) -> None:
+        """The files vLLM would read are exactly the checkpoint's, and its manifest (names,
+        shapes, dtypes) is the loaded checkpoint's; RunnerError with the code otherwise."""
+        ours = {f.resolve() for f in ckpt.files.files}
+        theirs = {f.resolve() for f in files_vllm_reads(weights_dir, ckpt.files.within)}
+        if ours != theirs:
+            raise RunnerError(
+                f"vLLM loads whole directories: {str(weights_dir)!r} holds "
+                f"{sorted(f.name for f in theirs)}, the checkpoint named is "
+                f"{sorted(f.name for f in ours)}; give each checkpoint its own directory",
+                code=WireCode.WEIGHTS_UNREADABLE,
+            )
+        with self._state:
+            reference = self._reference
+        # Always strict: a partial layerwise reload leaves vLLM's parameters on the meta device.
+        plan_copy(ckpt.entries, reference, strict=True, aliases={})
+
+    def validate_reload(self, spec: ReloadWeightsSpec, path: Path) -> dict[str, JsonValue]:
+        """A dry run of :meth:`reload_weights`: every check it makes before vLLM is touched (an
+        engine loaded, the files vLLM would read, every header against the loaded checkpoint's
+        manifest, the sha256 manifest), on the files as they are now. Nothing is copied or
+        drained: the engine serves on, untouched. RunnerError with reload_weights' code.
+        Returns facts: tensors, bytes, files."""
+        with self._state:
+            loaded = self._engine is not None
+        if not loaded:
+            raise RunnerError(
+                f"cannot reload {spec.version!r}: no vLLM engine is loaded",
+                code=WireCode.MODEL_NOT_LOADED,
+            )
+        with open_checkpoint(path) as ckpt:
+            self._check_layout(ckpt, path if path.is_dir() else path.parent)
+            if spec.sha256:
+                verify_sha256(ckpt, spec.sha256)
+            entries = ckpt.entries
+            return {
+                "tensors": len(entries),
+                "bytes": sum(e.nbytes for e in entries.values()),
+                "files": len(ckpt.files.files),
+            }
+
     def _apply(self, engine: Engine, spec: ReloadWeightsSpec, weights_dir: Path) -> None:
         """Reload, reset the prefix cache, label vLLM's weight version; on any failure restore
         the previous weights (and label). Runs drained."""
@@ -397,9 +389,15 @@ class VllmRunner:
                     f"vLLM failed to reload {version!r} ({reason}); restored {from_version!r}",
                     code=WireCode.RUNNER_FAILED,
                 ) from exc
+            # Serving resumes (the drain's exit) on weights of no known version: vLLM's own label
+            # says so, on every output from now on, until a reload succeeds.
+            marker = degraded_label(from_version or version)
+            with contextlib.suppress(Exception):
+                engine.set_weight_version(marker)
             raise self._corrupted(
                 f"vLLM failed to reload {version!r} ({reason}) and restoring {from_version!r} "
-                "failed too; the engine is left paused",
+                f"failed too; serving resumed under vLLM weight version {marker!r} (no version): "
+                "reload a version to recover",
                 from_version,
                 version,
             ) from exc
@@ -434,18 +432,35 @@ class VllmRunner:
 
     # ------------------------------------------------------------------ config
 
+    def validate_config(self, overrides: dict[str, JsonValue]) -> dict[str, JsonValue]:
+        """A dry run of :meth:`update_config`: its checks (ours, then, in process, vLLM's own
+        pure override function on the live configs), the config untouched. RunnerError
+        CONFIG_KEY_REJECTED / CONFIG_VALUE_INVALID (MODEL_NOT_LOADED without an engine).
+        Returns facts: keys (dotted, sorted)."""
+        with self._command:
+            nested = self._checked_config(overrides)[1]
+        keys = sorted(f"{s}.{k}" for s, values in nested.items() for k in values)
+        return {"keys": list[JsonValue](keys)}
+
+    def _checked_config(
+        self, overrides: dict[str, JsonValue]
+    ) -> tuple[Engine, dict[str, dict[str, Any]]]:
+        """update_config's checks, before any change (held: the command lock)."""
+        engine = self._engine
+        if engine is None:
+            raise RunnerError("no vLLM engine is loaded", code=WireCode.MODEL_NOT_LOADED)
+        nested = normalize_overrides(overrides)
+        check_overrides(nested, self._fields, model_config_ok=self._model_config_ok)
+        try:
+            engine.dry_run_config(nested)
+        except Exception as exc:
+            raise translate_config_error(exc, engine.vllm_version, dry_run=True) from exc
+        return engine, nested
+
     def update_config(self, overrides: dict[str, JsonValue]) -> RunnerDescription:
-        with self._command, self._lock:
-            engine = self._engine
-            if engine is None:
-                raise RunnerError("no vLLM engine is loaded", code=WireCode.MODEL_NOT_LOADED)
-            nested = normalize_overrides(overrides)
-            check_overrides(nested, self._fields, model_config_ok=self._model_config_ok)
+        with self._command:
+            engine, nested = self._checked_config(overrides)
             version = engine.vllm_version
-            try:
-                engine.dry_run_config(nested)
-            except Exception as exc:
-                raise translate_config_error(exc, version, dry_run=True) from exc
             # model_config first: vLLM 0.32 cannot apply it, and then fails before any change.
             ordered = {s: nested[s] for s in CONFIG_SECTIONS if s in nested}
             try:
@@ -516,22 +531,13 @@ class VllmRunner:
         return out.token_ids
 
     def generate_full(self, prompt_ids: list[int], max_tokens: int = 16) -> Generation:
-        """One greedy completion with vLLM's weight-version spans (in process) and finish
-        reason. In process it runs under the engine lock, so a reload drains it per its policy
-        (see ``_drain_in_process``); a sidecar's vLLM drains its own requests on ``/pause``."""
+        """One greedy completion with vLLM's weight-version spans (in process; a sidecar's
+        ``/v1/completions`` gives none) and finish reason. In process, concurrent calls are
+        served together by the engine's stepping loop and a reload drains them per its policy;
+        a sidecar's vLLM drains its own requests on ``/pause``."""
         with self._state:
             engine = self._engine
-        if isinstance(engine, SidecarEngine):
-            self._check_serving(engine)
-            return engine.generate(list(prompt_ids), max_tokens)
-        self._admit.wait()
-        with self._lock:
-            engine = self._check_serving(self._engine)
-            self._in_flight += 1
-            try:
-                return engine.generate(list(prompt_ids), max_tokens, self._between_steps)
-            finally:
-                self._in_flight -= 1
+        return self._check_serving(engine).generate(list(prompt_ids), max_tokens)
 
     def _check_serving(self, engine: Engine | None) -> Engine:
         if engine is None:
@@ -543,30 +549,12 @@ class VllmRunner:
             )
         return engine
 
-    def _between_steps(self) -> bool:
-        """In-process generation, between two engine steps (engine lock held): True to abort;
-        with drain mode keep, hand the engine to the reload and go on once it resumed."""
-        mode = self._drain_mode
-        if mode == "abort":
-            self._aborted += 1
-            return True
-        if mode == "keep":
-            self._lock.release()
-            try:
-                self._resumed.wait()
-            finally:
-                self._lock.acquire()
-        return False
-
     def vllm_weight_version(self) -> str:
         """vLLM's own weight-version label (in process: the engine; sidecar: ``/weight_info``)."""
         with self._state:
             engine = self._engine
         if engine is None:
             raise RunnerError("no vLLM engine is loaded", code=WireCode.MODEL_NOT_LOADED)
-        if isinstance(engine, InProcessEngine):
-            with self._lock:
-                return engine.get_weight_version()
         return engine.get_weight_version()
 
     def probe(self, prompt: str, max_tokens: int) -> ProbeResult | None:

@@ -10,7 +10,6 @@ import ipaddress
 import os
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -362,8 +361,12 @@ class SidecarEngine:
     def update_config(self, overrides: dict[str, dict[str, Any]]) -> None:
         self.client.collective_rpc("update_config", args=[overrides])
 
-    def pause(self, mode: PauseMode, timeout_s: float) -> None:
+    def pause(self, mode: PauseMode, timeout_s: float) -> tuple[int, int]:
+        """vLLM's ``/pause``; returns (requests in flight, requests aborted). vLLM does not count
+        them: both are its ``vllm:num_requests_running`` gauge read just before (0 if absent)."""
+        in_flight = self.client.running_requests()
         self.client.pause(mode, timeout_s=timeout_s)
+        return in_flight, in_flight if mode == "abort" else 0
 
     def resume(self) -> None:
         self.client.resume()
@@ -385,13 +388,8 @@ class SidecarEngine:
     def get_weight_version(self) -> str:
         return self.client.get_weight_version()
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        max_tokens: int,
-        between_steps: Callable[[], bool] | None = None,
-    ) -> Generation:
-        """One completion over HTTP; vLLM's own /pause drains it (``between_steps`` unused)."""
+    def generate(self, prompt_ids: list[int], max_tokens: int) -> Generation:
+        """One completion over HTTP; vLLM's own /pause drains it."""
         model = self.served_model_name or self.model
         return self.client.completion(model, prompt_ids, max_tokens)
 
