@@ -428,7 +428,8 @@ class Fleet:
         """Per worker: the desired weights version against the reported one, sorted by worker id.
 
         Desired is the target of the latest issued reload rollout that expects the worker and is
-        pending, progressing or succeeded (a failed, timed-out or aborted one desires nothing).
+        pending, progressing or succeeded (a failed, timed-out or aborted one desires nothing;
+        nor does a dry run, which changes nothing however it ends).
         """
         desired: dict[str, tuple[str, str, datetime]] = {}
         newest_first = sorted(
@@ -438,7 +439,7 @@ class Fleet:
         )
         for command in newest_first:
             spec = command.spec
-            if not isinstance(spec, ReloadWeightsSpec):
+            if not isinstance(spec, ReloadWeightsSpec) or command.dry_run:
                 continue
             ids = command.selector.worker_ids
             if ids is not None and all(w in desired for w in ids):
@@ -628,7 +629,9 @@ class Fleet:
         status = self.tally(rollout_id, now).status
         expected: Iterable[str] = ()
         commands = self._commands.get(rollout_id, [])
-        if commands and status.phase in _DESIRING and status.target_version is not None:
+        target = status.target_version
+        desiring = bool(commands) and status.phase in _DESIRING and not _primary(commands).dry_run
+        if desiring and target is not None:
             primary = _primary(commands)
             ids = primary.selector.worker_ids
             if ids is not None and self._settled_end(primary, now) is not None:
@@ -646,9 +649,9 @@ class Fleet:
             self._flights.pop((rollout_id, command_id), None)
         self._aborts.pop(rollout_id, None)
         del self._ended[rollout_id]
-        if commands and status.phase in _DESIRING and status.target_version is not None:
+        if desiring and target is not None:
             primary = _primary(commands)
-            mine = (primary.issued_at, rollout_id, status.target_version)
+            mine = (primary.issued_at, rollout_id, target)
             for worker_id in expected:
                 held = self._summary_desired.get(worker_id)
                 if held is None or mine[:2] > held[:2]:

@@ -335,7 +335,10 @@ def _status(
         as_of=now,
         phase=phase,
         reason=reason,
-        message=message(phase, reason, counts, len(states), end, progress_deadline, abort, command),
+        message=_dry(
+            command,
+            message(phase, reason, counts, len(states), end, progress_deadline, abort, command),
+        ),
         expected=len(states),
         counts=counts,
         workers=details,
@@ -350,6 +353,15 @@ def _status(
         finished_at=cut,
         duration_s=(cut - issued).total_seconds() if cut is not None else None,
     )
+
+
+#: How a dry run's status message begins: a dry run changes nothing, so it is never a desired
+#: version (``Fleet.worker_levels``) and its success is "validated", not applied.
+DRY_RUN_PREFIX = "dry run, nothing applied: "
+
+
+def _dry(command: Command, text: str) -> str:
+    return DRY_RUN_PREFIX + text if command.dry_run else text
 
 
 # --------------------------------------------------------------------------- settled by acks

@@ -4,22 +4,27 @@ Returns the :class:`Outcome` (and what the command applied, for the journal); wr
 and publishes nothing. A runner that raises, or ignores cancellation, becomes a coded error.
 A reload that asks for a probe runs it once the weights are applied, within the same timeout;
 whatever the probe does, the reload stays succeeded (:func:`probe_result`).
+
+A dry run (``Command.dry_run``) runs the runner's checks only (``validate_reload`` /
+``validate_config``): succeeded with their facts and ``result["dry_run"] = True``, or the code
+the command would get; it applies nothing (no ``applied`` for the journal) and runs no probe.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, assert_never
+from typing import Any, Final, assert_never
 
 from pydantic import JsonValue
 
-from controlplane.wire.errors import ControlPlaneError, WireCode
+from controlplane.wire.errors import ControlPlaneError, RunnerError, WireCode
 from controlplane.wire.messages import ProbeSpec
 from controlplane.wire.protocol import (
     AckError,
@@ -36,6 +41,8 @@ from workers.runners.base import ProbeResult, ReloadResult, Runner, RunnerDescri
 _CANCEL_GRACE_S = 30.0
 #: A probe error's message is clipped to this many characters in the ack's result.
 _PROBE_MESSAGE_CHARS = 1024
+#: The result member that marks every ack of a dry run (docs/wire.md, "Dry runs").
+DRY_RUN: Final = "dry_run"
 
 
 @dataclass
@@ -69,8 +76,10 @@ async def apply(
     ``path`` is the resolved weights path of a reload (see ``commands.precheck``)."""
     spec = command.spec
     cancel = threading.Event()
-    call: Callable[[], ReloadResult | RunnerDescription]
-    if isinstance(spec, ReloadWeightsSpec):
+    call: Callable[[], ReloadResult | RunnerDescription | dict[str, JsonValue]]
+    if command.dry_run:
+        call = _dry_call(runner, spec, path, cancel)
+    elif isinstance(spec, ReloadWeightsSpec):
         if path is None:
             raise ValueError("a reload is applied with its resolved weights path")
         weights = path
@@ -121,6 +130,8 @@ async def apply(
             AckState.FAILED,
             AckError(code=WireCode.INTERNAL, message=f"{type(exc).__name__}: {exc}"),
         )
+    if command.dry_run and isinstance(value, dict):
+        return Outcome(AckState.SUCCEEDED, result={**value, DRY_RUN: True})
     if isinstance(spec, ReloadWeightsSpec) and isinstance(value, ReloadResult):
         result: dict[str, Any] = value.as_dict()
         if spec.probe is not None:
@@ -139,6 +150,46 @@ async def apply(
         AckState.FAILED,
         AckError(code=WireCode.INTERNAL, message=f"runner returned {type(value).__name__}"),
     )
+
+
+def _dry_call(
+    runner: Runner,
+    spec: ReloadWeightsSpec | UpdateConfigSpec,
+    path: Path | None,
+    cancel: threading.Event,
+) -> Callable[[], dict[str, JsonValue]]:
+    """The runner's checks for ``spec``, as a call for a thread: ``validate_reload`` (given the
+    command's cancel where it takes one) or ``validate_config``. A runner without them cannot
+    check without applying: RUNNER_FAILED, nothing applied."""
+    name = "validate_reload" if isinstance(spec, ReloadWeightsSpec) else "validate_config"
+    method = getattr(runner, name, None)
+    if not callable(method):
+
+        def unsupported() -> dict[str, JsonValue]:
+            raise RunnerError(
+                f"runner {runner.name!r} cannot check a command without applying it (no"
+                f" {name}): dry run refused, nothing applied",
+                code=WireCode.RUNNER_FAILED,
+            )
+
+        return unsupported
+    if isinstance(spec, UpdateConfigSpec):
+        overrides = dict(spec.overrides)
+        return lambda: method(overrides)
+    if path is None:
+        raise ValueError("a reload is checked with its resolved weights path")
+    weights = path
+    if _takes_cancel(method):
+        return lambda: method(spec, weights, cancel=cancel)
+    return lambda: method(spec, weights)
+
+
+def _takes_cancel(method: Callable[..., Any]) -> bool:
+    """Whether a runner's ``validate_reload`` takes the command's ``cancel`` event."""
+    try:
+        return "cancel" in inspect.signature(method).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False
 
 
 def _limit(deadline: float, stop: StopSignal) -> tuple[float, WireCode]:

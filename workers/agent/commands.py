@@ -31,7 +31,7 @@ from controlplane.wire.protocol import (
     decode_command,
 )
 from workers.agent import failpoints
-from workers.agent.apply import Outcome, ack_error, apply
+from workers.agent.apply import DRY_RUN, Outcome, ack_error, apply
 from workers.agent.durable import Journal
 from workers.agent.heartbeat import Heartbeater
 from workers.agent.outbox import AckOutbox
@@ -64,6 +64,8 @@ class CommandContext:
     received: datetime
     #: When the runner was started on it; None until then (and for a rejected command).
     started: datetime | None = None
+    #: A dry run: every ack of it says so (``result["dry_run"]``), whatever its state.
+    dry_run: bool = False
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,13 @@ class CommandPath:
         replay = await self._replay(command.command_id)
         if replay is not None:
             return replay
-        accepted = CommandContext(command.command_id, command.rollout_id, command.kind, received)
+        accepted = CommandContext(
+            command.command_id,
+            command.rollout_id,
+            command.kind,
+            received,
+            dry_run=bool(command.dry_run),
+        )
         checked = precheck(command, received, self._settings, admitted.roots)
         if isinstance(checked, ControlPlaneError):
             await self._finish(accepted, Outcome(AckState.REJECTED, ack_error(checked)))
@@ -198,7 +206,7 @@ class CommandPath:
         self._outbox.hold(self.ack(accepted, AckState.ACCEPTED), self.ack(ctx, AckState.RUNNING))
         self._log(
             logging.INFO,
-            "applying %s",
+            "checking %s (dry run)" if command.dry_run else "applying %s",
             command.kind.value,
             command_id=command.command_id,
             rollout_id=command.rollout_id,
@@ -225,7 +233,7 @@ class CommandPath:
             self._view.describe = outcome.description
         else:
             await self._view.refresh(self._runner, self._log)
-        if outcome.state is AckState.SUCCEEDED:
+        if outcome.state is AckState.SUCCEEDED and not command.dry_run:
             self._recovered(command.kind)
         self._view.status = self._view.idle_status(self._stop.is_set())
         await self._finish(ctx, outcome, admitted.key_id)
@@ -254,7 +262,7 @@ class CommandPath:
                 received_at=ctx.received, started_at=ctx.started, finished_at=finished_at
             ),
             sent_at=self._clock(),
-            result=result or {},
+            result={**(result or {}), DRY_RUN: True} if ctx.dry_run else (result or {}),
         )
 
     def _recovered(self, kind: CommandKind) -> None:
