@@ -8,17 +8,20 @@ taken in the same run, interleaved with the rest) and once per drain policy unde
 policy"). Per policy it reports:
 
 * **paused_s** (p50/p99): the ack's ``result["drain"]["paused_s"]`` (the runner's
-  ``ReloadResult``, which the agent puts into the ack as is): from asking for the drain to
-  holding the engine alone, i.e. how long requests in flight held the reload off;
-* **gap** (p50/p99): measured by the client, the longest time no token was produced around the
-  reload (arrival times: the torch model's decode steps, a sidecar's streamed chunks; the
+  ``ReloadResult``, which the agent puts into the ack as is), as the runner defines it (the
+  torch runner: from asking for the gate to releasing it, the drain and the copy; see
+  docs/wire.md and docs/vllm.md for vLLM's);
+* **gap** (p50/p99): measured by the client, the longest interval with no arrival that overlaps
+  the reload (arrivals: the torch model's decode steps, a sidecar's streamed chunks; the
   in-process vLLM engine's responses, its outputs being final-only): how long serving stopped,
-  as a user sees it;
+  as a user sees it, next to the normal spacing of arrivals under the same load;
 * **reload** (p50/p99): the reload's wall time under load;
+* **queued** request latency (p50): of the requests that arrived during a reload, against
+  that of the others;
 * requests **failed** (by cause), **completed**, and **mixed** (a response generated partly
   with each version: its tokens match neither version's greedy output, or vLLM's weight-version
   spans name two versions; only ``keep`` on vLLM may, by design);
-* ratios: gap / idle reload, reload / idle reload (p50).
+* ratios: gap / idle reload, reload / idle reload (p50), queued / other requests.
 
 Engines: the torch runner (``workers/runners/torch_runner.py``, a TinyLM whose decode steps are
 timed) in ``.venv``, and vLLM (``workers/runners/vllm_runner.py``: in process, and in full mode a

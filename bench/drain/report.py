@@ -40,6 +40,7 @@ def derive(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "gap_s": _p([r["gap_s"] for r in mine if r["gap_s"] is not None]),
                 "normal_gap_s": _p([g for r in mine for g in r["normal_gaps_s"]]),
                 "request_s": _p([x for r in mine for x in r["latencies_s"]]),
+                "queued_request_s": _p([x for r in mine for x in r["queued_latencies_s"]]),
                 "completed": sum(r["completed"] for r in mine),
                 "failed": sum(r["failed"] for r in mine),
                 "failed_by": failed_by,
@@ -56,6 +57,9 @@ def derive(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         row["ratios"] = {
             "gap_over_idle_reload": ratio(row["gap_s"].get("p50"), idle),
             "gap_p99_over_idle_reload": ratio(row["gap_s"].get("p99"), idle),
+            "queued_request_over_request": ratio(
+                row["queued_request_s"].get("p50"), row["request_s"].get("p50")
+            ),
             "reload_over_idle_reload": ratio(row["wall_s"].get("p50"), idle),
         }
     return modes
@@ -111,13 +115,14 @@ def report(result: dict[str, Any]) -> str:
         idle = modes[IDLE]
         head = [
             "policy", "reloads", "paused p50 ms", "paused p99 ms", "gap p50 ms", "gap p99 ms",
-            "reload p50 ms", "reload p99 ms", "gap/idle", "reload/idle", "failed",
+            "reload p50 ms", "reload p99 ms", "gap/idle", "reload/idle", "request p50 ms",
+            "queued p50 ms", "failed",
             "completed", "mixed", "in flight", "aborted",
         ]  # fmt: skip
         rows: list[list[Any]] = [[
             "idle (baseline)", idle["reloads"], ms(idle["paused_s"].get("p50")),
             ms(idle["paused_s"].get("p99")), "-", "-", ms(idle["wall_s"].get("p50")),
-            ms(idle["wall_s"].get("p99")), "-", "-", "-", "-", "-", "-", "-",
+            ms(idle["wall_s"].get("p99")), "-", "-", "-", "-", "-", "-", "-", "-", "-",
         ]]  # fmt: skip
         for mode, m in modes.items():
             if mode == IDLE:
@@ -132,16 +137,17 @@ def report(result: dict[str, Any]) -> str:
                 ms(m["wall_s"].get("p50")), ms(m["wall_s"].get("p99")),
                 fmt(m["ratios"]["gap_over_idle_reload"], ".2f"),
                 fmt(m["ratios"]["reload_over_idle_reload"], ".2f"),
-                failed, m["completed"], m["mixed"], m["in_flight"], m["aborted"],
+                ms(m["request_s"].get("p50")), ms(m["queued_request_s"].get("p50")), failed, m["completed"], m["mixed"], m["in_flight"], m["aborted"],
             ])  # fmt: skip
         wait = modes.get("wait", {})
         facts = engine["facts"]
         parts.append(
             f"{engine['engine']}: {engine['clients']} clients, {facts.get('new_tokens')} new "
             f"tokens a request, checkpoint {facts.get('checkpoint_bytes', 0) / 1e6:.2f} MB; a "
-            f"gap is between two {engine['ticks']}s (normal p99 under load "
-            f"{ms(wait.get('normal_gap_s', {}).get('p99'))} ms; a request "
-            f"{ms(wait.get('request_s', {}).get('p50'))} ms p50)\n" + table(rows, head)
+            f"gap is between two {engine['ticks']}s overlapping the reload (normal under "
+            f"load: p50 {ms(wait.get('normal_gap_s', {}).get('p50'))} ms, p99 "
+            f"{ms(wait.get('normal_gap_s', {}).get('p99'))} ms); queued: requests that arrived "
+            f"during the reload\n" + table(rows, head)
         )
     rows = [[t["name"], t["verdict"], t["detail"]] for t in result["targets"]]
     parts.append(table(rows, ["target", "verdict", "detail"]))

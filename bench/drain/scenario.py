@@ -32,6 +32,7 @@ def _describe(
     latencies = [
         o.end - o.start for o in outcomes if o.ok and not (o.start < end and o.end > start)
     ]
+    queued = [o.end - o.start for o in outcomes if o.ok and start <= o.start <= end]
     return {
         "completed": sum(1 for o in outcomes if o.ok),
         "failed": sum(failed.values()),
@@ -40,6 +41,7 @@ def _describe(
         "mixed": mixed,
         "overlapping": sum(1 for o in outcomes if o.start < end and o.end > start),
         "latencies_s": latencies,
+        "queued_latencies_s": queued,
     }
 
 
