@@ -147,13 +147,29 @@ class Page:
         return await self.call(element.get_attribute, name)
 
     async def click(self, css: str) -> None:
-        element = await self.element(css)
-        await self.call(element.click)
+        """Click the first element matching ``css`` (found again if a render replaced it)."""
+
+        def clicked(driver: WebDriver) -> bool | None:
+            elements = driver.find_elements(By.CSS_SELECTOR, css)
+            if not elements:
+                return None
+            elements[0].click()
+            return True
+
+        await self.until(clicked, f"{css} to click")
 
     async def type(self, css: str, text: str) -> None:
-        element = await self.element(css)
-        await self.call(element.clear)
-        await self.call(element.send_keys, text)
+        """Type ``text`` into the first field matching ``css``, replacing what it held."""
+
+        def typed(driver: WebDriver) -> bool | None:
+            elements = driver.find_elements(By.CSS_SELECTOR, css)
+            if not elements:
+                return None
+            elements[0].clear()
+            elements[0].send_keys(text)
+            return True
+
+        await self.until(typed, f"{css} to type into")
 
     async def script(self, source: str, *args: Any) -> Any:
         return await self.call(self.driver.execute_script, source, *args)
