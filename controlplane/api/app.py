@@ -24,25 +24,35 @@ from urllib.parse import unquote
 
 from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import (
+    get_redoc_html,
+    get_swagger_ui_html,
+    get_swagger_ui_oauth2_redirect_html,
+)
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import Field, SecretStr
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.staticfiles import StaticFiles
 
+from controlplane.api.fleet import ROLLOUTS_SHOWN, ETags, FleetFeed
 from controlplane.api.models import (
     API,
     PAGE_DEFAULT,
     PAGE_MAX,
     ROLLOUT_REQUEST,
+    STATE_RANK,
     ApiError,
     ApiErrorCode,
     BearerCredentials,
     ErrorBody,
+    FleetWorkerState,
     Health,
     RolloutCreated,
     RolloutOut,
     RolloutWorker,
+    TargetOverview,
     WorkerOut,
     cursor_time,
     decode_cursor,
@@ -70,21 +80,28 @@ from controlplane.coordinator.summary import (
     in_sync_with,
 )
 from controlplane.kafka.bus import Delivery
+from controlplane.rollout.desired import target_status
 from controlplane.rollout.models import (
     RolloutPhase,
     RolloutStatus,
     UnverifiedCommand,
+    WorkerDetail,
     WorkerState,
 )
 from controlplane.rollout.registry import Registry, WorkerView, is_alive
+from controlplane.rollout.targets import Target
 from controlplane.wire.errors import BusError, ControlPlaneError, LocalCode
-from controlplane.wire.protocol import WorkerStatus
+from controlplane.wire.protocol import Heartbeat, WorkerStatus
 
 log = logging.getLogger(__name__)
 
 #: How often an SSE stream re-judges its rollout without news (deadlines pass, workers go silent).
 SSE_TICK_S: Final = 1.0
 SSE_PING_S: Final = 15.0
+#: The fleet event stream judges the fleet at most this often (changes meanwhile are merged).
+FLEET_MIN_INTERVAL_S: Final = 0.25
+#: Where the API docs' assets (Swagger UI, ReDoc: the fastapi-offline package) are served from.
+DOCS_ASSETS: Final = "/docs-assets"
 
 PageSize = Annotated[
     int,
@@ -100,6 +117,37 @@ WorkersLimit = Annotated[
         description=f"How many of the rollout's workers to list, by id ({PAGE_MAX} unless told; "
         "0: counts only); `workers_next` names the rest.",
     ),
+]
+Label = Annotated[
+    list[str] | None,
+    Query(description="Only workers with this label, `key=value` (repeatable: every one)."),
+]
+WorkerStateFilter = Annotated[
+    list[FleetWorkerState] | None,
+    Query(
+        description="Only workers in this state (repeatable): lost, failed, drifting, "
+        "updating, in_sync."
+    ),
+]
+Search = Annotated[
+    str | None,
+    Query(
+        max_length=256,
+        description="Only workers whose id, a label (`key=value`), reported version, state or "
+        "target contains this text (case-insensitive).",
+    ),
+]
+
+
+class WorkerOrder(StrEnum):
+    ID = "id"
+    #: Lost and failed first, then drifting, updating, in sync; by id within each.
+    PROBLEMS = "problems"
+
+
+Order = Annotated[
+    WorkerOrder,
+    Query(description="`id`, or `problems`: lost, failed, drifting, updating, then in sync."),
 ]
 Cursor = Annotated[
     str | None,
@@ -165,6 +213,7 @@ def create_app(
     metrics: CoordinatorMetrics | None = None,
     sse_tick_s: float = SSE_TICK_S,
     sse_ping_s: float = SSE_PING_S,
+    fleet_min_interval_s: float = FLEET_MIN_INTERVAL_S,
 ) -> FastAPI:
     """The ASGI app over ``coordinator``. Create it before the coordinator starts, so the metrics
     listener sees the replay (see :class:`~controlplane.coordinator.metrics.CoordinatorMetrics`).
@@ -187,13 +236,23 @@ def create_app(
             "to Kafka (POST /api/v1/rollouts a command; targets and progressive rollouts an "
             "operator's request on the controller topic); status follows from the log."
         ),
+        # Served below from the package's own assets: the docs work without internet.
+        docs_url=None,
+        redoc_url=None,
     )
+    app.add_middleware(ETags)
     app.state.coordinator = coordinator
     app.state.metrics = metrics
     app.state.summaries = summaries
     app.state.closing = asyncio.Event()
     closing: asyncio.Event = app.state.closing
-    dashboard = importlib.resources.files("controlplane.api").joinpath("static", "dashboard.html")
+    static = importlib.resources.files("controlplane.api").joinpath("static")
+    dashboard = static.joinpath("dashboard.html")
+    favicon = static.joinpath("favicon.svg")
+    feed = FleetFeed(
+        coordinator, summaries, closing, tick_s=sse_tick_s, min_interval_s=fleet_min_interval_s
+    )
+    app.state.fleet_feed = feed
 
     # ------------------------------------------------------------------ error rendering
 
@@ -341,6 +400,61 @@ def create_app(
         return summaries.fleet()
 
     @app.get(
+        f"{API}/summary/targets",
+        summary="Every target in counts: workers by state and by reported version, no worker list",
+        responses={503: {"model": ErrorBody}},
+        dependencies=reads,
+    )
+    async def targets_summary() -> list[TargetOverview]:
+        control, now = coordinator.control, coordinator.now()
+        return [
+            TargetOverview.of(
+                target_status(control, coordinator.fleet, t, now),
+                undo_available=t.previous is not None,
+            )
+            for t in control.targets()
+        ]
+
+    @app.get(
+        f"{API}/targets/{{name}}/summary",
+        summary="One target in counts: workers by state and by reported version",
+        responses=not_found,
+        dependencies=reads,
+    )
+    async def target_summary(name: str) -> TargetOverview:
+        target = coordinator.control.known_target(name, create=f"PUT {API}/targets/{name}")
+        status = target_status(coordinator.control, coordinator.fleet, target, coordinator.now())
+        return TargetOverview.of(status, undo_available=target.previous is not None)
+
+    @app.get(
+        f"{API}/events",
+        summary="Server-sent events: the fleet in counts (`snapshot`), then only what changed "
+        "(`delta`)",
+        description=(
+            "The first event, `snapshot`, carries `summary` (as GET /summary), `rollouts` (the "
+            f"newest {ROLLOUTS_SHOWN} command rollouts, as GET /rollouts lists them), "
+            "`progressive` (the newest progressive rollouts, their waves in counts) and "
+            "`targets` (as GET /summary/targets). Each `delta` then carries only what changed "
+            "(`as_of` aside): `summary` when it did, and per section the items new or changed "
+            "plus `<section>_order` (the ids, in order) when the items or their order changed. "
+            "Worker rows are not streamed: read a page of GET /workers when the counts change. "
+            "Event ids grow monotonically; reconnecting with `Last-Event-ID` replays the deltas "
+            "missed while they are held, else starts with a fresh `snapshot`."
+        ),
+        response_class=EventSourceResponse,
+        responses={503: {"model": ErrorBody}},
+        dependencies=reads,
+    )
+    async def fleet_events(
+        request: Request,
+        once: Annotated[
+            bool, Query(description="Send the `snapshot` and close (a one-off read).")
+        ] = False,
+    ) -> EventSourceResponse:
+        last = None if once else request.headers.get("last-event-id")
+        return EventSourceResponse(feed.events(last, once=once), ping=sse_ping_s)
+
+    @app.get(
         f"{API}/rollouts",
         summary="Rollouts, newest first, in counts (no per-worker lists); paginated",
         description=(
@@ -431,24 +545,63 @@ def create_app(
         unexpected: Annotated[
             bool | None, Query(description="Only unexpected (or only expected) workers.")
         ] = None,
+        version: Annotated[
+            list[str] | None,
+            Query(description="Only workers whose acks reported this weights version."),
+        ] = None,
+        label: Label = None,
+        search: Annotated[
+            str | None,
+            Query(
+                max_length=256,
+                description="Only workers whose id, state, error code, version or a label "
+                "(`key=value`) contains this text (case-insensitive).",
+            ),
+        ] = None,
         limit: PageSize = PAGE_DEFAULT,
         cursor: Cursor = None,
     ) -> list[RolloutWorker]:
         after = None if cursor is None else decode_cursor(cursor, 1)[0]
-        try:  # a rollout pinned to worker ids: judged for this page only
-            page, more = await summaries.workers_page(
-                rollout_id,
-                after=after,
-                limit=limit,
-                states=set(state) if state else None,
-                codes=set(code) if code else None,
-                unexpected=unexpected,
-            )
-        except KeyError:
-            raise no_rollout(rollout_id) from None
-        if more:
-            _link_next(request, response, page[-1][0].worker_id)
-        return [RolloutWorker(**dict(detail), unexpected=flagged) for detail, flagged in page]
+        labels = parse_label_selector(",".join(label or ()))
+        versions = set(version) if version else None
+        needle = search.strip().lower() if search else ""
+        registry = coordinator.fleet.registry
+
+        def keep(detail: WorkerDetail) -> bool:
+            if versions is not None and detail.weights_version not in versions:
+                return False
+            if not labels and not needle:
+                return True
+            entry = registry.entry(detail.worker_id)
+            worker_labels = {} if entry is None else entry[0].labels
+            if any(worker_labels.get(k) != v for k, v in labels.items()):
+                return False
+            return not needle or needle in _detail_searchable(detail, worker_labels)
+
+        filtered = versions is not None or bool(labels) or bool(needle)
+        out: list[tuple[WorkerDetail, bool]] = []
+        more = True
+        while more and len(out) <= limit:
+            try:  # a rollout pinned to worker ids: judged for this page only
+                page, more = await summaries.workers_page(
+                    rollout_id,
+                    after=after,
+                    limit=limit if not filtered else PAGE_MAX,
+                    states=set(state) if state else None,
+                    codes=set(code) if code else None,
+                    unexpected=unexpected,
+                )
+            except KeyError:
+                raise no_rollout(rollout_id) from None
+            out += [row for row in page if keep(row[0])]
+            if not filtered or not page:
+                break
+            after = page[-1][0].worker_id
+        if len(out) > limit:
+            out, more = out[:limit], True
+        if more and out:
+            _link_next(request, response, out[-1][0].worker_id)
+        return [RolloutWorker(**dict(detail), unexpected=flagged) for detail, flagged in out]
 
     @app.get(
         f"{API}/rollouts/{{rollout_id}}/events",
@@ -586,22 +739,102 @@ def create_app(
                 description="Label selector: `key=value[,key=value...]`, every label must match."
             ),
         ] = None,
+        label: Label = None,
+        state: WorkerStateFilter = None,
+        search: Search = None,
+        order: Order = WorkerOrder.ID,
         limit: PageSize = PAGE_DEFAULT,
         cursor: Cursor = None,
     ) -> list[WorkerOut]:
-        labels = parse_label_selector(selector)
+        return await workers_of(
+            request,
+            response,
+            None,
+            alive=alive,
+            status=status,
+            version=version,
+            in_sync=in_sync,
+            labels={
+                **parse_label_selector(selector),
+                **parse_label_selector(",".join(label or ())),
+            },
+            state=state,
+            search=search,
+            order=order,
+            limit=limit,
+            cursor=cursor,
+        )
+
+    @app.get(
+        f"{API}/targets/{{name}}/workers",
+        summary="A target's workers (those its selector matches); filtered and paginated as "
+        "GET /workers",
+        responses=not_found,
+        dependencies=reads,
+    )
+    async def target_workers(
+        request: Request,
+        response: Response,
+        name: str,
+        version: Annotated[
+            list[str] | None,
+            Query(description="Only workers reporting this weights version (repeatable)."),
+        ] = None,
+        label: Label = None,
+        state: WorkerStateFilter = None,
+        search: Search = None,
+        order: Order = WorkerOrder.ID,
+        limit: PageSize = PAGE_DEFAULT,
+        cursor: Cursor = None,
+    ) -> list[WorkerOut]:
+        target = coordinator.control.known_target(name, create=f"PUT {API}/targets/{name}")
+        return await workers_of(
+            request,
+            response,
+            target,
+            version=version,
+            labels=parse_label_selector(",".join(label or ())),
+            state=state,
+            search=search,
+            order=order,
+            limit=limit,
+            cursor=cursor,
+        )
+
+    async def workers_of(
+        request: Request,
+        response: Response,
+        target: Target | None,
+        *,
+        alive: bool | None = None,
+        status: list[WorkerStatus] | None = None,
+        version: list[str] | None = None,
+        in_sync: bool | None = None,
+        labels: dict[str, str],
+        state: list[FleetWorkerState] | None,
+        search: str | None,
+        order: WorkerOrder,
+        limit: int,
+        cursor: str | None,
+    ) -> list[WorkerOut]:
+        """A page of the workers (of ``target``, if given) the filters keep, by id or, with
+        ``order=problems``, by :data:`STATE_RANK` then id."""
         after = None if cursor is None else decode_cursor(cursor, 1)[0]
         levels = await summaries.levels()
         now = coordinator.now()
         registry = coordinator.fleet.registry
         statuses = set(status) if status else None
         versions = set(version) if version else None
+        states = set(state) if state else None
+        needle = search.strip().lower() if search else ""
         ids = summaries.workers.sorted_ids()
-        if levels.never_seen:
+        if levels.never_seen and target is None:
             ids = sorted({*ids, *levels.never_seen})
 
         def keep(worker_id: str) -> bool:
             hb, received = registry.entry(worker_id) or (None, None)
+            if target is not None and (hb is None or not target.matches(hb.labels)):
+                return False
             if alive is not None and (hb is not None and is_alive(hb, now, received)) is not alive:
                 return False
             if statuses is not None and (hb is None or hb.status not in statuses):
@@ -611,10 +844,23 @@ def create_app(
             if labels and (hb is None or any(hb.labels.get(k) != v for k, v in labels.items())):
                 return False
             want = levels.desired.get(worker_id, NO_DESIRE)
-            return in_sync is None or in_sync_with(want, hb) is in_sync
+            synced = in_sync_with(want, hb)
+            if in_sync is not None and synced is not in_sync:
+                return False
+            if states is None and not needle:
+                return True
+            fleet_state = _fleet_state(hb, hb is not None and is_alive(hb, now, received), synced)
+            if states is not None and fleet_state not in states:
+                return False
+            return not needle or needle in _searchable(worker_id, hb, fleet_state, want.target)
 
-        page = _page(request, response, ids, after, limit, keep, str)
-        return [_worker_out(worker_id, levels, registry, now) for worker_id in page]
+        if order is WorkerOrder.PROBLEMS:
+            ranked = sorted(_ranked(worker_id, levels, registry, now) for worker_id in ids)
+            page = _page(request, response, ranked, after, limit, lambda r: keep(_unranked(r)), str)
+            ids_shown = [_unranked(r) for r in page]
+        else:
+            ids_shown = _page(request, response, ids, after, limit, keep, str)
+        return [_worker_out(worker_id, levels, registry, now) for worker_id in ids_shown]
 
     @app.get(
         f"{API}/workers/{{worker_id}}",
@@ -678,6 +924,46 @@ def create_app(
     @app.get("/", include_in_schema=False)
     async def index() -> HTMLResponse:
         return HTMLResponse(dashboard.read_text("utf-8"), headers={"Cache-Control": "no-cache"})
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    @app.get("/favicon.svg", include_in_schema=False)
+    async def icon() -> Response:
+        return Response(
+            favicon.read_bytes(),
+            media_type="image/svg+xml",
+            headers={"Cache-Control": "max-age=86400"},
+        )
+
+    # ------------------------------------------------------------------ API docs, offline
+
+    app.mount(
+        DOCS_ASSETS, StaticFiles(packages=[("fastapi_offline", "static")]), name="docs-assets"
+    )
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=str(app.openapi_url),
+            title=f"{app.title}: API",
+            oauth2_redirect_url="/docs/oauth2-redirect",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url="/favicon.ico",
+        )
+
+    @app.get("/docs/oauth2-redirect", include_in_schema=False)
+    async def swagger_ui_redirect() -> HTMLResponse:
+        return get_swagger_ui_oauth2_redirect_html()
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(
+            openapi_url=str(app.openapi_url),
+            title=f"{app.title}: API",
+            redoc_js_url=f"{DOCS_ASSETS}/redoc.standalone.js",
+            redoc_favicon_url="/favicon.ico",
+            with_google_fonts=False,
+        )
 
     # ------------------------------------------------------------------ targets, progressive rollouts
 
@@ -766,21 +1052,66 @@ def _link_next(request: Request, response: Response, *key: str) -> None:
     response.headers["Link"] = f'<{url.path}?{url.query}>; rel="next"'
 
 
+def _fleet_state(hb: Heartbeat | None, alive: bool, in_sync: bool) -> FleetWorkerState:
+    """Where a worker stands, in one word (:class:`FleetWorkerState`)."""
+    if hb is None or not alive:
+        return FleetWorkerState.LOST
+    if hb.degraded is not None:
+        return FleetWorkerState.FAILED
+    if hb.in_flight is not None or hb.status is WorkerStatus.BUSY:
+        return FleetWorkerState.UPDATING
+    return FleetWorkerState.IN_SYNC if in_sync else FleetWorkerState.DRIFTING
+
+
+def _searchable(
+    worker_id: str, hb: Heartbeat | None, state: FleetWorkerState, target: str | None
+) -> str:
+    """What ``search`` looks in: the id, labels, reported version, state and target."""
+    parts = [worker_id, state.value, target or ""]
+    if hb is not None:
+        parts += [f"{k}={v}" for k, v in hb.labels.items()]
+        parts.append(hb.weights_version or "")
+    return "\n".join(parts).lower()
+
+
+def _detail_searchable(detail: WorkerDetail, labels: dict[str, str]) -> str:
+    parts = [detail.worker_id, detail.state.value, detail.weights_version or ""]
+    if detail.error is not None:
+        parts.append(detail.error.code)
+    parts += [f"{k}={v}" for k, v in labels.items()]
+    return "\n".join(parts).lower()
+
+
+def _ranked(worker_id: str, levels: Levels, registry: Registry, now: datetime) -> str:
+    """The key ``order=problems`` sorts (and its cursors page) by: the state's rank, then id."""
+    hb, received = registry.entry(worker_id) or (None, None)
+    want = levels.desired.get(worker_id, NO_DESIRE)
+    state = _fleet_state(hb, hb is not None and is_alive(hb, now, received), in_sync_with(want, hb))
+    return f"{STATE_RANK[state]}/{worker_id}"
+
+
+def _unranked(key: str) -> str:
+    return key.partition("/")[2]
+
+
 def _worker_out(worker_id: str, levels: Levels, registry: Registry, now: datetime) -> WorkerOut:
     """A worker's level: a worker of a target is judged against what the target says it
     should run (docs/progressive.md); any other, against the latest reload rollout for it."""
     want = levels.desired.get(worker_id, NO_DESIRE)
     hb, received = registry.entry(worker_id) or (None, None)
+    alive = hb is not None and is_alive(hb, now, received)
+    in_sync = in_sync_with(want, hb)
     return WorkerOut(
         worker_id=worker_id,
-        alive=hb is not None and is_alive(hb, now, received),
+        alive=alive,
         reported_version=None if hb is None else hb.weights_version,
         desired_version=want.version,
         desired_rollout_id=want.rollout_id,
         degraded=hb is not None and hb.degraded is not None,
-        in_sync=in_sync_with(want, hb),
+        in_sync=in_sync,
         heartbeat=None if hb is None else WorkerView.of(hb, now, received),
         target=want.target,
+        state=_fleet_state(hb, alive, in_sync),
     )
 
 

@@ -193,6 +193,28 @@ class Health(BaseModel):
     )
 
 
+class FleetWorkerState(StrEnum):
+    """One word for where a worker stands, what the dashboard groups and filters by (problems
+    first, in this order: :data:`STATE_RANK`)."""
+
+    #: Not alive: silent past its lease, stopped, or expected and never heard from.
+    LOST = "lost"
+    #: Degraded: its weights are a mix of two versions (a reload failed half way).
+    FAILED = "failed"
+    #: Alive and running something other than what is desired for it.
+    DRIFTING = "drifting"
+    #: Applying a command (in flight, or busy).
+    UPDATING = "updating"
+    #: Alive, running what is desired (or nothing is desired).
+    IN_SYNC = "in_sync"
+
+
+#: The order workers are grouped in (``order=problems``): lost and failed first.
+STATE_RANK: Final[Mapping[FleetWorkerState, int]] = MappingProxyType(
+    {state: rank for rank, state in enumerate(FleetWorkerState)}
+)
+
+
 class WorkerOut(WorkerLevel):
     """A worker's level (desired against reported version) and its latest heartbeat, if any.
 
@@ -202,6 +224,11 @@ class WorkerOut(WorkerLevel):
     heartbeat: WorkerView | None
     #: The target whose selector alone matches it: its desired version is the target's.
     target: str | None = None
+    state: FleetWorkerState = Field(
+        default=FleetWorkerState.IN_SYNC,
+        description="lost, failed (degraded), drifting (not what is desired), updating (a "
+        "command in flight) or in_sync; `GET /workers?order=problems` lists them in this order.",
+    )
 
 
 class RolloutOut(RolloutStatus):
@@ -557,3 +584,126 @@ def rollout_out(rollout: Rollout) -> ProgressiveRolloutOut:
         state=state,
         actions=list(rollout.actions),
     )
+
+
+# --------------------------------------------------------------------------- the dashboard's views
+# What the fleet event stream (GET /events) sends: everything in counts, no per-worker lists.
+
+#: A target's workers by state, in the order the dashboard shows them.
+TARGET_STATES: Final = ("succeeded", "running", "failed", "drifting", "lost", "conflict")
+
+
+class TargetOverview(BaseModel):
+    """A target in counts: :class:`TargetStatus` without its per-worker ``members``.
+
+    ``by_state`` counts every member once: ``succeeded`` (in sync), ``running`` (updating),
+    ``failed`` (degraded), ``drifting`` (alive, not what the target says), ``lost`` and
+    ``conflict`` (two targets match it); ``by_version``: the live members by the weights
+    version they report (``""``: none)."""
+
+    name: str
+    selector: dict[str, str]
+    stable_version: str | None
+    rollout: RolloutSummary | None
+    workers: int = Field(description="Live members (conflicts aside).")
+    at_stable: int
+    at_new: int
+    by_state: dict[str, int]
+    by_version: dict[str, int]
+    digests_disagree: int
+    undo_available: bool = Field(description="It has a previous stable state to go back to.")
+    as_of: AwareDatetime
+
+    @classmethod
+    def of(cls, status: TargetStatus, *, undo_available: bool) -> TargetOverview:
+        states = dict.fromkeys(TARGET_STATES, 0)
+        versions: dict[str, int] = {}
+        for m in status.members:
+            alignment = m.alignment.value
+            if alignment == "in_sync":
+                state = "succeeded"
+            elif alignment == "updating":
+                state = "running"
+            elif alignment == "drifting":
+                state = "failed" if m.degraded else "drifting"
+            else:
+                state = alignment
+            states[state] += 1
+            if m.alive and alignment != "conflict":
+                version = m.reported_version or ""
+                versions[version] = versions.get(version, 0) + 1
+        return cls(
+            name=status.name,
+            selector=status.selector,
+            stable_version=status.stable_version,
+            rollout=status.rollout,
+            workers=status.workers,
+            at_stable=status.at_stable,
+            at_new=status.at_new,
+            by_state=states,
+            by_version=dict(sorted(versions.items(), key=lambda kv: (-kv[1], kv[0]))),
+            digests_disagree=status.digests_disagree,
+            undo_available=undo_available,
+            as_of=status.as_of,
+        )
+
+
+class WaveOverview(BaseModel):
+    index: int
+    size: int
+    passed: bool
+    current: bool
+    gates: list[GateResult]
+
+
+class ProgressiveOverview(BaseModel):
+    """A progressive rollout in counts: :class:`ProgressiveRolloutOut` with its waves' sizes
+    instead of their worker ids, and without the request's and state's records."""
+
+    rollout_id: str
+    target: str
+    phase: ControlPhase | None
+    ended: bool
+    exit_code: int | None
+    code: str | None
+    message: str
+    version: str | None = Field(description="The weights version it rolls out (null: config).")
+    config_keys: list[str]
+    undo_of: str | None
+    issued_at: AwareDatetime
+    issuer: str
+    wave: int
+    waves: list[WaveOverview]
+    failed: int = Field(description="Workers the controller counted failed.")
+    actions: int
+
+    @classmethod
+    def of(cls, shown: ProgressiveRolloutOut) -> ProgressiveOverview:
+        spec = shown.spec
+        return cls(
+            rollout_id=shown.rollout_id,
+            target=shown.target,
+            phase=shown.phase,
+            ended=shown.ended,
+            exit_code=shown.exit_code,
+            code=shown.code,
+            message=shown.message,
+            version=spec.desired.version,
+            config_keys=sorted(spec.desired.config),
+            undo_of=spec.undo_of,
+            issued_at=spec.issued_at,
+            issuer=spec.issuer,
+            wave=0 if shown.state is None else shown.state.wave,
+            waves=[
+                WaveOverview(
+                    index=w.index,
+                    size=len(w.workers),
+                    passed=w.passed,
+                    current=w.current,
+                    gates=w.gates,
+                )
+                for w in shown.waves
+            ],
+            failed=0 if shown.state is None else len(shown.state.failed),
+            actions=len(shown.actions),
+        )

@@ -142,7 +142,7 @@ async def test_events_end_when_the_coordinator_stops(
 async def test_openapi_documents_every_endpoint_with_a_summary(client: httpx.AsyncClient) -> None:
     doc = (await client.get("/openapi.json")).json()
     operations = [op for path in doc["paths"].values() for op in path.values()]
-    assert len(operations) == 26 and all(op.get("summary") for op in operations)
+    assert len(operations) == 30 and all(op.get("summary") for op in operations)
     post = doc["paths"]["/api/v1/rollouts"]["post"]
     assert post["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
         "/RolloutRequest"
