@@ -12,8 +12,8 @@ policy"). Per policy it reports:
   torch runner: from asking for the gate to releasing it, the drain and the copy; see
   docs/wire.md and docs/vllm.md for vLLM's);
 * **gap** (p50/p99): measured by the client, the longest interval with no arrival that overlaps
-  the reload (arrivals: the torch model's decode steps, a sidecar's streamed chunks; the
-  in-process vLLM engine's responses, its outputs being final-only): how long serving stopped,
+  the reload (arrivals: the torch model's decode steps, a sidecar's streamed chunks, the
+  in-process vLLM engine's steps, its outputs being final-only): how long serving stopped,
   as a user sees it, next to the normal spacing of arrivals under the same load;
 * **reload** (p50/p99): the reload's wall time under load;
 * **queued** request latency (p50): of the requests that arrived during a reload, against

@@ -5,7 +5,8 @@ greedy output of each version (to tell a mixed response).
 * ``torch``: the torch runner on a TinyLM whose decode steps tick the clock (the factory
   :func:`timed_tiny_lm`, named in the runner's options like any model factory).
 * ``vllm-in-process``: the vLLM runner driving a ``vllm.LLM`` in this process; its outputs are
-  final-only, so a response (success or failure) ticks the clock.
+  final-only, so its engine's steps tick the clock (or, on an engine without a stepping loop,
+  each response).
 * ``vllm-sidecar``: the vLLM runner driving a ``vllm serve`` child on loopback; the clients
   stream from vLLM's token-in/token-out endpoint (its weight-version spans), each chunk a tick.
 """
@@ -222,6 +223,21 @@ def vllm_in_process(ckpts: dict[str, Path], new_tokens: int) -> Iterator[Engine]
     runner.load()
     start_s = time.perf_counter() - started
 
+    # Outputs are final-only: a client sees nothing arrive before its response ends. The
+    # engine's stepping loop (one token per running request a step) is timed where it has one
+    # (``_step``, where tests hold it too); else each response is a tick.
+    engine_obj = getattr(runner, "_engine", None)
+    step = getattr(engine_obj, "_step", None)
+    ticks = "engine step" if callable(step) else "response"
+    if callable(step):
+
+        def ticking() -> Any:
+            out = step()
+            CLOCK.tick()
+            return out
+
+        engine_obj._step = ticking  # type: ignore[union-attr]
+
     def send() -> Outcome:
         start = time.monotonic()
         try:
@@ -229,12 +245,13 @@ def vllm_in_process(ckpts: dict[str, Path], new_tokens: int) -> Iterator[Engine]
         except RunnerError as exc:
             return _failed(start, exc)
         finally:
-            CLOCK.tick()  # its outputs are final-only: a response is what a client sees arrive
+            if not callable(step):
+                CLOCK.tick()
         why = "ok" if out.finish_reason == "length" else str(out.finish_reason)
         return _outcome(start, out.token_ids, why, out.weight_versions)
 
     try:
-        engine = _vllm_engine("vllm-in-process", runner, send, ckpts, "response", new_tokens)
+        engine = _vllm_engine("vllm-in-process", runner, send, ckpts, ticks, new_tokens)
         engine.facts["engine_start_s"] = start_s
         yield engine
     finally:
