@@ -253,7 +253,7 @@ def targets_set(
     weights: Annotated[
         str | None, typer.Option("--weights", help="Stable checkpoint (as workers see it).")
     ] = None,
-    version: Annotated[str | None, typer.Option("--version", "-v")] = None,
+    version: Annotated[str | None, typer.Option("--version")] = None,
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="Stable config key=value, repeatable.")
     ] = None,
@@ -293,7 +293,7 @@ def start(
     weights: Annotated[
         str | None, typer.Option("--weights", help="Checkpoint path (as workers see it).")
     ] = None,
-    version: Annotated[str | None, typer.Option("--version", "-v")] = None,
+    version: Annotated[str | None, typer.Option("--version")] = None,
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="Config key=JSON value, repeatable.")
     ] = None,
