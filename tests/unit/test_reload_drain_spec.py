@@ -18,6 +18,7 @@ from controlplane.cli import main as cli_main  # registers the commands
 from controlplane.cli import rollout as cli_rollout
 from controlplane.cli.common import app
 from controlplane.wire.errors import ProtocolError, WireCode
+from controlplane.wire.exits import CliExit
 from controlplane.wire.messages import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DRAIN_MODES,
@@ -157,7 +158,7 @@ def test_cli_bad_drain_flags_are_refused_before_any_kafka() -> None:
     code, out = invoke([*base, "--drain-timeout", "0", "--bootstrap", "127.0.0.1:1"])
     assert code == 3 and "SCHEMA_INVALID" in out
     code, out = invoke([*base, "--drain", "pause"])
-    assert code == 2 and "--drain" in out  # usage error, the choices listed
+    assert code == CliExit.USAGE and "--drain" in out  # usage error, the choices listed
 
 
 # --------------------------------------------------------------------------- the API body

@@ -57,6 +57,7 @@ __all__ = [  # what runners, tests and benchmarks import (or patch) here
     "_byte_view",
     "_read_exact",
     "checkpoint_files",
+    "copy_plan",
     "load_checkpoint",
     "module_targets",
     "open_checkpoint",
