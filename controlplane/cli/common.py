@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from typer import _click as click  # the click typer is built on (its own copy)
 from typer.core import TyperArgument, TyperGroup, TyperOption
 
+from controlplane.cli.render import Output
 from controlplane.kafka.settings import KafkaSettings, load_settings
 from controlplane.wire.errors import ControlPlaneError, LocalCode
 from controlplane.wire.exits import (
@@ -159,6 +160,14 @@ BootstrapOpt = Annotated[
         envvar="FLEET_KAFKA_BOOTSTRAP",
         metavar="HOST:PORT",
         help="Kafka bootstrap servers.",
+    ),
+]
+OutputOpt = Annotated[
+    Output,
+    typer.Option(
+        "--output",
+        "-o",
+        help="table (identical rows collapsed, with counts), wide (every row), json or yaml.",
     ),
 ]
 PrefixOpt = Annotated[

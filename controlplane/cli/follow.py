@@ -23,6 +23,7 @@ from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
 
+from controlplane.cli.common import UNREACHABLE_HINT
 from controlplane.cli.render import console, progress_line
 from controlplane.coordinator.follower import DEFAULT_MAX_TTL_S, Follower
 from controlplane.coordinator.publisher import PublishUnconfirmed
@@ -129,7 +130,7 @@ async def catch_up(follower: Follower, settings: KafkaSettings) -> None:
         if since is not None and (utcnow() - since).total_seconds() > patience:
             raise BusError(
                 f"Kafka unreachable since {hms(since)} while reading the log "
-                f"({follower.settings.bootstrap_servers})",
+                f"({follower.settings.bootstrap_servers}); {UNREACHABLE_HINT}",
                 code=LocalCode.BROKER_UNAVAILABLE,
             )
     if follower.probe:
@@ -356,6 +357,46 @@ async def follow(
         health.quiet = False
         if bar is not None:
             bar.stop()
+
+
+async def follow_all(
+    follower: Follower, rollout_ids: list[str], quiet: bool
+) -> list[RolloutStatus]:
+    """``status --watch`` without an id: poll the log until every rollout of ``rollout_ids``
+    has ended; a progress line (stderr) each time one's changes, unless ``quiet``. Judged at
+    ``current_as_of()`` like :func:`follow`; an outage is said once each way and waited out.
+    Their final statuses, in the order given."""
+    out = console(stderr=True)
+    last: dict[str, str] = {}
+    ended: dict[str, RolloutStatus] = {}
+    announced: datetime | None = None
+    health.quiet = True
+    try:
+        while True:
+            down = follower.unreachable_since()
+            if down is not None and announced is None:
+                announced = down
+                say(out, None, f"Kafka unreachable since {hms(down)}, retrying")
+            elif down is None and announced is not None:
+                gone = (utcnow() - announced).total_seconds()
+                say(out, None, f"Kafka reachable again after {gone:.0f} s")
+                announced = None
+            as_of = follower.current_as_of()
+            for rollout_id in rollout_ids:
+                if as_of is None or rollout_id in ended:
+                    continue
+                status = follower.fleet.status(rollout_id, as_of)
+                line = progress_line(status)
+                if line != last.get(rollout_id) and not quiet:
+                    say(out, None, line)
+                last[rollout_id] = line
+                if status.terminal:
+                    ended[rollout_id] = status
+            if len(ended) == len(rollout_ids):
+                return [ended[r] for r in rollout_ids]
+            await follower.poll(timeout_s=0.25)
+    finally:
+        health.quiet = False
 
 
 def foreign_commands(follower: Follower, rollout_id: str, told: set[tuple[str, str]]) -> list[str]:

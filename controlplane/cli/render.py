@@ -5,13 +5,63 @@ On a terminal rich draws tables; in CI logs the same tables come out as plain te
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from datetime import datetime
+from enum import StrEnum
+from typing import Any
 
-from rich.console import Console
+import yaml
+from pydantic import BaseModel
+from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
-from controlplane.rollout.models import RolloutPhase, RolloutStatus, WorkerLevel, WorkerState
+from controlplane.rollout.models import (
+    RolloutPhase,
+    RolloutStatus,
+    WorkerDetail,
+    WorkerLevel,
+    WorkerState,
+)
 from controlplane.rollout.registry import WorkerView
+
+
+class Output(StrEnum):
+    """``-o``: a table (identical rows collapsed, with counts), every row (``wide``), or the
+    data as JSON or YAML (the same fields either way)."""
+
+    TABLE = "table"
+    WIDE = "wide"
+    JSON = "json"
+    YAML = "yaml"
+
+    @property
+    def data(self) -> bool:
+        """Machine-readable: no table, no progress lines on stdout."""
+        return self in (Output.JSON, Output.YAML)
+
+
+def dumped(value: BaseModel | Sequence[BaseModel] | Any, output: Output) -> str:
+    """``value`` (a model, a list of them, or plain JSON data) as ``output`` says: one line
+    of JSON, or a YAML document."""
+    if isinstance(value, BaseModel):
+        data: Any = value.model_dump(mode="json")
+    elif isinstance(value, list | tuple):
+        data = [v.model_dump(mode="json") if isinstance(v, BaseModel) else v for v in value]
+    else:
+        data = value
+    if output is Output.YAML:
+        return str(yaml.safe_dump(data, sort_keys=False, allow_unicode=True)).rstrip("\n")
+    return json.dumps(data)
+
+
+def titled(title: str, table: Table) -> Group:
+    """A table under its title, the title on its own line, as wide as the terminal: a rich
+    table's own title wraps at the table's width (a narrow table cut ``rollout r-...
+    (weights v2): failed`` in two on a 120-column terminal)."""
+    return Group(Text.from_markup(title), table)
+
 
 _PHASE_STYLE = {
     RolloutPhase.SUCCEEDED: "green",
@@ -59,35 +109,79 @@ def progress_line(status: RolloutStatus) -> str:
     )
 
 
-def rollout_table(status: RolloutStatus) -> Table:
+def rollout_table(status: RolloutStatus, *, wide: bool = False) -> Group:
+    """The rollout's workers: with ``wide``, a row each; else workers in the same state, on the
+    same version, with the same error (code and message) share one row, with their count and
+    a few of their ids (40 identical rejections are one row), the bad ones first."""
     title = (
         f"rollout {status.rollout_id} ({target(status)}): "
         f"[{_PHASE_STYLE.get(status.phase, 'white')}]{status.phase.value}[/]"
     )
     if status.reason:
         title += f" [{status.reason.value}]"
-    table = Table(title=title, title_justify="left")
-    for col in ("worker", "state", "version", "duration", "error"):
+    table = Table(title_justify="left")
+    for col in ("worker" if wide else "workers", "state", "version", "duration", "error"):
         table.add_column(col)
-    for w in status.workers:
+    groups = [[w] for w in status.workers] if wide else _same_rows(status.workers)
+    for group in groups:
+        w = group[0]
         error = f"{w.error.code}: {w.error.message}" if w.error else ""
         state = w.state.value + (f" (then {w.late_state.value})" if w.late_state else "")
+        ids = [g.worker_id for g in group]
         table.add_row(
-            w.worker_id,
+            ids[0] if len(ids) == 1 else f"{len(ids)}: {few(ids)}",
             f"[{_STATE_STYLE.get(w.state, 'white')}]{state}[/]",
             w.weights_version or "-",
-            f"{w.duration_s:.2f}s" if w.duration_s is not None else "-",
+            _durations([g.duration_s for g in group]),
             error[:160],
         )
-    for w in status.unexpected:
+    for u in status.unexpected:
         table.add_row(
-            w.worker_id, f"{w.state.value} (unexpected)", w.weights_version or "-", "-", ""
+            u.worker_id, f"{u.state.value} (unexpected)", u.weights_version or "-", "-", ""
         )
-    return table
+    return titled(title, table)
 
 
-def rollouts_table(statuses: list[RolloutStatus]) -> Table:
-    table = Table(title="rollouts", title_justify="left")
+#: How many ids a table cell names before "and N more".
+TABLE_NAMED = 3
+
+
+def few(ids: list[str], shown: int = TABLE_NAMED) -> str:
+    """``a, b, c and 37 more``: a table cell's worth of worker ids."""
+    if len(ids) <= shown:
+        return ", ".join(ids)
+    return f"{', '.join(ids[:shown])} and {len(ids) - shown} more"
+
+
+#: Worker states shown first in a rollout's table: what went wrong.
+_BAD_FIRST = (WorkerState.FAILED, WorkerState.REJECTED, WorkerState.LOST)
+
+
+def _same_rows(workers: Sequence[WorkerDetail]) -> list[list[WorkerDetail]]:
+    """Workers that would show the same row but for their id and duration, grouped: the bad
+    states first, then in the order met."""
+    groups: dict[tuple[object, ...], list[WorkerDetail]] = {}
+    for w in workers:
+        key = (
+            w.state,
+            w.late_state,
+            w.weights_version,
+            (w.error.code, w.error.message) if w.error else None,
+        )
+        groups.setdefault(key, []).append(w)
+    return sorted(groups.values(), key=lambda g: g[0].state not in _BAD_FIRST)
+
+
+def _durations(values: list[float | None]) -> str:
+    known = [v for v in values if v is not None]
+    if not known:
+        return "-"
+    low, high = min(known), max(known)
+    return f"{low:.2f}s" if len(values) == 1 or low == high else f"{low:.2f}-{high:.2f}s"
+
+
+def rollouts_table(statuses: list[RolloutStatus]) -> Group:
+    table = Table()
     for col in ("rollout", "target", "phase", "done", "issued", "duration"):
         table.add_column(col)
     for s in statuses:
@@ -103,12 +197,12 @@ def rollouts_table(statuses: list[RolloutStatus]) -> Table:
             _short_time(s.issued_at),
             f"{s.duration_s:.2f}s" if s.duration_s is not None else "-",
         )
-    return table
+    return titled("rollouts", table)
 
 
-def workers_table(workers: list[WorkerView], levels: list[WorkerLevel]) -> Table:
+def workers_table(workers: list[WorkerView], levels: list[WorkerLevel]) -> Group:
     by_id = {lv.worker_id: lv for lv in levels}
-    table = Table(title="workers", title_justify="left")
+    table = Table()
     for col in ("worker", "labels", "runner", "device", "status", "version", "desired", "alive"):
         table.add_column(col)
     for w in workers:
@@ -125,7 +219,23 @@ def workers_table(workers: list[WorkerView], levels: list[WorkerLevel]) -> Table
             desired,
             ("yes" if w.alive else "[red]no[/]") + _publishing(w),
         )
-    return table
+    return titled("workers", table)
+
+
+def worker_rows(workers: list[WorkerView], levels: list[WorkerLevel]) -> list[dict[str, Any]]:
+    """``workers -o json|yaml``: each worker's latest heartbeat, with what it should run
+    (``desired_version``, ``desired_rollout_id``) and whether it does (``in_sync``), as the
+    API's /api/v1/workers says."""
+    by_id = {lv.worker_id: lv for lv in levels}
+    rows: list[dict[str, Any]] = []
+    for w in workers:
+        row = w.model_dump(mode="json")
+        lv = by_id.get(w.worker_id)
+        row["desired_version"] = lv.desired_version if lv else None
+        row["desired_rollout_id"] = lv.desired_rollout_id if lv else None
+        row["in_sync"] = lv.in_sync if lv else True
+        rows.append(row)
+    return rows
 
 
 def _publishing(w: WorkerView) -> str:

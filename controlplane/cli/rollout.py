@@ -27,6 +27,7 @@ import inspect
 import json
 import time
 from collections.abc import Callable
+from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -38,6 +39,7 @@ from controlplane.cli.common import (
     ApiOpt,
     BootstrapOpt,
     Exit,
+    OutputOpt,
     PrefixOpt,
     TrustStoreOpt,
     app,
@@ -52,6 +54,7 @@ from controlplane.cli.follow import (
     await_unconfirmed,
     catch_up,
     follow,
+    follow_all,
     judge_time,
     read_log,
     read_rollout,
@@ -59,10 +62,13 @@ from controlplane.cli.follow import (
 )
 from controlplane.cli.keys import KeyIdOpt, SigningKeyOpt, signer_from
 from controlplane.cli.render import (
+    Output,
     console,
+    dumped,
     progress_line,
     rollout_table,
     rollouts_table,
+    worker_rows,
     workers_table,
 )
 from controlplane.coordinator.follower import Follower, verify_command
@@ -126,7 +132,7 @@ TtlOpt = Annotated[
 TimeoutOpt = Annotated[
     float | None, typer.Option("--timeout", help="Per-worker seconds to apply the command.")
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Same as -o json.")]
 RolloutIdOpt = Annotated[
     str | None,
     typer.Option("--rollout-id", help="Choose the rollout id (one not already in the log)."),
@@ -165,7 +171,7 @@ async def _publish_and_maybe_wait(
     *,
     wait: bool,
     wait_timeout: float | None,
-    as_json: bool,
+    output: Output,
     signer: Signer | None = None,
     verifier: Verifier | None = None,
 ) -> int:
@@ -228,23 +234,25 @@ async def _publish_and_maybe_wait(
                     follower, exc, wait_deadline(started, wait_timeout, command)
                 )
                 late = f" after {time.monotonic() - started:.0f} s"
-            if not as_json:
+            if not output.data:
                 where = f"offset {offset}" if offset is not None else "read back from the log"
                 signed = "" if signer is None else f", signed by key {signer.key_id}"
                 out.print(
                     f"published rollout {command.rollout_id} (command {command.command_id}, "
                     f"{where}{signed}){late} to {len(pinned.worker_ids or [])} worker(s): "
-                    f"{named(pinned.worker_ids or [])}"
+                    f"{named(pinned.worker_ids or [])}",
+                    soft_wrap=True,  # one line, for a CI log's grep
+                    markup=False,
                 )
             if not wait:
-                if as_json:
-                    typer.echo(command.model_dump_json())
+                if output.data:
+                    typer.echo(dumped(command, output))
                 return Exit.OK
             left = None
             if wait_timeout is not None:
                 left = max(0.001, wait_timeout - (time.monotonic() - started))
             try:
-                status = await follow(follower, command.rollout_id, left, as_json)
+                status = await follow(follower, command.rollout_id, left, output.data)
             except BusError as exc:
                 if exc.code is not LocalCode.BROKER_UNAVAILABLE:
                     raise
@@ -259,7 +267,7 @@ async def _publish_and_maybe_wait(
     if status is None:
         typer.echo(f"gave up waiting: rollout {command.rollout_id} not read back yet", err=True)
         return Exit.TIMED_OUT
-    return _finish(status, as_json, waited_out=not status.terminal)
+    return _finish(status, output, waited_out=not status.terminal)
 
 
 def _check_own(verifier: Verifier, command: Command) -> None:
@@ -276,12 +284,14 @@ def _check_own(verifier: Verifier, command: Command) -> None:
         ) from None
 
 
-def _finish(status: RolloutStatus, as_json: bool, *, waited_out: bool = False) -> int:
-    if as_json:
+def _finish(status: RolloutStatus, output: Output, *, waited_out: bool = False) -> int:
+    if output is Output.JSON:
         typer.echo(status.model_dump_json())
+    elif output.data:
+        typer.echo(dumped(status, output))
     else:
         out = console()
-        out.print(rollout_table(status))
+        out.print(rollout_table(status, wide=output is Output.WIDE))
         out.print(status.message)
         for anomaly in status.anomalies:  # forgeries under its id (--trust-store): said
             if anomaly.code is AnomalyCode.COMMAND_UNVERIFIED:
@@ -313,6 +323,7 @@ def _roll_out(
     signing_key: SigningKeyOpt = None,
     key_id: KeyIdOpt = None,
     trust_store: TrustStoreOpt = None,
+    output: OutputOpt = Output.TABLE,
     as_json: JsonOpt = False,
     bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
     prefix: PrefixOpt = "fleet",
@@ -337,7 +348,7 @@ def _roll_out(
             RolloutRequest(spec, _selector(selector, worker, everyone), ttl, timeout, rollout_id),
             wait=wait,
             wait_timeout=wait_timeout,
-            as_json=as_json,
+            output=Output.JSON if as_json else output,
             signer=signer,
             verifier=verifier,
         )
@@ -484,7 +495,15 @@ def status(
     rollout: Annotated[
         str | None, typer.Argument(help="A rollout id; all rollouts when omitted.")
     ] = None,
-    watch: Annotated[bool, typer.Option("--watch", help="Follow a rollout until it ends.")] = False,
+    watch: Annotated[
+        bool,
+        typer.Option(
+            "--watch",
+            help="Follow the rollout until it ends; without an id, every rollout in progress "
+            "until each has ended (exit: 0 if all succeeded, else the first other's).",
+        ),
+    ] = False,
+    output: OutputOpt = Output.TABLE,
     as_json: JsonOpt = False,
     bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
     prefix: PrefixOpt = "fleet",
@@ -493,12 +512,13 @@ def status(
 ) -> None:
     """Rollout status computed from the log (no coordinator needed), or asked of a coordinator
     (--api). Exits with the rollout's code."""
+    shown = Output.JSON if as_json else output
     if api:
         if rollout is None:
             raise typer.BadParameter(
                 "--api shows one rollout: give its id (the status of every rollout reads the log)"
             )
-        _run_exit(_status_from_api(api, rollout, watch=watch, as_json=as_json))
+        _run_exit(_status_from_api(api, rollout, watch=watch, output=shown))
     verifier = verifier_from(trust_store)
 
     async def go() -> int:
@@ -510,11 +530,9 @@ def status(
         )
         async with reading as (follower, now):
             if rollout is None:
-                statuses = follower.fleet.rollouts(now)
-                if as_json:
-                    typer.echo(json.dumps([json.loads(s.model_dump_json()) for s in statuses]))
-                else:
-                    console().print(rollouts_table(statuses))
+                if watch:
+                    return await _watch_every(follower, now, shown)
+                _print_rollouts(follower.fleet.rollouts(now), shown)
                 return Exit.OK
             if rollout not in follower.fleet:
                 forged = [u for u in follower.fleet.unverified() if u.rollout_id == rollout]
@@ -522,23 +540,55 @@ def status(
                     f"; command {u.command_id} under that id is not verified ({u.code})"
                     for u in forged
                 )
-                typer.echo(f"error: no rollout {rollout!r} in the log{why}", err=True)
-                return Exit.INVALID
+                raise _unknown(rollout, f"in the log{why}")
             if watch:
-                watched = await follow(follower, rollout, None, as_json)
+                watched = await follow(follower, rollout, None, shown.data)
                 assert watched is not None  # no timeout: it returns a terminal status
                 result = watched
             else:
                 result = follower.fleet.status(rollout, now)
         if result.terminal:
-            return _finish(result, as_json)
-        _finish(result, as_json)
+            return _finish(result, shown)
+        _finish(result, shown)
         return Exit.OK  # a rollout still in progress is not an error for `status`
 
     _run_exit(go())
 
 
-async def _status_from_api(api: str, rollout_id: str, *, watch: bool, as_json: bool) -> int:
+def _unknown(rollout_id: str, where: str) -> ControlPlaneError:
+    """ROLLOUT_UNKNOWN (exit 3), saying where to look."""
+    return ControlPlaneError(
+        f"no rollout {rollout_id!r} {where}; hint: `controlplane status` lists the rollouts "
+        "(same --bootstrap and --topic-prefix as the publish?)",
+        code=LocalCode.ROLLOUT_UNKNOWN,
+    )
+
+
+def _print_rollouts(statuses: list[RolloutStatus], output: Output) -> None:
+    if output.data:
+        typer.echo(dumped(statuses, output))
+    else:
+        console().print(rollouts_table(statuses))
+
+
+async def _watch_every(follower: Follower, now: datetime, output: Output) -> int:
+    """``status --watch`` without an id: every rollout in progress now, followed until each
+    has ended; then their table. 0 when every one succeeded, else the exit of the first (by
+    id) that did not; none in progress: said, 0."""
+    active = sorted(s.rollout_id for s in follower.fleet.rollouts(now) if not s.terminal)
+    if not active:
+        typer.echo("no rollout in progress", err=True)
+        _print_rollouts([], output)
+        return Exit.OK
+    ended = await follow_all(follower, active, output.data)
+    _print_rollouts(ended, output)
+    for s in ended:
+        if s.phase.value != "succeeded":
+            return PHASE_EXITS.get(s.phase.value, Exit.INTERNAL)
+    return Exit.OK
+
+
+async def _status_from_api(api: str, rollout_id: str, *, watch: bool, output: Output) -> int:
     """``status <id>`` as the coordinator at ``api`` judges it (controlplane/cli/remote.py)."""
     from controlplane.cli.remote import Remote, RolloutNotFound
 
@@ -548,27 +598,27 @@ async def _status_from_api(api: str, rollout_id: str, *, watch: bool, as_json: b
     def progress(status: RolloutStatus) -> None:
         nonlocal last
         line = progress_line(status)
-        if line != last and not as_json:
+        if line != last and not output.data:
             out.print(f"[{utcnow().strftime('%H:%M:%S')}] {line}")
         last = line
 
     async with Remote(api) as remote:
         try:
             if watch:
-                result = await remote.watch(rollout_id, progress, json_out=as_json)
+                result = await remote.watch(rollout_id, progress, json_out=output.data)
             else:
                 result = await remote.status(rollout_id)
         except RolloutNotFound:
-            typer.echo(f"error: no rollout {rollout_id!r} at {remote.url}", err=True)
-            return Exit.INVALID
+            raise _unknown(rollout_id, f"at {remote.url}") from None
     if result.terminal:
-        return _finish(result, as_json)
-    _finish(result, as_json)
+        return _finish(result, output)
+    _finish(result, output)
     return Exit.OK
 
 
 @app.command("workers")
 def workers(
+    output: OutputOpt = Output.TABLE,
     as_json: JsonOpt = False,
     bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
     prefix: PrefixOpt = "fleet",
@@ -578,6 +628,7 @@ def workers(
     """Every worker from its latest heartbeat: labels, device, version vs desired, liveness
     (desired versions from verified commands only, under --trust-store)."""
     verifier = None if api else verifier_from(trust_store)
+    shown = Output.JSON if as_json else output
 
     async def go() -> int:
         if api:
@@ -590,8 +641,8 @@ def workers(
                 pass  # read and closed: the table is printed from what was read
             views = follower.fleet.registry.workers(now)
             levels = follower.fleet.worker_levels(now)
-        if as_json:
-            typer.echo(json.dumps([json.loads(v.model_dump_json()) for v in views]))
+        if shown.data:
+            typer.echo(dumped(worker_rows(views, levels), shown))
         else:
             console().print(workers_table(views, levels))
         return Exit.OK
