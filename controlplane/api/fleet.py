@@ -166,7 +166,7 @@ class FleetFeed:
     async def _update(self) -> None:
         view = await self.judge()
         before = self.view
-        if before is None:
+        if before is None:  # the first judgment: what snapshots start from
             self.seq += 1
             self.view = view
         else:
@@ -231,15 +231,15 @@ class FleetFeed:
                 last = self.seq
             while not self._closing.is_set() and not once:
                 if last != self.seq:
-                    if not self._resumable(last):  # fell behind what is held: start over
-                        assert self.view is not None
+                    missed = [(seq, delta) for seq, delta in self._history if seq > last]
+                    if not self._resumable(last) or not missed or missed[0][0] != last + 1:
+                        assert self.view is not None  # fell behind what is held: start over
                         yield _event("snapshot", self.view.snapshot(), self.seq)
                         last = self.seq
                         continue
-                    for seq, delta in list(self._history):
-                        if seq > last:
-                            yield _event("delta", delta, seq)
-                            last = seq
+                    for seq, delta in missed:
+                        yield _event("delta", delta, seq)
+                        last = seq
                     continue
                 if task.done():
                     return
@@ -254,7 +254,8 @@ class FleetFeed:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await self._task
                 self._task = None
-                self.view = None  # judged afresh for the next reader
+                # The view and the deltas stay: a client reconnecting resumes from them, and
+                # the next judgment is a delta against that view.
 
     @property
     def readers(self) -> int:
