@@ -379,7 +379,8 @@ async def sidecar_rollout_under_load(
     held in flight (HeldRequest) and a client sends requests back to back; then two more
     responses, then back to v1. A held request that finished before the hold landed (all its
     tokens v1, finish reason length: nothing was in flight) is tried again (three times at most)."""
-    for _ in range(3):
+    for attempt in range(1, 4):
+        TIMINGS[f"sidecar_{mode}_hold_attempts"] = attempt
         clients = Clients(runner, 1, DRAIN_TOKENS)
         held = HeldRequest(runner)
         try:
