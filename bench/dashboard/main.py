@@ -17,7 +17,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 import bench.dashboard as package
 from bench.common import argument_parser, conclude, envelope, fmt, quiet_logging, ratio, table
-from bench.dashboard.devtools import NetworkLog, per_update
+from bench.dashboard.devtools import NetworkLog, Transfer, per_update
 from controlplane.api.server import ApiServer
 from controlplane.coordinator.follower import Batch
 from controlplane.wire.protocol import AckState
@@ -155,6 +155,15 @@ def _path(url: str) -> str:
     return path if path.startswith("/api/v1/events") else path.rstrip("/") or "/"
 
 
+def by_path(transfers: list[Transfer]) -> dict[str, dict[str, int]]:
+    """Bytes and transfers by URL path."""
+    out: dict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "transfers": 0})
+    for t in transfers:
+        out[_path(t.url)]["bytes"] += t.nbytes
+        out[_path(t.url)]["transfers"] += 1
+    return dict(out)
+
+
 def browse(url: str, loads: int, observe_s: float) -> dict[str, Any]:
     """Load the dashboard ``loads`` times (first render each); on the first load, watch what it
     receives for ``observe_s`` seconds after its first render."""
@@ -174,17 +183,15 @@ def browse(url: str, loads: int, observe_s: float) -> dict[str, Any]:
             log = NetworkLog()
             log.feed(_performance_log(driver))
             ready_at = log.devtools_time(marks["ready"]["wall"])
-            out["first_load_bytes"] = sum(t.nbytes for t in log.transfers() if t.at <= ready_at)
+            first = [t for t in log.transfers() if t.at <= ready_at]
+            out["first_load_bytes"] = sum(t.nbytes for t in first)
+            out["first_load_by_path"] = by_path(first)
             time.sleep(observe_s)  # a window of the page left alone (nothing is asserted)
             log.feed(_performance_log(driver))
             marks = driver.execute_script("return window.__bench")
             later = [u for u in marks["updates"] if u["wall"] > marks["ready"]["wall"]]
             after = log.transfers(after=ready_at)
             costs = per_update(after, [log.devtools_time(u["wall"]) for u in later])
-            by_path: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-            for t in after:
-                by_path[_path(t.url)][0] += t.nbytes
-                by_path[_path(t.url)][1] += 1
             out.update(
                 observe_s=observe_s,
                 updates=len(later),
@@ -193,7 +200,7 @@ def browse(url: str, loads: int, observe_s: float) -> dict[str, Any]:
                 per_update_bytes=costs,
                 mean_update_bytes=statistics.fmean(costs) if costs else None,
                 max_update_bytes=max(costs) if costs else None,
-                by_path={p: {"bytes": b, "transfers": n} for p, (b, n) in by_path.items()},
+                by_path=by_path(after),
             )
     finally:
         driver.quit()
@@ -291,10 +298,11 @@ def report(result: dict[str, Any]) -> str:
             fmt(ratio(base["every_rollout_with_workers_bytes"], mean), ".0f"),
         ],
     ]
-    paths = [[path, v["bytes"], v["transfers"]] for path, v in b.get("by_path", {}).items()]
     lines = [table(rows, ["measure", "value"]), ""]
-    if paths:
-        lines += [table(paths, ["after the first render: path", "bytes", "transfers"]), ""]
+    for key, when in (("first_load_by_path", "up to"), ("by_path", "after")):
+        paths = [[path, v["bytes"], v["transfers"]] for path, v in b.get(key, {}).items()]
+        if paths:
+            lines += [table(paths, [f"{when} the first render: path", "bytes", "transfers"]), ""]
     for t in result["targets"]:
         lines.append(f"target {t['name']}: {t['verdict']} ({t['detail']}; {fmt(t['value'])})")
     return "\n".join(lines)
