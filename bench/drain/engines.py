@@ -28,7 +28,7 @@ from typing import Any
 from bench.drain.load import CLOCK, Outcome
 from controlplane.wire.errors import RunnerError
 from controlplane.wire.protocol import ReloadWeightsSpec
-from workers.runners.tiny_lm import TinyLM, init_weights
+from workers.runners.tiny_lm import TinyLM, tiny_lm
 
 #: The prompt every client sends (byte tokens for TinyLM, ids below the tiny Llama's vocabulary).
 PROMPT = [10 + (i * 7) % 300 for i in range(24)]
@@ -46,18 +46,13 @@ class TimedTinyLM(TinyLM):
         return logits
 
 
-def timed_tiny_lm(
-    vocab_size: int = 256,
-    d_model: int = 64,
-    n_layers: int = 2,
-    n_heads: int = 4,
-    max_seq: int = 128,
-    seed: int = 0,
-) -> TimedTinyLM:
-    """:func:`workers.runners.tiny_lm.tiny_lm`'s model (same tensors, same init), timed."""
-    model = TimedTinyLM(vocab_size, d_model, n_layers, n_heads, max_seq, tied=False)
-    init_weights(model, seed)
-    return model.eval().requires_grad_(False)
+def timed_tiny_lm(**kwargs: Any) -> TimedTinyLM:
+    """:func:`workers.runners.tiny_lm.tiny_lm`'s model (same arguments, tensors and init),
+    timed: the class gains only a method, so the built model is re-classed in place."""
+    model = tiny_lm(**kwargs)
+    model.__class__ = TimedTinyLM
+    assert isinstance(model, TimedTinyLM)
+    return model
 
 
 def reload_spec(path: Path, version: str, mode: str | None) -> ReloadWeightsSpec:
