@@ -102,6 +102,18 @@ async def test_a_rollout_appears_progresses_and_names_the_failed_worker_without_
         await page.screenshot("3-failed-worker")
         assert await phases_seen(page, rollout_id)  # still the same page
 
+        # Fits 1,400 px with the detail open (nothing to scroll sideways); nothing from
+        # another origin (works offline).
+        wide = await page.script(
+            "const e = document.documentElement; return [e.scrollWidth, e.clientWidth]"
+        )
+        assert wide[0] <= wide[1], f"the page is {wide[0]} px wide in a {wide[1]} px window"
+        foreign = await page.script(
+            "return performance.getEntriesByType('resource').map(r => r.name)"
+            ".filter(u => new URL(u).origin !== location.origin)"
+        )
+        assert foreign == []
+
 
 async def test_an_abort_clicked_on_the_page_rolls_a_progressive_rollout_back(
     kafka: KafkaSettings, tmp_path: Path, page: Page
