@@ -65,6 +65,7 @@ from controlplane.cli.render import (
     Output,
     console,
     dumped,
+    few,
     progress_line,
     rollout_table,
     rollouts_table,
@@ -84,7 +85,7 @@ from controlplane.coordinator.publisher import (
 from controlplane.kafka.bus import Producer
 from controlplane.kafka.settings import DEFAULT_BOOTSTRAP, KafkaSettings
 from controlplane.rollout.decisions import named
-from controlplane.rollout.models import AnomalyCode, RolloutStatus
+from controlplane.rollout.models import AnomalyCode, RolloutPhase, RolloutStatus, WorkerState
 from controlplane.wire.channels import ACKS, COMMANDS
 from controlplane.wire.codec import encode
 from controlplane.wire.errors import (
@@ -137,6 +138,23 @@ RolloutIdOpt = Annotated[
     str | None,
     typer.Option("--rollout-id", help="Choose the rollout id (one not already in the log)."),
 ]
+DryRunOpt = Annotated[
+    bool,
+    typer.Option(
+        "--dry-run",
+        help="Preflight only: each matched worker checks everything the command would check "
+        "and changes nothing; prints 'validated on N worker(s)' (exit 0) or the rejections "
+        "by code with counts (exit 1). Always waits for the verdict.",
+    ),
+]
+PreflightOpt = Annotated[
+    bool,
+    typer.Option(
+        "--preflight",
+        help="A dry run first; then the command itself, to the workers that validated it, "
+        "only if every matched worker did.",
+    ),
+]
 DeliveryTimeoutOpt = Annotated[
     float | None,
     typer.Option(
@@ -174,8 +192,13 @@ async def _publish_and_maybe_wait(
     output: Output,
     signer: Signer | None = None,
     verifier: Verifier | None = None,
+    dry_run: bool = False,
+    validated: list[str] | None = None,
 ) -> int:
+    """Publish ``request`` (as a dry run when ``dry_run``: always followed to its end, then
+    :func:`_dry_run_verdict`, the workers that validated it appended to ``validated``)."""
     out = console()
+    wait = wait or dry_run
     # Only what this publish needs: the workers topic (the selector), and what is appended
     # after the start (its own command and acks, to read it back and follow it). A rollout id
     # of the user's is looked for on the commands topic, in records that name it.
@@ -212,8 +235,11 @@ async def _publish_and_maybe_wait(
             as_of=judge_time(follower),
             now=now,
             issuer=f"{getpass.getuser()}@cli",
-            signer=signer,
+            signer=None if dry_run else signer,
         )
+        if dry_run:  # marked before it is signed: the signature covers it
+            command = command.model_copy(update={"dry_run": True})
+            command = command if signer is None else signer.sign(command)
         if verifier is not None:
             _check_own(verifier, command)
         fleet.publishing(command)
@@ -237,8 +263,9 @@ async def _publish_and_maybe_wait(
             if not output.data:
                 where = f"offset {offset}" if offset is not None else "read back from the log"
                 signed = "" if signer is None else f", signed by key {signer.key_id}"
+                what = "dry run" if dry_run else "rollout"
                 out.print(
-                    f"published rollout {command.rollout_id} (command {command.command_id}, "
+                    f"published {what} {command.rollout_id} (command {command.command_id}, "
                     f"{where}{signed}){late} to {len(pinned.worker_ids or [])} worker(s): "
                     f"{named(pinned.worker_ids or [])}",
                     soft_wrap=True,  # one line, for a CI log's grep
@@ -267,7 +294,59 @@ async def _publish_and_maybe_wait(
     if status is None:
         typer.echo(f"gave up waiting: rollout {command.rollout_id} not read back yet", err=True)
         return Exit.TIMED_OUT
+    if dry_run:
+        return _dry_run_verdict(status, output, validated)
     return _finish(status, output, waited_out=not status.terminal)
+
+
+def _dry_run_verdict(status: RolloutStatus, output: Output, validated: list[str] | None) -> int:
+    """A dry run's outcome: "validated on N worker(s)" (exit 0), or the workers that did not
+    validate it, collapsed by error code (or state) with their counts, a message and a few
+    ids (exit 1; 2 when it timed out or the wait did). Nothing was applied either way."""
+    ok = [w.worker_id for w in status.workers if w.state is WorkerState.SUCCEEDED]
+    if validated is not None:
+        validated.extend(ok)
+    passed = status.phase is RolloutPhase.SUCCEEDED and len(ok) == status.expected
+    code = Exit.OK
+    if not passed:
+        ended_in_time = status.terminal and status.phase is not RolloutPhase.TIMED_OUT
+        code = Exit.FAILED if ended_in_time else Exit.TIMED_OUT
+    if output.data:
+        typer.echo(dumped(status, output))
+        return code
+    out = console()
+    if passed:
+        out.print(
+            f"dry run {status.rollout_id}: validated on {len(ok)} worker(s); nothing applied",
+            markup=False,
+            soft_wrap=True,
+        )
+    else:
+        out.print(
+            f"dry run {status.rollout_id}: not validated on {status.expected - len(ok)} of "
+            f"{status.expected} worker(s); nothing applied",
+            markup=False,
+            soft_wrap=True,
+        )
+        for count, what, message, ids in _refusals(status):
+            out.print(f"  {count} {what}: {message} ({few(ids)})", markup=False, soft_wrap=True)
+    if output is Output.WIDE:
+        out.print(rollout_table(status, wide=True))
+    return code
+
+
+def _refusals(status: RolloutStatus) -> list[tuple[int, str, str, list[str]]]:
+    """The workers that did not validate a dry run, by error code (the state for those with
+    none: lost, still pending), most first: (count, code, a message, their ids)."""
+    groups: dict[str, tuple[str, list[str]]] = {}
+    for w in status.workers:
+        if w.state is WorkerState.SUCCEEDED:
+            continue
+        what = str(w.error.code) if w.error else w.state.value
+        message = w.error.message if w.error else f"no verdict ({w.state.value})"
+        groups.setdefault(what, (message, []))[1].append(w.worker_id)
+    ordered = sorted(groups.items(), key=lambda item: -len(item[1][1]))
+    return [(len(ids), what, message, ids) for what, (message, ids) in ordered]
 
 
 def _check_own(verifier: Verifier, command: Command) -> None:
@@ -323,6 +402,8 @@ def _roll_out(
     signing_key: SigningKeyOpt = None,
     key_id: KeyIdOpt = None,
     trust_store: TrustStoreOpt = None,
+    dry_run: DryRunOpt = False,
+    preflight: PreflightOpt = False,
     output: OutputOpt = Output.TABLE,
     as_json: JsonOpt = False,
     bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
@@ -342,17 +423,36 @@ def _roll_out(
     except ControlPlaneError as exc:
         raise fail(exc) from None
     verifier = verifier_from(trust_store)
-    _run_exit(
-        _publish_and_maybe_wait(
-            kafka_settings(bootstrap, prefix, delivery_timeout_s=delivery_timeout),
-            RolloutRequest(spec, _selector(selector, worker, everyone), ttl, timeout, rollout_id),
-            wait=wait,
-            wait_timeout=wait_timeout,
-            output=Output.JSON if as_json else output,
-            signer=signer,
-            verifier=verifier,
-        )
+    if dry_run and preflight:
+        raise typer.BadParameter("--dry-run or --preflight, not both")
+    request = RolloutRequest(spec, _selector(selector, worker, everyone), ttl, timeout, rollout_id)
+    publishing = functools.partial(
+        _publish_and_maybe_wait,
+        kafka_settings(bootstrap, prefix, delivery_timeout_s=delivery_timeout),
+        wait=wait,
+        wait_timeout=wait_timeout,
+        output=Output.JSON if as_json else output,
+        signer=signer,
+        verifier=verifier,
     )
+    if preflight:
+        _run_exit(_preflighted(publishing, request))
+    _run_exit(publishing(request, dry_run=dry_run))
+
+
+async def _preflighted(publishing: Callable[..., Any], request: RolloutRequest) -> int:
+    """``--preflight``: a dry run to the matched workers first (its own rollout id), then the
+    command itself to exactly the workers that validated it, only if every one did."""
+    validated: list[str] = []
+    code: int = await publishing(
+        dataclasses.replace(request, rollout_id=None), dry_run=True, validated=validated
+    )
+    if code != Exit.OK:
+        typer.echo("preflight failed: the command itself was not published", err=True)
+        return code
+    pinned = Selector(worker_ids=sorted(validated))
+    real: int = await publishing(dataclasses.replace(request, selector=pinned))
+    return real
 
 
 #: The options of :func:`_roll_out`, as typer reads them: the first three choose the workers.
