@@ -16,7 +16,8 @@ navigation start) and each change of ``data-updates``. Reported:
 
 - **bytes per update after the first**: what the page received after its first render, over
   the updates it applied meanwhile (mean), and the most received between two updates (max);
-- **first render**: navigation start to ``data-ready="1"``, over several loads;
+- **first render**: navigation start to ``data-ready="1"``, over several loads (the browser
+  has navigated once before, to ``/healthz``: starting its renderer is not the page's cost);
 - **baseline**, measured in the same run against the same server: one full poll of
   ``/api/v1/rollouts`` + ``/api/v1/workers`` (every page, bytes with headers), what a
   dashboard polling the lists downloads at each refresh, and every rollout with its workers
