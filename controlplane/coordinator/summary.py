@@ -974,7 +974,8 @@ class Summaries:
         fleet = self._coordinator.fleet
         state = fleet.fold_state()
         commands = [fleet.command(r) for r in state.commands]
-        reloads = [c for c in commands if isinstance(c.spec, ReloadWeightsSpec)]
+        # A dry run changes nothing: it desires no version (as Fleet.worker_levels says).
+        reloads = [c for c in commands if isinstance(c.spec, ReloadWeightsSpec) and not c.dry_run]
         if any(c.selector.worker_ids is None for c in reloads):
             return None
         deadline = timedelta(seconds=fleet.progress_deadline_s)

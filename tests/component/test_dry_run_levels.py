@@ -5,18 +5,11 @@ started, fed directly (fixtures in tests/component/conftest.py)."""
 
 from __future__ import annotations
 
-import pytest
-
 from controlplane.coordinator.service import Coordinator
 from controlplane.coordinator.summary import Summaries
 from tests.component.conftest import command, feed, heartbeat, succeeded
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="summary.py's _desired_of_pinned counts a dry run as a reload rollout (needs "
-    "`and not c.dry_run` in its reloads filter; not helper F's file)",
-)
 async def test_a_pinned_dry_run_desires_nothing_in_the_apis_levels(
     coordinator: Coordinator,
 ) -> None:
