@@ -15,13 +15,15 @@ from fastapi import FastAPI
 from pydantic import SecretStr
 
 from controlplane.api.app import TOKEN_COOKIE, create_app
+from controlplane.api.server import ApiServer
 from controlplane.cli.remote import TOKEN_ENV, CoordinatorUnavailable, Remote
 from controlplane.coordinator.service import Coordinator
 from controlplane.wire.errors import WireCode
 from controlplane.wire.protocol import Command
+from tests.browser.chrome import Page
 from tests.component.conftest import AUTH, TOKEN, command, feed, sse_events
 from tests.component.test_api import RELOAD
-from tests.component.test_dashboard import NODE, dashboard
+from tests.component.test_dashboard import browser as browser  # the fixture
 
 READ_TOKEN = "read-only-token"
 READ = {"Authorization": f"Bearer {READ_TOKEN}"}
@@ -151,15 +153,19 @@ async def test_unverified_commands_are_listed_to_readers(
     assert (entry["code"], entry["key_id"], entry["nacks"]) == ("KEY_UNKNOWN", "mallory", 0)
 
 
-@pytest.mark.skipif(NODE is None, reason="node is not installed")
 async def test_the_dashboard_asks_for_the_token(
-    scoped: Coordinator, fleet_of_two: dict[str, Command]
+    scoped: Coordinator, fleet_of_two: dict[str, Command], browser: Page
 ) -> None:
     """Before: a 401 read as "Cannot reach the coordinator"."""
-    [shown] = await dashboard(scoped, create_app(scoped))
-    assert not shown["token-form"]["hidden"] and shown["banner"]["hidden"]
-    assert "token needed" in shown["ready"]["html"]
-    assert "reads need a token" in shown["token-why"]["text"]
+    async with ApiServer(scoped, port=0, app=create_app(scoped, sse_tick_s=0.2)) as server:
+        await browser.get(server.url)
+        assert "reads need a token" in await browser.text("#banner", timeout=30)
+        state = await browser.attribute("#connection", "data-state")
+        assert state == "reconnecting"
+        await browser.type("input#token", READ_TOKEN)  # sent as a cookie: reads only
+        await browser.element('html[data-ready="1"]', timeout=30)  # no reload
+        await browser.element('#connection[data-state="live"]', timeout=30)
+        await browser.element('[data-rollout-id="r-new"]', timeout=30)
 
 
 @pytest.mark.parametrize(("token", "works"), [(READ_TOKEN, True), (TOKEN, True), (None, False)])

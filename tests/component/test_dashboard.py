@@ -1,103 +1,182 @@
-"""The dashboard's own script, run by Node against a live coordinator (uvicorn on a free port).
+"""The dashboard (controlplane/api/static/dashboard.html) in headless Chromium against a live
+coordinator in process (uvicorn on a free port, no Kafka): what it shows from the fleet event
+stream, that it reads no list again when nothing changed, its rollout detail (failed and lost
+first, with codes; an ended rollout never "expires"), the workers' filters and pages, its
+actions' coded answers and the token it asks for. Assertions are on contract C3's DOM
+(docs/api.md, "Dashboard"); tests/browser drives it during real rollouts on the real broker.
 
-tests/component/dashboard_harness.js gives the page's script just enough of a DOM (elements by
-id) and real ``fetch``; it prints what each update wrote into the page and which URLs it read.
-Skipped where Node (18 or later, for ``fetch``) is not installed.
+Skipped where Chromium and chromedriver are not installed (scripts/setup.sh installs them; the
+browser tests in tests/browser fail instead).
 """
 
 from __future__ import annotations
 
-import asyncio
-import importlib.resources
-import json
-import re
-import shutil
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from fastapi import FastAPI
 
+from controlplane.api.app import create_app
 from controlplane.api.server import ApiServer
 from controlplane.coordinator.service import Coordinator
-from controlplane.wire.protocol import Command
-from tests.component.conftest import command, feed, succeeded
+from controlplane.wire.control import ControlPhase
+from controlplane.wire.protocol import AckState, Command
+from tests.browser.chrome import BrowserMissing, Page, chrome
+from tests.component.conftest import ack, command, feed
+from tests.component.test_api_progressive import feed_control, rollout_spec, state
+from tests.component.test_api_progressive import targets as targets  # the fixture
 from tests.component.test_api_scale import many_workers
 
-NODE = shutil.which("node")
-HARNESS = Path(__file__).with_name("dashboard_harness.js")
-pytestmark = pytest.mark.skipif(NODE is None, reason="node is not installed")
+#: URLs the page requested so far (the Resource Timing API), without the origin.
+REQUESTED = (
+    "return performance.getEntriesByType('resource').map(e => e.name.replace(location.origin, ''))"
+)
 
 
-async def dashboard(coordinator: Coordinator, app: FastAPI, *clicks: str) -> list[dict[str, Any]]:
-    """What the page shows after its first update and after each click."""
-    assert NODE is not None
-    page = importlib.resources.files("controlplane.api").joinpath("static", "dashboard.html")
-    async with ApiServer(coordinator, "127.0.0.1", 0, app=app) as server:
-        node = await asyncio.create_subprocess_exec(
-            NODE,
-            str(HARNESS),
-            server.url,
-            str(page),
-            *clicks,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await asyncio.wait_for(node.communicate(), 60)
-    assert node.returncode == 0, err.decode()
-    return [json.loads(line) for line in out.decode().splitlines()]
+@pytest.fixture
+async def browser(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Page]:
+    try:
+        driver = chrome()
+    except BrowserMissing as exc:
+        pytest.skip(str(exc))
+    try:
+        yield Page(driver, tmp_path, request.node.name)
+    finally:
+        driver.quit()
 
 
-def text(html: str) -> str:
-    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", html)).strip()
+@pytest.fixture
+async def url(coordinator: Coordinator) -> AsyncIterator[str]:
+    app: FastAPI = create_app(coordinator, sse_tick_s=0.2, fleet_min_interval_s=0)
+    async with ApiServer(coordinator, port=0, app=app) as server:
+        yield server.url
 
 
-def rows(shown: dict[str, Any], table: str) -> list[str]:
-    """The first cell of each row of a table body."""
-    return re.findall(r'<tr[^>]*>\s*<td class="mono">([^<]+)<', shown[table]["html"])
+async def open_page(page: Page, url: str) -> None:
+    await page.get(url)
+    await page.element('html[data-ready="1"]', timeout=30)
+    await page.element('#connection[data-state="live"]', timeout=30)
 
 
-async def test_the_dashboard_shows_a_small_fleet_as_before(
-    coordinator: Coordinator, app: FastAPI, fleet_of_two: dict[str, Command]
-) -> None:
-    [shown] = await dashboard(coordinator, app)
-    header = {k: shown[k]["text"] for k in ("n-workers", "n-alive", "n-sync", "n-rollouts")}
-    assert header == {"n-workers": "2", "n-alive": "2", "n-sync": "0", "n-rollouts": "2"}
-    assert shown["n-active"]["text"] == "1" and "live" in shown["ready"]["html"]
-    assert rows(shown, "workers") == ["w1", "w2"]
-    assert "busy" in text(shown["workers"]["html"]) and "model=tiny" in shown["workers"]["html"]
-    assert rows(shown, "rollouts") == ["r-new", "r-old"]
-    assert "1 rejected" in text(shown["rollouts"]["html"])
-    # The newest rollout is selected: its workers, with the rejection's code.
-    assert shown["detail-id"]["text"] == "r-new" and not shown["detail-section"]["hidden"]
-    assert "CHECKSUM_MISMATCH" in shown["detail-workers"]["html"]
-    assert "ids: 2" in text(shown["detail-kv"]["html"])
-    assert shown["workers-pager"]["html"] == "" and shown["detail-pager"]["html"] == ""
-    assert sorted(shown["fetched"]) == [
-        "/api/v1/rollouts/r-new/workers?limit=50",
-        "/api/v1/rollouts?limit=25",
-        "/api/v1/summary",
-        "/api/v1/workers?limit=50",
-        "/healthz",
-    ]
-
-
-async def test_the_dashboard_pages_through_a_large_fleet(
-    coordinator: Coordinator, app: FastAPI
-) -> None:
-    ids = many_workers(coordinator, 120)
-    cmd = command("r-big", workers=ids, issued=9.5)
-    feed(coordinator, cmd, *(a for w in ids[:60] for a in succeeded(cmd, w, sent=12.0)))
-    first, workers_next, detail_next, back = await dashboard(
-        coordinator, app, "workers:next", "detail:next", "workers:prev"
+async def ids(page: Page, css: str, attribute: str) -> list[str]:
+    found: list[str] = await page.script(
+        "return [...document.querySelectorAll(arguments[0])].map(e => e.getAttribute(arguments[1]))",
+        css,
+        attribute,
     )
-    assert first["n-workers"]["text"] == "120" and rows(first, "workers") == ids[:50]
-    assert "1–50" in text(first["workers-pager"]["html"])
-    assert "120 in all" in first["workers-hint"]["text"]
-    assert rows(first, "detail-workers") == ids[:50]
-    assert rows(workers_next, "workers") == ids[50:100]
-    assert "51–100" in text(workers_next["workers-pager"]["html"])
-    assert rows(detail_next, "detail-workers") == ids[50:100]
-    assert rows(detail_next, "workers") == ids[50:100]  # the other table stays where it was
-    assert rows(back, "workers") == ids[:50]
-    assert any("cursor=" in url for url in workers_next["fetched"])
+    return found
+
+
+async def test_the_dashboard_follows_the_stream_and_shows_failed_workers_first(
+    coordinator: Coordinator, browser: Page, url: str, fleet_of_two: dict[str, Command]
+) -> None:
+    await open_page(browser, url)
+    rows = await ids(browser, "[data-rollout-id]", "data-rollout-id")
+    assert rows == ["r-new", "r-old"]  # newest first, before any worker
+    assert await browser.attribute('[data-rollout-id="r-new"]', "data-phase") == "progressing"
+    assert await ids(browser, "#workers [data-worker-id]", "data-worker-id") == ["w1", "w2"]
+    assert await ids(browser, "#versions [data-version]", "data-version") == ["v2"]
+    top = await browser.script(
+        "return document.querySelector('#workers').getBoundingClientRect().top"
+    )
+    rollouts = await browser.script(
+        "return document.querySelector('#rollouts').getBoundingClientRect().top"
+    )
+    assert rollouts < top  # rollouts come first
+    width = await browser.script("return document.documentElement.scrollWidth")
+    assert width <= 1400  # fits 1,400 px: nothing cut, no page-wide scrolling
+
+    await browser.click('[data-rollout-id="r-new"]')
+    detail = '[data-rollout-detail="r-new"]'
+    first = f"{detail} [data-worker-id]"
+    assert await browser.text(f'{first}[data-state="rejected"] .error-code') == "CHECKSUM_MISMATCH"
+    assert await browser.attribute(first, "data-worker-id") == "w1"  # the failed one first
+    assert "expires" in await browser.text(detail)  # still running
+
+    before = int(await browser.attribute("html", "data-updates") or 0)
+    read = len(await browser.script(REQUESTED))
+    feed(coordinator, ack(fleet_of_two["new"], "w2", AckState.SUCCEEDED, 9.5))
+    await browser.element('[data-rollout-id="r-new"][data-phase="failed"]', timeout=30)
+    await browser.element(f'{detail} [data-worker-id="w2"][data-state="succeeded"]', timeout=30)
+    assert int(await browser.attribute("html", "data-updates") or 0) > before
+    assert "expires" not in await browser.text(detail)  # ended: never "expires in"
+    assert "expires" not in await browser.text('[data-rollout-id="r-new"]')
+    # Driven by the stream: the change read only the open rollout's workers and one page of
+    # workers, never the rollouts or the summary again.
+    since = (await browser.script(REQUESTED))[read:]
+    assert since and all(
+        p.startswith(("/api/v1/rollouts/r-new/workers?", "/api/v1/workers?")) for p in since
+    ), since
+    await browser.screenshot("failed-first")
+
+
+async def test_the_workers_panel_pages_filters_and_groups_problems_first(
+    coordinator: Coordinator, browser: Page, url: str
+) -> None:
+    workers = many_workers(coordinator, 120)
+    late = command("r-late", workers=workers[:3], issued=9.5)
+    feed(coordinator, late, ack(late, workers[2], AckState.FAILED, 9.8))
+    await open_page(browser, url)
+    shown = await ids(browser, "#workers [data-worker-id]", "data-worker-id")
+    assert len(shown) == 50 and "1–50 of 120" in await browser.text("#workers-page")
+    await browser.click('#workers-page [data-page="next"]')
+    await browser.until(
+        lambda d: "51–100 of 120" in d.find_element("css selector", "#workers-page").text,
+        "the second page",
+        30,
+    )
+    second = await ids(browser, "#workers [data-worker-id]", "data-worker-id")
+    assert len(second) == 50 and not set(second) & set(shown)
+    # Problems first: w0002 drifts (r-late wants v2 of it, it runs v1), then the busy ones
+    # (updating), then those in sync.
+    busy = workers[::10]
+    assert shown[0] == workers[2] and shown[1 : 1 + len(busy)] == busy
+    await browser.click('#workers-page [data-page="prev"]')
+    await browser.element(f'#workers [data-worker-id="{shown[0]}"]', timeout=30)
+
+    await browser.type("input#worker-filter", workers[77])
+    await browser.until(
+        lambda d: d.execute_script(
+            "const r = document.querySelectorAll('#workers [data-worker-id]');"
+            "return r.length === 1 && r[0].dataset.workerId === arguments[0]",
+            workers[77],
+        ),
+        "only the searched worker",
+        30,
+    )
+    await browser.type("input#worker-filter", "zone=z3")
+    await browser.until(
+        lambda d: d.execute_script(
+            "const r = [...document.querySelectorAll('#workers [data-worker-id]')];"
+            "return r.length === 30 && r.every(e => /zone=z3/.test(e.textContent))"
+        ),
+        "the 30 workers of zone z3",
+        30,
+    )
+
+
+async def test_actions_show_the_apis_coded_answer(
+    coordinator: Coordinator, browser: Page, url: str, targets: None
+) -> None:
+    feed_control(coordinator, rollout_spec("r-live", "v4"))
+    feed_control(coordinator, state("r-live", ControlPhase.PROGRESSING, 1))
+    await open_page(browser, url)
+    row = '[data-progressive-id="r-live"]'
+    await browser.element(f'{row}[data-phase="progressing"]')
+    assert await browser.attribute('[data-progressive-id="r-bad"]', "data-phase") == "rolled_back"
+    assert await ids(browser, 'button[data-progressive-id="r-bad"]', "data-action") == []
+    await browser.element('[data-target="tiny"]')
+    assert await ids(browser, "button[data-target]", "data-target") == ["tiny"]  # undo
+
+    await browser.click(f'button[data-action="abort"]{row}')
+    result = await browser.text("#action-result .error-code", timeout=30)
+    assert result == "UNAUTHORIZED"  # no token typed: the API's code, no dialog
+    await browser.type("input#token", "not-the-token")
+    await browser.click('button[data-action="undo"][data-target="tiny"]')
+    await browser.until(
+        lambda d: "invalid bearer token" in d.find_element("css selector", "#action-result").text,
+        "the refused undo",
+        30,
+    )
+    assert await browser.attribute("#action-result", "data-outcome") == "error"
