@@ -139,11 +139,14 @@ def test_paused_s_includes_the_wait_for_requests_in_flight(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A request in flight holds the drain off: the time it takes (on the gate's clock) is in
-    ``paused_s`` with the copy's, since new requests wait all along."""
+    ``paused_s`` with the copy's, since new requests wait all along. The result's
+    ``validate_s`` is the checks' alone (the loader's clock is the test's too), ``duration_s``
+    the whole reload."""
     hold = Hold(1)
     runner = gated(hold)
     clock = Clock()
     monkeypatch.setattr(base, "time", SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(loaders, "time", SimpleNamespace(perf_counter=clock.monotonic))
     clients = Clients(runner)
     (held,) = clients.once(PROMPTS[0])
     hold.entered.wait(GUARD_S)
@@ -154,6 +157,7 @@ def test_paused_s_includes_the_wait_for_requests_in_flight(
     result = reload.result()
     assert isinstance(result, ReloadResult) and result.drain is not None
     assert (result.drain.paused_s, result.drain.in_flight) == (7.0, 1)
+    assert (result.validate_s, result.copy_s, result.duration_s) == (0.0, 0.0, 7.0)
     assert held.result() == versions.ref1[PROMPTS[0]]
     clients.join()
 

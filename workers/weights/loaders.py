@@ -9,6 +9,7 @@ runs the two in that order.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
@@ -197,8 +198,10 @@ class PreparedCheckpoint:
     signed: SignedDigests | None
     #: Whether the command's sha256 manifest was checked, whole, before copying.
     sha256_checked: bool
-    #: ``time.perf_counter()`` when preparing began (the result's ``validate_s`` starts there).
+    #: ``time.perf_counter()`` when preparing began and ended: the result's ``validate_s``
+    #: (its ``duration_s`` runs from ``started`` to the copy's end, a drain's wait included).
     started: float
+    checked: float
     #: Each target's name (by identity): :meth:`copy` may write other tensors of those names.
     target_names: dict[int, str] = field(default_factory=dict)
 
@@ -293,7 +296,7 @@ class PreparedCheckpoint:
             finally:
                 hasher.close()
         finished = time.perf_counter()
-        return LoadStats.measured(
+        stats = LoadStats.measured(
             version,
             files=len(ckpt.files.files),
             tensors=len(plan),
@@ -303,6 +306,7 @@ class PreparedCheckpoint:
             finished=finished,
             signed=self.signed,
         )
+        return dataclasses.replace(stats, validate_s=self.checked - self.started)
 
     def _retarget(
         self, targets: Mapping[str, torch.Tensor]
@@ -382,4 +386,6 @@ def prepare_checkpoint(
             verify_sha256(ckpt, sha256, cancel)
             checked = True
         by_id = {id(tensor): name for name, tensor in targets.items()}
-        yield PreparedCheckpoint(ckpt, plan, digests, signed, checked, started, by_id)
+        yield PreparedCheckpoint(
+            ckpt, plan, digests, signed, checked, started, time.perf_counter(), by_id
+        )
