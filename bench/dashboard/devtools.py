@@ -18,6 +18,7 @@ from typing import Any
 class Request:
     url: str = ""
     kind: str = ""
+    sent: float | None = None
     finished: tuple[float, int] | None = None
     chunks: list[tuple[float, int]] = field(default_factory=list)
     messages: list[tuple[float, int]] = field(default_factory=list)
@@ -54,6 +55,7 @@ class NetworkLog:
             if method == "Network.requestWillBeSent":
                 request.url = params["request"]["url"]
                 request.kind = params.get("type", "")
+                request.sent = params["timestamp"]
                 if request.kind == "Document":
                     self.offset = params["wallTime"] - params["timestamp"]
             elif method == "Network.responseReceived":

@@ -24,6 +24,7 @@ from controlplane.wire.protocol import AckState
 from tests.browser.chrome import chrome
 from tests.fleet_at_scale import Served, _acks, _fold, heartbeat, rollout_command, worker_ids
 
+MILESTONES = ("page_ms", "events_sent_ms", "events_ms", "workers_ms", "ready_ms")
 #: Issue 15's targets.
 TARGET_UPDATE_BYTES = 100_000
 TARGET_FIRST_RENDER_MS = 1000.0
@@ -37,7 +38,7 @@ MODES: dict[str, dict[str, Any]] = {
 #: and wall-clock ms) and each new value of data-updates (wall-clock ms).
 MARKS = """
 (() => {
-  const marks = (window.__bench = {ready: null, updates: []});
+  const marks = (window.__bench = {origin: performance.timeOrigin, ready: null, updates: []});
   const wall = () => performance.timeOrigin + performance.now();
   const look = () => {
     const html = document.documentElement;
@@ -164,11 +165,36 @@ def by_path(transfers: list[Transfer]) -> dict[str, dict[str, int]]:
     return dict(out)
 
 
+def milestones(log: NetworkLog, start: float, ready: float) -> dict[str, float | None]:
+    """Where a first render's time went, in ms from navigation start (DevTools times): the page
+    received, the event stream opened and its first bytes, the first workers page, ready."""
+    firsts: dict[str, float] = {}
+    for request in log.requests.values():
+        if _path(request.url) == "/api/v1/events" and request.sent is not None:
+            firsts["events sent"] = min(firsts.get("events sent", request.sent), request.sent)
+        times = [at for at, _ in request.transfers() if at <= ready]
+        path = "page" if request.kind == "Document" else _path(request.url)
+        if times and path in ("page", "/api/v1/events", "/api/v1/workers"):
+            firsts[path] = min(firsts.get(path, times[0]), *times)
+    shown = {
+        "page": "page_ms",
+        "events sent": "events_sent_ms",
+        "/api/v1/events": "events_ms",
+        "/api/v1/workers": "workers_ms",
+    }
+    out: dict[str, float | None] = {
+        name: 1000 * (firsts[path] - start) if path in firsts else None
+        for path, name in shown.items()
+    }
+    out["ready_ms"] = 1000 * (ready - start)
+    return out
+
+
 def browse(url: str, loads: int, observe_s: float) -> dict[str, Any]:
     """Load the dashboard ``loads`` times (first render each); on the first load, watch what it
     receives for ``observe_s`` seconds after its first render."""
     driver = chrome(performance_log=True)
-    out: dict[str, Any] = {"first_render_ms": []}
+    out: dict[str, Any] = {"first_render_ms": [], "milestones": []}
     try:
         driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": MARKS})
         # A fresh browser's first navigation also starts its renderer: not the dashboard's cost.
@@ -180,11 +206,12 @@ def browse(url: str, loads: int, observe_s: float) -> dict[str, Any]:
                 _ready, "data-ready never became 1"
             )
             out["first_render_ms"].append(marks["ready"]["ms"])
-            if k:
-                continue
             log = NetworkLog()
             log.feed(_performance_log(driver))
             ready_at = log.devtools_time(marks["ready"]["wall"])
+            out["milestones"].append(milestones(log, log.devtools_time(marks["origin"]), ready_at))
+            if k:
+                continue
             first = [t for t in log.transfers() if t.at <= ready_at]
             out["first_load_bytes"] = sum(t.nbytes for t in first)
             out["first_load_by_path"] = by_path(first)
@@ -301,6 +328,20 @@ def report(result: dict[str, Any]) -> str:
         ],
     ]
     lines = [table(rows, ["measure", "value"]), ""]
+    steps = [
+        [k + 1, *(fmt(m.get(key), ".0f") for key in MILESTONES)]
+        for k, m in enumerate(b.get("milestones", []))
+    ]
+    if steps:
+        headers = [
+            "load",
+            "page received",
+            "stream opened",
+            "its first bytes",
+            "workers page",
+            "ready",
+        ]
+        lines += ["ms from navigation start:", table(steps, headers), ""]
     for key, when in (("first_load_by_path", "up to"), ("by_path", "after")):
         paths = [[path, v["bytes"], v["transfers"]] for path, v in b.get(key, {}).items()]
         if paths:
