@@ -17,6 +17,8 @@ def test_dashboard_bench_quick(request: pytest.FixtureRequest, tmp_path: Path) -
     browser, baseline = data["browser"], data["baseline"]
     assert len(browser["first_render_ms"]) == data["parameters"]["loads"] == 1
     assert browser["first_load_bytes"] > 0
+    [steps] = browser["milestones"]
+    assert {"page_ms", "events_sent_ms", "events_ms", "workers_ms", "ready_ms"} <= steps.keys()
     for key in ("updates", "bytes_after_first_render", "per_update_bytes", "by_path"):
         assert key in browser, key
     assert baseline["full_poll_bytes"] > 0 and baseline["every_rollout_with_workers_bytes"] > 0
