@@ -392,24 +392,3 @@ def test_secure_files_in_a_directory_it_cannot_write_is_one_coded_line(tmp_path:
     assert result.exit_code != 0
     assert "SETTINGS_INVALID" in result.output and "Traceback" not in result.output
 
-
-def test_the_cli_in_the_coordinator_container_connects_as_the_coordinator(
-    services: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`docker compose exec coordinator controlplane status` with both files: the CLI's own
-    variables (FLEET_KAFKA_BOOTSTRAP, FLEET_TOPIC_PREFIX, FLEET_KAFKA__*) reach the broker as
-    the coordinator does, with the coordinator's user and files."""
-    env = environment(services["coordinator"])
-    own = kafka_settings_of("coordinator", env, monkeypatch)
-    cli = kafka_settings_of("cli", env, monkeypatch)
-    fields = (
-        "bootstrap_servers",
-        "topic_prefix",
-        "security_protocol",
-        "sasl_mechanism",
-        "sasl_username",
-        "sasl_password_file",
-        "ssl_cafile",
-    )
-    assert {f: getattr(cli, f) for f in fields} == {f: getattr(own, f) for f in fields}
-    assert cli.security_protocol == "SASL_SSL" and cli.sasl_username == "coordinator"
