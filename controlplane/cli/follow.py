@@ -302,14 +302,7 @@ async def follow(
                 for line in foreign_commands(follower, rollout_id, told):
                     say(out, bar, line)
             now_m = time.monotonic()
-            down = follower.unreachable_since()
-            if down is not None and announced is None:
-                announced = down
-                say(out, bar, f"Kafka unreachable since {hms(down)}, retrying")
-            elif down is None and announced is not None:
-                gone = (utcnow() - announced).total_seconds()
-                say(out, bar, f"Kafka reachable again after {gone:.0f} s")
-                announced = None
+            announced = outage_news(follower, announced, out, bar)
             as_of = follower.current_as_of()
             if (
                 as_of is not None
@@ -373,14 +366,7 @@ async def follow_all(
     health.quiet = True
     try:
         while True:
-            down = follower.unreachable_since()
-            if down is not None and announced is None:
-                announced = down
-                say(out, None, f"Kafka unreachable since {hms(down)}, retrying")
-            elif down is None and announced is not None:
-                gone = (utcnow() - announced).total_seconds()
-                say(out, None, f"Kafka reachable again after {gone:.0f} s")
-                announced = None
+            announced = outage_news(follower, announced, out, None)
             as_of = follower.current_as_of()
             for rollout_id in rollout_ids:
                 if as_of is None or rollout_id in ended:
@@ -397,6 +383,22 @@ async def follow_all(
             await follower.poll(timeout_s=0.25)
     finally:
         health.quiet = False
+
+
+def outage_news(
+    follower: Follower, announced: datetime | None, out: Any, bar: Any
+) -> datetime | None:
+    """Say once that Kafka became unreachable and once that it is back (``announced``: the
+    outage already said, None if none); the outage said now."""
+    down = follower.unreachable_since()
+    if down is not None and announced is None:
+        say(out, bar, f"Kafka unreachable since {hms(down)}, retrying")
+        return down
+    if down is None and announced is not None:
+        gone = (utcnow() - announced).total_seconds()
+        say(out, bar, f"Kafka reachable again after {gone:.0f} s")
+        return None
+    return announced
 
 
 def foreign_commands(follower: Follower, rollout_id: str, told: set[tuple[str, str]]) -> list[str]:

@@ -9,10 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import re
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -21,36 +19,18 @@ import pytest
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.exits import CliExit
 from tests.factories import agent_running, agent_settings
+from tests.integration.test_cli_usage import controlplane
 from workers.runners.fake_runner import FakeRunner
 
 pytestmark = pytest.mark.kafka
 
-REPO = Path(__file__).resolve().parents[2]
-ENTRY = Path(sys.executable).parent / "controlplane"
 WORKERS = ("d1", "d2", "d3")
 
 
 def cli(settings: KafkaSettings, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            str(ENTRY),
-            *args,
-            "--selector",
-            "model=tiny",
-            "--wait-timeout",
-            "90",
-            "--bootstrap",
-            settings.bootstrap_servers,
-            "--topic-prefix",
-            settings.topic_prefix,
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-        env={**os.environ, "COLUMNS": "120"},
-    )
+    """A rollout command to the model=tiny workers (wait at most 90 s)."""
+    where = ("--bootstrap", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix)
+    return controlplane(*args, "--selector", "model=tiny", "--wait-timeout", "90", *where)
 
 
 @contextlib.asynccontextmanager

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from controlplane.kafka.bus import Producer
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.exits import CliExit
 from controlplane.wire.protocol import (
@@ -30,58 +27,28 @@ from controlplane.wire.protocol import (
     Selector,
     Timings,
     UpdateConfigSpec,
-    encode,
     utcnow,
 )
-from controlplane.wire.topics import worker_key
-from tests.factories import fake_heartbeat, succeeded_acks
+from tests.factories import succeeded_acks
 from tests.fleet import make_command, publish
+from tests.integration.test_cli_one_rollout import beat, send_acks
+from tests.integration.test_cli_usage import ENTRY, controlplane
 
 pytestmark = pytest.mark.kafka
 
 REPO = Path(__file__).resolve().parents[2]
-ENTRY = Path(sys.executable).parent / "controlplane"
 FLEET = [f"fake-{i:03d}" for i in range(1, 41)]
 #: Long enough that the rollout's title is wider than its table (not than the terminal).
 LONG_SETTINGS = [f"setting_number_{i}=value-{i}" for i in range(3)]
 
 
 def argv(settings: KafkaSettings, *args: str) -> list[str]:
-    return [
-        str(ENTRY),
-        *args,
-        "--bootstrap",
-        settings.bootstrap_servers,
-        "--topic-prefix",
-        settings.topic_prefix,
-    ]
+    where = ("--bootstrap", settings.bootstrap_servers, "--topic-prefix", settings.topic_prefix)
+    return [str(ENTRY), *args, *where]
 
 
 def cli(settings: KafkaSettings, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        argv(settings, *args),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-        env={**os.environ, "COLUMNS": "120"},
-    )
-
-
-async def beat(settings: KafkaSettings, workers: list[str]) -> None:
-    async with Producer(settings) as producer:
-        for worker_id in workers:
-            hb = fake_heartbeat(worker_id, utcnow(), interval_s=600)
-            await producer.send(settings.topics.workers.name, encode(hb), key=worker_key(worker_id))
-
-
-async def send_acks(settings: KafkaSettings, acks: list[Ack]) -> None:
-    async with Producer(settings) as producer:
-        for ack in acks:
-            await producer.send(
-                settings.topics.acks.name, encode(ack), key=worker_key(ack.worker_id)
-            )
+    return controlplane(*argv(settings, *args)[1:])
 
 
 def rejected(worker_id: str, rollout_id: str, command_id: str) -> Ack:

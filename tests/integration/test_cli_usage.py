@@ -25,12 +25,13 @@ ENTRY = Path(sys.executable).parent / "controlplane"
 
 
 def controlplane(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The installed `controlplane` with ``args``, in a 120-column terminal's width."""
     return subprocess.run(
         [str(ENTRY), *args],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=180,
         check=False,
         env={**os.environ, "COLUMNS": "120", **(env or {})},
     )
