@@ -11,6 +11,8 @@ test's directory and to test-results/browser/ (git-ignored) for a person to look
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from tests.browser.chrome import Page
 from tests.integration.test_api_progressive import TOKEN, api_of, start
 from tests.integration.test_coordinator_api import until
 from tests.integration.test_progressive import fleet_of
+from workers.runners.fake_runner import FakeRunner
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -60,13 +63,26 @@ async def phases_seen(page: Page, rollout_id: str) -> list[str]:
     return seen
 
 
+def hold_reloads(runners: Iterable[FakeRunner]) -> threading.Event:
+    """Each runner's reloads wait (in the agent's thread) until the returned event is set."""
+    gate = threading.Event()
+    for runner in runners:
+
+        def held(*args: Any, inner: Any = runner.reload_weights, **kw: Any) -> Any:
+            gate.wait(120)
+            return inner(*args, **kw)
+
+        setattr(runner, "reload_weights", held)  # noqa: B010 - this instance only
+    return gate
+
+
 async def test_a_rollout_appears_progresses_and_names_the_failed_worker_without_a_reload(
     kafka: KafkaSettings, tmp_path: Path, page: Page
 ) -> None:
-    slow = {"reload_delay_s": 3.0}  # each worker's reload: the row shows it running
-    async with fleet_of(kafka, tmp_path, 2, runner=slow) as fleet, api_of(kafka) as api:
-        await fleet.start_agent("w-bad", tmp_path, {**slow, "fail_prefix": "v2"})
+    async with fleet_of(kafka, tmp_path, 2) as fleet, api_of(kafka) as api:
+        await fleet.start_agent("w-bad", tmp_path, {"fail_prefix": "v2"})
         await until(api, "/api/v1/workers", lambda ws: sum(w["alive"] for w in ws) == 3)
+        gate = hold_reloads(fleet.runners.values())
         updates = await open_dashboard(page, str(api.base_url))
         await page.element('#workers [data-worker-id="w-bad"]')
         await page.screenshot("1-fleet")
@@ -83,11 +99,13 @@ async def test_a_rollout_appears_progresses_and_names_the_failed_worker_without_
         rollout_id = created.json()["rollout_id"]
         row = f'[data-rollout-id="{rollout_id}"]'
 
-        await page.element(f'{row}[data-phase="progressing"], {row}[data-phase="pending"]')
+        # Acked and running (the reloads held): the page shows it moving on its own.
+        await page.element(f'{row}[data-phase="progressing"]')
         await page.screenshot("2-progressing")
+        gate.set()
         await page.element(f'{row}[data-phase="failed"]')
         seen = await phases_seen(page, rollout_id)
-        assert seen[0] in ("pending", "progressing") and seen[-1] == "failed", seen
+        assert seen[-2:] == ["progressing", "failed"] and set(seen) <= {"pending", *seen[-2:]}
         assert int(await page.attribute("html", "data-updates") or 0) > updates
 
         # The failed worker first in the rollout's detail, with its code; the others succeeded.
