@@ -28,7 +28,7 @@ from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.errors import RunnerError, WireCode
 from controlplane.wire.messages import DrainPolicy
 from controlplane.wire.protocol import Ack, AckState, ReloadWeightsSpec, UpdateConfigSpec
-from tests.fleet import acks_tail, make_command, settled, terminal
+from tests.fleet import acks_tail, heartbeats_tail, latest, make_command, settled, terminal
 from tests.vllm.conftest import (
     ENGINES,
     LONG,
@@ -197,31 +197,55 @@ def test_vllm_weight_version_is_ours_at_start_after_reloads_and_after_a_failed_o
     assert runner.vllm_weight_version() == "v1"
 
 
-def test_a_failed_restore_resumes_serving_labelled_degraded(
-    runner: VllmRunner, ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.kafka
+async def test_a_failed_restore_resumes_serving_labelled_degraded(
+    runner: VllmRunner,
+    ckpts: Checkpoints,
+    monkeypatch: pytest.MonkeyPatch,
+    kafka: KafkaSettings,
+    tmp_path: Path,
 ) -> None:
-    """vLLM fails the reload and then the restore of v1 (both inside vLLM, mid-load): serving
-    resumes all the same (never left paused), vLLM's weight version is ``v1!degraded`` (no
-    version can be that), the runner reports degraded, and a good reload recovers."""
+    """vLLM fails the reload and then the restore of v1 (both inside vLLM, mid-load), through
+    Kafka and the agent: a coded NACK, serving resumes all the same (never left paused), vLLM's
+    weight version is ``v1!degraded`` (no version can be that), the runner and the worker's
+    heartbeats report degraded; a good reload recovers."""
+
+    def degraded(code: str | None) -> Callable[[list[Any]], bool]:
+        def check(items: list[Any]) -> bool:
+            beat = latest(items, "vllm-1")
+            found = None if beat is None or beat.degraded is None else beat.degraded.code
+            return beat is not None and found == code
+
+        return check
+
     fail_inside_vllm(runner, ckpts, monkeypatch)
     monkeypatch.setattr(runner, "_loaded_dir", ckpts.root / "vanished-before-the-restore")
-    with pytest.raises(RunnerError) as caught:
-        runner.reload_weights(ReloadWeightsSpec(path=str(ckpts.v2), version="v2"), ckpts.v2)
-    monkeypatch.undo()
-    assert caught.value.code is WireCode.WEIGHTS_CORRUPTED, caught.value
-    assert runner.vllm_weight_version() == "v1!degraded"
-    described = runner.describe()
-    assert described.degraded is not None and described.degraded.code == "WEIGHTS_CORRUPTED"
-    assert described.weights_version == "v1"
-    engine = runner._engine
-    if isinstance(engine, InProcessEngine):
-        assert not engine._paused and not engine._draining  # the stepping loop serves again
-        with pytest.raises(RunnerError) as refused:  # the runner's own generate refuses
-            runner.generate(SHORT, NEW_TOKENS)
-        assert refused.value.code is WireCode.WEIGHTS_CORRUPTED
-    else:
-        assert isinstance(engine, SidecarEngine) and not engine.client.is_paused()
-    runner.reload_weights(ReloadWeightsSpec(path=str(ckpts.v1), version="v1"), ckpts.v1)
+    async with (
+        running_agent(kafka, tmp_path, runner, ckpts.root),
+        acks_tail(kafka) as acks,
+        heartbeats_tail(kafka) as beats,
+    ):
+        ack = await ack_of(kafka, acks, reload_cmd(ckpts.v2, "v2"))
+        monkeypatch.undo()
+        assert ack.state is AckState.FAILED, ack
+        assert ack.error is not None and ack.error.code == "WEIGHTS_CORRUPTED", ack.error
+        assert "'v1!degraded'" in ack.error.message
+        await beats.until(degraded("WEIGHTS_CORRUPTED"))
+        assert runner.vllm_weight_version() == "v1!degraded"
+        described = runner.describe()
+        assert described.degraded is not None and described.degraded.code == "WEIGHTS_CORRUPTED"
+        assert described.weights_version == "v1"
+        engine = runner._engine
+        if isinstance(engine, InProcessEngine):
+            assert not engine._paused and not engine._draining  # the stepping loop serves again
+            with pytest.raises(RunnerError) as refused:  # the runner's own generate refuses
+                runner.generate(SHORT, NEW_TOKENS)
+            assert refused.value.code is WireCode.WEIGHTS_CORRUPTED
+        else:
+            assert isinstance(engine, SidecarEngine) and not engine.client.is_paused()
+        back = await ack_of(kafka, acks, reload_cmd(ckpts.v1, "v1"))
+        assert back.state is AckState.SUCCEEDED, back.error
+        await beats.until(degraded(None))
     assert runner.describe().degraded is None and runner.vllm_weight_version() == "v1"
     assert runner.generate(SHORT, NEW_TOKENS) == ckpts.want("v1")
 
