@@ -41,3 +41,72 @@ def test_a_worker_that_cannot_publish_says_so_in_the_workers_table() -> None:
     fine = _worker()
     assert fine.lease_s == 9.0  # no lease: three periods
     assert "cannot publish" not in _rendered(fine)
+
+
+# --------------------------------------------------------------------------- a rollout's table
+
+
+def _table_text(renderable: Any) -> str:
+    out = Console(width=120, record=True, color_system=None)
+    out.print(renderable)
+    return out.export_text()
+
+
+def _forty_rejected() -> Any:
+    from tests.factories import Event, F, X, ack, alive, command, status
+
+    workers = [f"w{i:02d}" for i in range(40)]
+    events: list[Event] = [command(workers=workers), *alive(*workers, sent=1)]
+    events += [ack(w, X, 2, code="PATH_NOT_ALLOWED") for w in workers[:38]]
+    events += [ack(w, F, 2, code="RUNNER_FAILED") for w in workers[38:]]
+    return status(*events, now=3)
+
+
+def test_errors_with_different_messages_stay_apart_and_wide_shows_each() -> None:
+    """Collapsed by code AND message: the factory's messages name their worker ("w00
+    broke"), so no two rows are the same here; ``wide`` is a row a worker either way."""
+    from controlplane.cli.render import rollout_table
+
+    judged = _forty_rejected()
+    text = _table_text(rollout_table(judged))
+    assert text.count("PATH_NOT_ALLOWED") == 38 and text.count("RUNNER_FAILED") == 2
+    assert text.index("PATH_NOT_ALLOWED") < text.index("RUNNER_FAILED")
+    wide = _table_text(rollout_table(judged, wide=True))
+    assert wide.count("PATH_NOT_ALLOWED") == 38 and wide.count("RUNNER_FAILED") == 2
+
+
+def test_rows_that_differ_only_by_worker_are_collapsed_bad_first() -> None:
+    from controlplane.cli.render import rollout_table
+    from tests.factories import Event, X, ack, alive, command, full, status
+
+    workers = [f"w{i:02d}" for i in range(12)]
+    events: list[Event] = [command(workers=workers), *alive(*workers, sent=1)]
+    for w in workers[:10]:
+        nack = ack(w, X, 2, code="PATH_NOT_ALLOWED")
+        assert nack.error is not None
+        events.append(
+            nack.model_copy(
+                update={"error": nack.error.model_copy(update={"message": "outside the roots"})}
+            )
+        )
+    for w in workers[10:]:
+        events += full(w, 1, 2)
+    text = _table_text(rollout_table(status(*events, now=3)))
+    lines = [line for line in text.splitlines() if line.startswith("│")]
+    assert len(lines) == 2, text
+    assert "10: w00, w01, w02 and 7 more" in lines[0] and "PATH_NOT_ALLOWED" in lines[0], text
+    assert "2: w10, w11" in lines[1] and "succeeded" in lines[1], text
+
+
+def test_data_output_is_json_or_yaml_of_the_same_fields() -> None:
+    import json
+
+    import yaml
+
+    from controlplane.cli.render import Output, dumped, few
+
+    judged = _forty_rejected()
+    as_json = json.loads(dumped(judged, Output.JSON))
+    assert as_json == yaml.safe_load(dumped(judged, Output.YAML))
+    assert as_json["counts"]["rejected"] == 38
+    assert few(["a", "b"]) == "a, b" and few(list("abcdef")) == "a, b, c and 3 more"
