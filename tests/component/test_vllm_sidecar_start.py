@@ -523,3 +523,10 @@ def test_sidecar_dry_runs_check_like_the_command_and_call_no_vllm_endpoint(
     after = runner.describe()
     assert (after.weights_version, after.config_digest) == ("init", before.config_digest)
     assert fake.weight_version == "init"
+
+
+def test_no_initial_version_can_pass_for_the_degraded_marker(tmp_path: Path) -> None:
+    """Versions are identifiers (no ``!``), the initial one too: ``v1!degraded`` is never real."""
+    with pytest.raises(ValueError, match="initial_version"):
+        VllmRunner({"mode": "sidecar", "model": str(tmp_path), "initial_version": "v1!degraded"})
+    VllmRunner({"mode": "sidecar", "model": str(tmp_path), "initial_version": "v1"})
