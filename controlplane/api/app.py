@@ -149,6 +149,8 @@ Order = Annotated[
     WorkerOrder,
     Query(description="`id`, or `problems`: lost, failed, drifting, updating, then in sync."),
 ]
+
+
 Cursor = Annotated[
     str | None,
     Query(
@@ -156,6 +158,26 @@ Cursor = Annotated[
         'rel="next"` header (opaque).'
     ),
 ]
+
+
+class WorkersQuery:
+    """The filters, order and page every list of fleet workers takes (a FastAPI dependency)."""
+
+    def __init__(
+        self,
+        label: Label = None,
+        state: WorkerStateFilter = None,
+        search: Search = None,
+        order: Order = WorkerOrder.ID,
+        limit: PageSize = PAGE_DEFAULT,
+        cursor: Cursor = None,
+    ) -> None:
+        self.labels = parse_label_selector(",".join(label or ()))
+        self.state = state
+        self.search = search
+        self.order = order
+        self.limit = limit
+        self.cursor = cursor
 
 
 #: The cookie a browser may hold the read (or write) token in, for reads only: the dashboard
@@ -719,6 +741,7 @@ def create_app(
     async def list_workers(
         request: Request,
         response: Response,
+        query: Annotated[WorkersQuery, Depends()],
         alive: Annotated[
             bool | None, Query(description="Only alive (or only not alive) workers.")
         ] = None,
@@ -739,30 +762,17 @@ def create_app(
                 description="Label selector: `key=value[,key=value...]`, every label must match."
             ),
         ] = None,
-        label: Label = None,
-        state: WorkerStateFilter = None,
-        search: Search = None,
-        order: Order = WorkerOrder.ID,
-        limit: PageSize = PAGE_DEFAULT,
-        cursor: Cursor = None,
     ) -> list[WorkerOut]:
         return await workers_of(
             request,
             response,
             None,
+            query,
             alive=alive,
             status=status,
             version=version,
             in_sync=in_sync,
-            labels={
-                **parse_label_selector(selector),
-                **parse_label_selector(",".join(label or ())),
-            },
-            state=state,
-            search=search,
-            order=order,
-            limit=limit,
-            cursor=cursor,
+            labels=parse_label_selector(selector),
         )
 
     @app.get(
@@ -776,50 +786,32 @@ def create_app(
         request: Request,
         response: Response,
         name: str,
+        query: Annotated[WorkersQuery, Depends()],
         version: Annotated[
             list[str] | None,
             Query(description="Only workers reporting this weights version (repeatable)."),
         ] = None,
-        label: Label = None,
-        state: WorkerStateFilter = None,
-        search: Search = None,
-        order: Order = WorkerOrder.ID,
-        limit: PageSize = PAGE_DEFAULT,
-        cursor: Cursor = None,
     ) -> list[WorkerOut]:
         target = coordinator.control.known_target(name, create=f"PUT {API}/targets/{name}")
-        return await workers_of(
-            request,
-            response,
-            target,
-            version=version,
-            labels=parse_label_selector(",".join(label or ())),
-            state=state,
-            search=search,
-            order=order,
-            limit=limit,
-            cursor=cursor,
-        )
+        return await workers_of(request, response, target, query, version=version)
 
     async def workers_of(
         request: Request,
         response: Response,
         target: Target | None,
+        query: WorkersQuery,
         *,
         alive: bool | None = None,
         status: list[WorkerStatus] | None = None,
         version: list[str] | None = None,
         in_sync: bool | None = None,
-        labels: dict[str, str],
-        state: list[FleetWorkerState] | None,
-        search: str | None,
-        order: WorkerOrder,
-        limit: int,
-        cursor: str | None,
+        labels: dict[str, str] | None = None,
     ) -> list[WorkerOut]:
         """A page of the workers (of ``target``, if given) the filters keep, by id or, with
         ``order=problems``, by :data:`STATE_RANK` then id."""
-        after = None if cursor is None else decode_cursor(cursor, 1)[0]
+        labels = {**(labels or {}), **query.labels}
+        state, search, order, limit = query.state, query.search, query.order, query.limit
+        after = None if query.cursor is None else decode_cursor(query.cursor, 1)[0]
         levels = await summaries.levels()
         now = coordinator.now()
         registry = coordinator.fleet.registry

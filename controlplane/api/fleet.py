@@ -221,10 +221,7 @@ class FleetFeed:
             while self.view is None:
                 if task.done():
                     return
-                news = self._news
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self._tick_s):
-                        await news.wait()
+                await self._wait()
             last = _event_id(last_event_id)
             if last is None or not self._resumable(last):
                 yield _event("snapshot", self.view.snapshot(), self.seq)
@@ -243,10 +240,7 @@ class FleetFeed:
                     continue
                 if task.done():
                     return
-                news = self._news
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self._tick_s):
-                        await news.wait()
+                await self._wait()
         finally:
             self._readers -= 1
             if self._readers == 0 and self._task is not None:
@@ -256,6 +250,13 @@ class FleetFeed:
                 self._task = None
                 # The view and the deltas stay: a client reconnecting resumes from them, and
                 # the next judgment is a delta against that view.
+
+    async def _wait(self) -> None:
+        """Until the next judgment announces itself, at most a tick."""
+        news = self._news
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._tick_s):
+                await news.wait()
 
     @property
     def readers(self) -> int:

@@ -157,9 +157,11 @@ async def test_openapi_documents_every_endpoint_with_a_summary(client: httpx.Asy
 async def test_dashboard_is_one_page_without_external_resources(client: httpx.AsyncClient) -> None:
     r = await client.get("/")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
-    assert '"/api/v1"' in r.text and "/workers?limit=" in r.text and "/rollouts?limit=" in r.text
-    assert "/summary`" in r.text  # the header's counts: bounded whatever the fleet's size
+    assert '"/api/v1"' in r.text and "${API}/events`" in r.text  # the fleet event stream
+    assert "setInterval" not in r.text  # no polling: the stream says what changed
     assert "http://" not in r.text and "https://" not in r.text
+    assert 'rel="icon" href="/favicon.svg"' in r.text
+    assert (await client.get("/favicon.svg")).status_code == 200
 
 
 async def test_server_binds_port_zero_serves_and_stops(
