@@ -328,6 +328,7 @@ def _status(
         kind=command.kind,
         target_version=spec.version if isinstance(spec, ReloadWeightsSpec) else None,
         overrides=dict(spec.overrides) if isinstance(spec, UpdateConfigSpec) else None,
+        dry_run=bool(command.dry_run),
         issuer=command.issuer,
         selector=command.selector,
         issued_at=issued,

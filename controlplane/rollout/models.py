@@ -147,6 +147,9 @@ class RolloutStatus(_Out):
     kind: CommandKind | None
     target_version: str | None = None
     overrides: dict[str, JsonValue] | None = None
+    #: A dry run (``Command.dry_run``): checked everywhere, applied nowhere; succeeded means
+    #: validated, and it is never a desired version.
+    dry_run: bool = False
     issuer: str | None
     selector: Selector
     #: For a ``COMMAND_REJECTED`` rollout (no readable command): its first NACK's ``sent_at``.

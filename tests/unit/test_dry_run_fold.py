@@ -49,7 +49,9 @@ def test_a_dry_runs_success_is_never_a_desired_version() -> None:
     status = f.status("r2", at(51))
     assert status.phase is RolloutPhase.SUCCEEDED
     assert status.message == DRY_RUN_PREFIX + "all 2 worker(s) succeeded"
+    assert status.dry_run
     assert not f.status("r1", at(51)).message.startswith(DRY_RUN_PREFIX)
+    assert not f.status("r1", at(51)).dry_run
 
 
 def test_a_summarized_dry_run_desires_nothing() -> None:
