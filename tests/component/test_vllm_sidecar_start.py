@@ -498,6 +498,11 @@ def test_sidecar_dry_runs_check_like_the_command_and_call_no_vllm_endpoint(
     spec = ReloadWeightsSpec(path=str(v2), version="v2", sha256=sha256_manifest(v2))
     facts = runner.validate_reload(spec, v2)
     assert facts["files"] == 1 and facts["tensors"] == before.extra["tensors"]
+    cancelled = threading.Event()
+    cancelled.set()  # the command's deadline passed: hashing stops
+    with pytest.raises(RunnerError) as stopped:
+        runner.validate_reload(spec, v2, cancel=cancelled)
+    assert stopped.value.code is WireCode.COMMAND_TIMEOUT
     assert isinstance(facts["bytes"], int) and facts["bytes"] > 0
     bad_sum = ReloadWeightsSpec(
         path=str(v2), version="v2", sha256=dict.fromkeys(sha256_manifest(v2), "0" * 64)

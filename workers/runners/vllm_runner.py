@@ -345,12 +345,15 @@ class VllmRunner:
         # Always strict: a partial layerwise reload leaves vLLM's parameters on the meta device.
         plan_copy(ckpt.entries, reference, strict=True, aliases={})
 
-    def validate_reload(self, spec: ReloadWeightsSpec, path: Path) -> dict[str, JsonValue]:
+    def validate_reload(
+        self, spec: ReloadWeightsSpec, path: Path, *, cancel: threading.Event | None = None
+    ) -> dict[str, JsonValue]:
         """A dry run of :meth:`reload_weights`: every check it makes before vLLM is touched (an
         engine loaded, the files vLLM would read, every header against the loaded checkpoint's
         manifest, the sha256 manifest), on the files as they are now. Nothing is copied or
-        drained: the engine serves on, untouched. RunnerError with reload_weights' code.
-        Returns facts: tensors, bytes, files."""
+        drained: the engine serves on, untouched. RunnerError with reload_weights' code
+        (COMMAND_TIMEOUT when ``cancel`` is set while hashing). Returns facts: tensors, bytes,
+        files."""
         with self._state:
             loaded = self._engine is not None
         if not loaded:
@@ -361,7 +364,7 @@ class VllmRunner:
         with open_checkpoint(path) as ckpt:
             self._check_layout(ckpt, path if path.is_dir() else path.parent)
             if spec.sha256:
-                verify_sha256(ckpt, spec.sha256)
+                verify_sha256(ckpt, spec.sha256, cancel)
             entries = ckpt.entries
             return {
                 "tensors": len(entries),
