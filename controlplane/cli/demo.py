@@ -612,12 +612,13 @@ class Demo:
         self.out.print(
             f"in a second terminal (or `source {script}`), `controlplane ...` reaches this demo:"
         )
-        for line in lines:
-            self.out.print(f"  {line}", markup=False)
+        for line in lines:  # never wrapped: each line is pasted whole into a shell
+            self.out.print(f"  {line}", markup=False, soft_wrap=True)
         self.out.print(
             f"  write token: {token}  (the dashboard's token field; API writes: "
             "Authorization: Bearer ...)",
             markup=False,
+            soft_wrap=True,
         )
         return script
 

@@ -83,6 +83,18 @@ async def test_the_printed_exports_make_a_second_terminal_work(
             assert [w["worker_id"] for w in json.loads(log.stdout)] == ["w-demo"]
 
 
+def test_long_export_lines_are_printed_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each line is pasted into a shell: never wrapped at the console's width."""
+    demo = Demo(tmp_path)
+    demo.bootstrap = "127.0.0.1:39092"
+    demo.env["FLEET_SIGNING_KEY"] = str(tmp_path / ("k" * 150) / "demo-ci.pem")
+    demo.second_terminal("http://127.0.0.1:8080/", "t0k")
+    printed = capsys.readouterr().out
+    assert f"export FLEET_SIGNING_KEY={demo.env['FLEET_SIGNING_KEY']}\n" in printed
+
+
 def test_the_default_topic_prefix_is_not_exported(tmp_path: Path) -> None:
     demo = Demo(tmp_path)
     demo.bootstrap = "127.0.0.1:39092"
