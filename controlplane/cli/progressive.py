@@ -31,6 +31,7 @@ from rich.text import Text
 from controlplane.cli.common import BootstrapOpt, Exit, PrefixOpt, app, fail, kafka_settings, run
 from controlplane.cli.follow import catch_up, judge_time
 from controlplane.cli.render import console
+from controlplane.cli.rollout import DrainChoice
 from controlplane.coordinator.follower import Follower
 from controlplane.coordinator.publisher import publish_control
 from controlplane.kafka.settings import DEFAULT_BOOTSTRAP, KafkaSettings
@@ -48,6 +49,7 @@ from controlplane.wire.control import (
 )
 from controlplane.wire.errors import ControlPlaneError, LocalCode, WireCode
 from controlplane.wire.exits import CONTROL_PHASE_EXITS
+from controlplane.wire.messages import DEFAULT_DRAIN_TIMEOUT_S, DrainPolicy
 from controlplane.wire.validation import summarize
 
 rollout_app = typer.Typer(
@@ -68,6 +70,29 @@ WaitOpt = Annotated[
 WaitTimeoutOpt = Annotated[
     float | None,
     typer.Option("--wait-timeout", help="Give up waiting after this many seconds (exit 2)."),
+]
+#: The reload policy of the weights (as `reload-weights` has it): in the target's or the
+#: rollout's desired state, so in every reload made from it (each wave's, a drift sync's, a
+#: rollback to it).
+DrainOpt = Annotated[
+    DrainChoice | None,
+    typer.Option(
+        "--drain",
+        help="Requests in flight on each worker during its reload: wait for them (default), "
+        "abort them, or keep them paused across the reload (vLLM; torch waits). docs/wire.md.",
+    ),
+]
+DrainTimeoutOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--drain-timeout",
+        help=f"Seconds to wait for requests in flight (default {DEFAULT_DRAIN_TIMEOUT_S:g}); "
+        "past it the reload fails COMMAND_TIMEOUT, weights untouched.",
+    ),
+]
+NoResetCacheOpt = Annotated[
+    bool,
+    typer.Option("--no-reset-cache", help="Keep the server's prefix cache across each reload."),
 ]
 _DURATION_RE: Final = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)?$")
 _UNITS: Final = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -118,9 +143,19 @@ def _desired(
     sha256: Path | None,
     non_strict: bool,
     set_: list[str],
+    drain: DrainChoice | None = None,
+    drain_timeout: float | None = None,
+    no_reset_cache: bool = False,
 ) -> Desired:
     if (weights is None) != (version is None):
         raise _invalid("--weights and --version go together")
+    policy: dict[str, Any] = {}
+    if drain is not None:
+        policy["mode"] = drain.value
+    if drain_timeout is not None:
+        policy["timeout_s"] = drain_timeout
+    if weights is None and (policy or no_reset_cache):
+        raise _invalid("--drain, --drain-timeout and --no-reset-cache go with --weights")
     manifest: dict[str, str] = {}
     if sha256 is not None:
         try:
@@ -130,7 +165,15 @@ def _desired(
     try:
         ref = None
         if weights is not None:
-            ref = WeightsRef(path=weights, version=version, sha256=manifest, strict=not non_strict)
+            # Written only when asked for, as reload-weights does.
+            ref = WeightsRef(
+                path=weights,
+                version=version,
+                sha256=manifest,
+                strict=not non_strict,
+                drain=DrainPolicy.model_validate(policy) if policy else None,
+                reset_cache=False if no_reset_cache else None,
+            )
         return Desired(weights=ref, config=_overrides(set_))
     except ValidationError as exc:
         raise _invalid(summarize(exc)) from None
@@ -257,14 +300,21 @@ def targets_set(
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="Stable config key=value, repeatable.")
     ] = None,
+    drain: DrainOpt = None,
+    drain_timeout: DrainTimeoutOpt = None,
+    no_reset_cache: NoResetCacheOpt = False,
     bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
     prefix: PrefixOpt = "fleet",
 ) -> None:
     """Create a target, or change its selector; with --weights/--version (or --set) also
-    declare its stable state directly (no rollout: the controller converges drifting workers)."""
+    declare its stable state directly (no rollout: the controller converges drifting workers,
+    each reload with the --drain / --no-reset-cache policy given here)."""
     stable = None
-    if weights is not None or version is not None or set_:
-        stable = _desired(weights, version, None, False, set_ or [])
+    asked = drain is not None or drain_timeout is not None or no_reset_cache
+    if weights is not None or version is not None or set_ or asked:
+        stable = _desired(
+            weights, version, None, False, set_ or [], drain, drain_timeout, no_reset_cache
+        )
     try:
         spec = TargetSpec(
             name=name,
@@ -301,6 +351,9 @@ def start(
         Path | None, typer.Option("--sha256", help="JSON file {file: sha256hex}.")
     ] = None,
     non_strict: Annotated[bool, typer.Option("--non-strict")] = False,
+    drain: DrainOpt = None,
+    drain_timeout: DrainTimeoutOpt = None,
+    no_reset_cache: NoResetCacheOpt = False,
     canary: Annotated[int, typer.Option("--canary", min=0, help="Workers of the first wave.")] = 0,
     steps: Annotated[
         str, typer.Option("--steps", help="Cumulative waves after the canary, e.g. 10%,50%,100%.")
@@ -339,7 +392,9 @@ def start(
     prefix: PrefixOpt = "fleet",
 ) -> None:
     """Start a progressive rollout of new weights (or config) to a target."""
-    desired = _desired(weights, version, sha256, non_strict, set_ or [])
+    desired = _desired(
+        weights, version, sha256, non_strict, set_ or [], drain, drain_timeout, no_reset_cache
+    )
     try:
         probe = None
         if probe_prompt is not None:

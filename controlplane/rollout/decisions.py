@@ -247,9 +247,18 @@ def progressing_state(state: RolloutState, why: str) -> RolloutState:
 
 
 def reload_spec(desired: Desired) -> ReloadWeightsSpec:
+    """The reload to ``desired``'s weights, with their drain and cache policy (each omitted on
+    the wire when the desired state does not give it)."""
     assert desired.weights is not None
     w = desired.weights
-    return ReloadWeightsSpec(path=w.path, version=w.version, sha256=dict(w.sha256), strict=w.strict)
+    return ReloadWeightsSpec(
+        path=w.path,
+        version=w.version,
+        sha256=dict(w.sha256),
+        strict=w.strict,
+        drain=w.drain,
+        reset_cache=w.reset_cache,
+    )
 
 
 def change_spec(change: Desired, probe: ProbeGate | None = None) -> CommandSpec:

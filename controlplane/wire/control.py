@@ -37,6 +37,7 @@ from controlplane.wire.errors import ProtocolError, WireCode
 from controlplane.wire.messages import (
     MAX_MESSAGE_BYTES,
     SCHEMA_VERSION,
+    DrainPolicy,
     Identifier,
     Labels,
     SchemaVersion,
@@ -45,6 +46,7 @@ from controlplane.wire.messages import (
     WireModel,
     WorkerIds,
     _finite_json,
+    _is_none,
 )
 
 #: Rollout ids of progressive rollouts are shorter than identifiers: the controller derives the
@@ -63,7 +65,9 @@ _PERCENT_RE: Final = re.compile(r"^([0-9]+)%$")
 
 
 class WeightsRef(WireModel):
-    """A checkpoint, as a reload command names it."""
+    """A checkpoint, as a reload command names it, and how the reload treats requests in
+    flight and the prefix cache (each reload made from it carries them: a wave's, a drift
+    sync's, a rollback to it)."""
 
     path: Annotated[str, StringConstraints(min_length=1, max_length=4096)]
     version: Identifier
@@ -71,6 +75,20 @@ class WeightsRef(WireModel):
         Field(default_factory=dict, description="Optional manifest: file name -> sha256 hex.")
     )
     strict: bool = True
+    # Never written when None, as in ReloadWeightsSpec: records written before drain policies
+    # read the same, and the commands made from this ref omit what was not given.
+    drain: DrainPolicy | None = Field(
+        default=None,
+        exclude_if=_is_none,
+        description="ReloadWeightsSpec.drain of every reload to these weights. Omitted: the "
+        "worker's default (wait, with a deadline).",
+    )
+    reset_cache: bool | None = Field(
+        default=None,
+        exclude_if=_is_none,
+        description="ReloadWeightsSpec.reset_cache of every reload to these weights. Omitted: "
+        "true.",
+    )
 
 
 class Desired(WireModel):

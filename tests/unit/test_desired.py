@@ -3,6 +3,10 @@ and the API show, from the controller topic's fold and the fleet's (issue 12).""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
 from controlplane.rollout.desired import Alignment, target_status, targets_status
 from controlplane.rollout.fleet import Fleet
 from controlplane.rollout.progressive import conflicts, reconcile
@@ -61,3 +65,114 @@ def test_each_worker_is_in_sync_drifting_updating_lost_or_in_conflict() -> None:
     commands = reconcile(control, fleet, now)
     assert [c.selector.worker_ids for c in commands] == [["w-old"]]
     assert [s.name for s in targets_status(control, fleet, now)] == ["llama", "zone-a"]
+
+
+# --------------------------------------------------------------------------- drain and cache policy
+
+
+def test_a_desired_states_drain_and_cache_policy_reach_every_reload_it_makes() -> None:
+    """issue 14: a target's or a rollout's reload policy is in each command made from it (a
+    wave's, with or without the probe; a drift sync's; a rollback's, from the state it goes
+    back to), omitted on the wire when not given."""
+    from controlplane.rollout.decisions import change_spec, reload_spec
+    from controlplane.rollout.rollback import rollback_spec
+    from controlplane.wire.control import ProbeGate
+    from controlplane.wire.messages import DrainPolicy, ReloadWeightsSpec
+
+    policy = DrainPolicy(mode="abort", timeout_s=7.0)
+    ref = WeightsRef(path="/ckpt/v2", version="v2", drain=policy, reset_cache=False)
+    desired = Desired(weights=ref)
+    for spec in (
+        reload_spec(desired),
+        change_spec(desired),
+        change_spec(desired, ProbeGate(prompt="hi")),
+        rollback_spec(desired, Desired(weights=WeightsRef(path="/ckpt/v3", version="v3"))),
+    ):
+        assert isinstance(spec, ReloadWeightsSpec)
+        assert (spec.drain, spec.reset_cache) == (policy, False)
+        wire = spec.model_dump(mode="json")
+        assert wire["drain"] == {"mode": "abort", "timeout_s": 7.0}
+        assert wire["reset_cache"] is False
+    plain = reload_spec(Desired(weights=WeightsRef(path="/ckpt/v1", version="v1")))
+    assert (plain.drain, plain.reset_cache) == (None, None)
+    assert {"drain", "reset_cache"}.isdisjoint(plain.model_dump(mode="json"))
+    assert (plain.drain_policy, plain.resets_cache) == (DrainPolicy(), True)  # the defaults
+
+
+def test_a_weights_ref_without_a_policy_is_written_as_before() -> None:
+    """Records (targets, rollouts, states) written before drain policies read the same, and a
+    ref without one is written without the fields (a reader built before reads it too)."""
+    from controlplane.wire.messages import DrainPolicy
+
+    ref = WeightsRef(path="/ckpt", version="v1")
+    assert ref.model_dump(mode="json") == {
+        "path": "/ckpt",
+        "version": "v1",
+        "sha256": {},
+        "strict": True,
+    }
+    given = WeightsRef.model_validate_json(
+        '{"path": "/ckpt", "version": "v1", "drain": {"mode": "keep"}, "reset_cache": true}'
+    )
+    assert (given.drain, given.reset_cache) == (DrainPolicy(mode="keep"), True)
+
+
+def test_the_cli_builds_the_policy_as_reload_weights_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`targets set` / `rollout start`: --drain, --drain-timeout, --no-reset-cache, as
+    `reload-weights` has them; without them nothing is written; a bad value is SCHEMA_INVALID;
+    without --weights they are refused (a config change reloads nothing)."""
+    import typer
+
+    from controlplane.cli.progressive import _desired
+    from controlplane.cli.rollout import DrainChoice
+    from controlplane.wire.messages import DrainPolicy
+
+    d = _desired("/ckpt", "v2", None, False, [], DrainChoice.ABORT, 7.0, True)
+    assert d.weights is not None
+    assert (d.weights.drain, d.weights.reset_cache) == (
+        DrainPolicy(mode="abort", timeout_s=7),
+        False,
+    )
+    only_timeout = _desired("/ckpt", "v2", None, False, [], None, 3.0, False)
+    assert only_timeout.weights is not None
+    assert only_timeout.weights.drain == DrainPolicy(mode="wait", timeout_s=3.0)
+    plain = _desired("/ckpt", "v2", None, False, [])
+    assert plain.weights is not None and (plain.weights.drain, plain.weights.reset_cache) == (
+        None,
+        None,
+    )
+    bad: list[tuple[Any, ...]] = [
+        ("/ckpt", "v2", None, False, [], None, 0.0, False),  # a deadline must be > 0
+        (None, None, None, False, ["k=1"], DrainChoice.WAIT, None, False),  # no weights
+        (None, None, None, False, ["k=1"], None, None, True),
+    ]
+    for args in bad:
+        with pytest.raises(typer.Exit) as exc:
+            _desired(*args)
+        assert exc.value.exit_code != 0, args
+        assert "SCHEMA_INVALID" in capsys.readouterr().err, args
+
+
+def test_the_apis_bodies_take_the_policy_in_the_desired_state() -> None:
+    """PUT /targets/{name} and POST /targets/{name}/rollouts take Desired as it is: the policy
+    goes in ``weights.drain`` / ``weights.reset_cache``, checked as the wire checks it."""
+    from pydantic import ValidationError
+
+    from controlplane.api.models import ROLLOUT_START_REQUEST, TARGET_REQUEST
+    from controlplane.wire.messages import DrainPolicy
+
+    weights = {"path": "/ckpt", "version": "v2", "drain": {"mode": "abort"}, "reset_cache": False}
+    start = ROLLOUT_START_REQUEST.validate_python({"desired": {"weights": weights}})
+    assert start.desired.weights is not None
+    assert start.desired.weights.drain == DrainPolicy(mode="abort")
+    target = TARGET_REQUEST.validate_python(
+        {"selector": {"m": "x"}, "stable": {"weights": weights}}
+    )
+    assert target.stable is not None and target.stable.weights is not None
+    assert target.stable.weights.reset_cache is False
+    with pytest.raises(ValidationError):
+        ROLLOUT_START_REQUEST.validate_python(
+            {"desired": {"weights": {**weights, "drain": {"mode": "later"}}}}
+        )
