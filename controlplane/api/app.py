@@ -36,7 +36,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.staticfiles import StaticFiles
 
-from controlplane.api.fleet import ROLLOUTS_SHOWN, ETags, FleetFeed
+from controlplane.api.fleet import ROLLOUTS_SHOWN, ETags, FleetFeed, target_overview
 from controlplane.api.models import (
     API,
     PAGE_DEFAULT,
@@ -80,7 +80,6 @@ from controlplane.coordinator.summary import (
     in_sync_with,
 )
 from controlplane.kafka.bus import Delivery
-from controlplane.rollout.desired import target_status
 from controlplane.rollout.models import (
     RolloutPhase,
     RolloutStatus,
@@ -428,14 +427,8 @@ def create_app(
         dependencies=reads,
     )
     async def targets_summary() -> list[TargetOverview]:
-        control, now = coordinator.control, coordinator.now()
-        return [
-            TargetOverview.of(
-                target_status(control, coordinator.fleet, t, now),
-                undo_available=t.previous is not None,
-            )
-            for t in control.targets()
-        ]
+        now = coordinator.now()
+        return [target_overview(coordinator, t, now) for t in coordinator.control.targets()]
 
     @app.get(
         f"{API}/targets/{{name}}/summary",
@@ -445,8 +438,7 @@ def create_app(
     )
     async def target_summary(name: str) -> TargetOverview:
         target = coordinator.control.known_target(name, create=f"PUT {API}/targets/{name}")
-        status = target_status(coordinator.control, coordinator.fleet, target, coordinator.now())
-        return TargetOverview.of(status, undo_available=target.previous is not None)
+        return target_overview(coordinator, target, coordinator.now())
 
     @app.get(
         f"{API}/events",

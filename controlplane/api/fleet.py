@@ -24,6 +24,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Final
 
 from pydantic import BaseModel
@@ -40,6 +41,7 @@ from controlplane.api.models import (
 from controlplane.coordinator.service import Coordinator
 from controlplane.coordinator.summary import Budget, Summaries
 from controlplane.rollout.desired import target_status
+from controlplane.rollout.targets import Target
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,12 @@ SECTIONS: Final = ("rollouts", "progressive", "targets")
 ID_OF: Final = {"rollouts": "rollout_id", "progressive": "rollout_id", "targets": "name"}
 #: Fields that say when something was judged, not what it is: not a change by themselves.
 JUDGED_AT: Final = frozenset({"as_of", "in_sync_as_of", "oldest_as_of"})
+
+
+def target_overview(coordinator: Coordinator, target: Target, now: datetime) -> TargetOverview:
+    """``target`` in counts, as the stream and GET /summary/targets show it."""
+    status = target_status(coordinator.control, coordinator.fleet, target, now)
+    return TargetOverview.of(status, undo_available=target.previous is not None)
 
 
 def _without_judged_at(value: Any) -> Any:
@@ -149,15 +157,7 @@ class FleetFeed:
             for r in list(reversed(control.rollouts()))[:PROGRESSIVE_SHOWN]
         }
         now = coordinator.now()
-        targets = {
-            t.name: _item(
-                TargetOverview.of(
-                    target_status(control, coordinator.fleet, t, now),
-                    undo_available=t.previous is not None,
-                )
-            )
-            for t in control.targets()
-        }
+        targets = {t.name: _item(target_overview(coordinator, t, now)) for t in control.targets()}
         self.judged += 1
         return FleetView(
             summary, {"rollouts": rollouts, "progressive": progressive, "targets": targets}
