@@ -80,6 +80,11 @@ _STATE_STYLE = {
 
 
 def target(status: RolloutStatus) -> str:
+    """What the rollout rolls out; a dry run says so (it changed nothing)."""
+    return _target(status) + (" (dry run)" if status.dry_run else "")
+
+
+def _target(status: RolloutStatus) -> str:
     if status.target_version is not None:
         return f"weights {status.target_version}"
     if status.overrides is not None:

@@ -12,8 +12,19 @@ from controlplane.rollout.registry import WorkerView
 
 
 def test_the_target_of_a_rollout_whose_command_no_worker_could_read() -> None:
-    status = cast(Any, SimpleNamespace(target_version=None, overrides=None, kind=None))
+    status = cast(
+        Any, SimpleNamespace(target_version=None, overrides=None, kind=None, dry_run=False)
+    )
     assert target(status) == "unreadable command"
+
+
+def test_a_dry_run_says_so_wherever_its_target_is_shown() -> None:
+    from tests.factories import alive, command, full, status
+
+    events = [command(workers=["w1"]).model_copy(update={"dry_run": True})]
+    judged = status(*events, *alive("w1", sent=1), *full("w1", 1, 2), now=3)
+    assert judged.dry_run and target(judged) == "weights v2 (dry run)"
+    assert "weights v2 (dry run)" in _rendered_rollouts([judged])
 
 
 def _worker(**fields: Any) -> WorkerView:
@@ -23,6 +34,14 @@ def _worker(**fields: Any) -> WorkerView:
 
     at = datetime(2026, 12, 1, 6, 30, tzinfo=UTC)
     return WorkerView.of(fake_heartbeat("w1", at, interval_s=3.0, **fields), at)
+
+
+def _rendered_rollouts(statuses: list[Any]) -> str:
+    from controlplane.cli.render import rollouts_table
+
+    out = Console(width=300, record=True, color_system=None)
+    out.print(rollouts_table(statuses))
+    return out.export_text()
 
 
 def _rendered(worker: WorkerView) -> str:
