@@ -152,7 +152,8 @@ def ack_anomalies(
             f"(first terminal wins); ignored {others}",
         )
     spec = command.spec
-    if isinstance(spec, ReloadWeightsSpec):
+    # A dry run acks the version in force (it applies nothing): no version to compare with.
+    if isinstance(spec, ReloadWeightsSpec) and not command.dry_run:
         for track in expected:
             t = track.terminal
             if (

@@ -50,6 +50,7 @@ def test_a_dry_runs_success_is_never_a_desired_version() -> None:
     assert status.phase is RolloutPhase.SUCCEEDED
     assert status.message == DRY_RUN_PREFIX + "all 2 worker(s) succeeded"
     assert status.dry_run
+    assert not status.anomalies  # it acks the version in force: no VERSION_MISMATCH
     assert not f.status("r1", at(51)).message.startswith(DRY_RUN_PREFIX)
     assert not f.status("r1", at(51)).dry_run
 
