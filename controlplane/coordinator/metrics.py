@@ -1,7 +1,9 @@
 """Prometheus metrics of one coordinator: counters fed by follower batches, gauges read at scrape time.
 
 Each instance owns its CollectorRegistry (never the process-global one). No I/O, no HTTP: api.py
-serves the text. Counters include the replay of the log at start, so they count the log's history.
+serves the text. Counters count what this process folded: the whole log at start, or only its tail
+after a snapshot restore. The rollout duration histogram observes each ended rollout the fold
+holds once per process (a restart observes them again; dry runs never).
 Gauges come from :class:`~controlplane.coordinator.summary.Summaries` (cached judgments and
 counts kept as heartbeats arrive): a scrape costs O(rollouts + targets), never O(workers x
 rollouts) plus O(workers of targets) for the per-target version counts; await
@@ -196,9 +198,12 @@ class CoordinatorMetrics:
         )
         self._duration = Histogram(
             "controlplane_rollout_duration_seconds",
-            "Seconds from a rollout's issue to its verdict, once per ended rollout, by type "
-            "(command: one command, each batch of a progressive rollout included; progressive: "
-            "a target's rollout, issued to ended) and final phase.",
+            "Seconds from a rollout's issue to its verdict, by type (command: one command, each "
+            "batch of a progressive rollout included, dry runs excluded: they apply nothing; "
+            "progressive: a target's rollout, issued to ended) and final phase. Each ended "
+            "rollout the coordinator's fold holds is observed once per process: a restart "
+            "observes them again from the replay or the restored snapshot (a counter reset to "
+            "Prometheus: use rate() or increase()).",
             ["type", "phase"],
             buckets=DURATION_BUCKETS,
             registry=self.registry,
@@ -239,7 +244,8 @@ class CoordinatorMetrics:
         from the cached judgments (a command rollout) and the control topic's fold (a
         progressive one). :meth:`render` calls it; nothing while the coordinator is not caught up."""
         coordinator = self._coordinator
-        if coordinator.judge_time() is None:
+        now = coordinator.judge_time()
+        if now is None:
             return
         timed = self._timed["command"]
         known = coordinator.fleet.rollout_ids()
@@ -249,6 +255,8 @@ class CoordinatorMetrics:
             overview = self.summaries.overview_cached(rollout_id)
             if overview.terminal and overview.duration_s is not None:
                 timed.add(rollout_id)
+                if self._dry_run(rollout_id, now):
+                    continue  # checked, applied nowhere: not a rollout's duration
                 seconds = max(0.0, overview.duration_s)
                 self._duration.labels("command", overview.phase.value).observe(seconds)
         timed.intersection_update(known)
@@ -264,6 +272,18 @@ class CoordinatorMetrics:
             seconds = max(0.0, (state.ended_at - rollout.spec.issued_at).total_seconds())
             self._duration.labels("progressive", state.phase.value).observe(seconds)
         timed.intersection_update(r.rollout_id for r in rollouts)
+
+    def _dry_run(self, rollout_id: str, now: datetime) -> bool:
+        """Whether the rollout's command is a dry run (``Command.dry_run``): read from its command,
+        or from its summary once summarized (never a judgment of its workers)."""
+        fleet = self._coordinator.fleet
+        try:
+            return bool(fleet.command(rollout_id).dry_run)
+        except KeyError:  # summarized, or only NACKs: the stored status says
+            try:
+                return fleet.status(rollout_id, now).dry_run
+            except KeyError:
+                return False
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (content type :data:`CONTENT_TYPE`)."""

@@ -22,7 +22,7 @@ from controlplane.wire.protocol import (
     AckState,
     Command,
 )
-from tests.component.conftest import T0, ack, command, feed, heartbeat, sample
+from tests.component.conftest import T0, Clock, ack, command, feed, heartbeat, sample, succeeded
 
 # --------------------------------------------------------------------------- metrics
 
@@ -320,3 +320,58 @@ async def test_metrics_need_no_token_when_reads_do() -> None:
             assert r.status_code == 200 and "controlplane_ready" in r.text
     finally:
         await coordinator.stop()
+
+
+async def test_rollout_duration_leaves_dry_runs_out(
+    client: httpx.AsyncClient, coordinator: Coordinator
+) -> None:
+    """A dry run (``Command.dry_run``) applies nothing: its verdict is no rollout's duration,
+    neither while its command is held nor once it is summarized (review LOW-9)."""
+    dry = command("r-dry", issued=1.0).model_copy(update={"dry_run": True})
+    real = command("r-real", issued=2.0)
+    feed(coordinator, heartbeat("w1", 0.0), heartbeat("w2", 0.0), dry, real)
+    feed(coordinator, *succeeded(dry, "w1", "w2", sent=4.0), *succeeded(real, "w1", "w2", sent=4.0))
+    name = "controlplane_rollout_duration_seconds"
+    text = (await client.get("/metrics")).text
+    assert sample(text, f"{name}_count", type="command", phase="succeeded") == 1  # r-real only
+    assert sample(text, f"{name}_sum", type="command", phase="succeeded") == pytest.approx(2.0)
+
+
+async def test_a_summarized_dry_run_is_left_out_of_the_rollout_duration(
+    coordinator: Coordinator,
+) -> None:
+    dry = command("r-dry", issued=1.0).model_copy(update={"dry_run": True})
+    feed(coordinator, heartbeat("w1", 0.0), heartbeat("w2", 0.0), dry)
+    feed(coordinator, *succeeded(dry, "w1", "w2", sent=4.0))
+    now = coordinator.judge_time()
+    assert now is not None and coordinator.fleet.check_ended("r-dry", now) is not None
+    coordinator.fleet.summarize("r-dry", now)
+    assert coordinator.fleet.is_summarized("r-dry")
+    text = create_app(coordinator).state.metrics.render().decode()
+    name = "controlplane_rollout_duration_seconds"
+    assert sample(text, f"{name}_count", type="command", phase="succeeded") is None
+
+
+async def test_rollout_duration_after_a_restart_observes_each_ended_rollout_once(
+    clock: Clock, fleet_of_two: dict[str, Command], coordinator: Coordinator
+) -> None:
+    """The documented contract: each ended rollout the fold holds is observed once per process;
+    a restart (a replay of the log, or a restored snapshot of the fold) observes it again, once."""
+    name = "controlplane_rollout_duration_seconds"
+    labels = {"type": "command", "phase": "succeeded"}
+    first = create_app(coordinator).state.metrics
+    assert sample(first.render().decode(), f"{name}_count", **labels) == 1
+    assert sample(first.render().decode(), f"{name}_count", **labels) == 1
+    settings = coordinator.settings
+    restarted = Coordinator(settings, clock=clock, current_as_of=clock)
+    restarted.follower.caught_up.set()
+    try:
+        metrics = create_app(restarted).state.metrics
+        restarted.fleet.restore(coordinator.fleet.fold_state())  # the snapshot restore
+        text = metrics.render().decode()
+        assert sample(text, f"{name}_count", **labels) == 1
+        assert sample(text, f"{name}_sum", **labels) == pytest.approx(3.0)
+        assert sample(text, "controlplane_acks_total", state="succeeded", code="") is None
+        assert sample(metrics.render().decode(), f"{name}_count", **labels) == 1
+    finally:
+        await restarted.stop()
