@@ -276,13 +276,19 @@ def _event(name: str, data: dict[str, Any], seq: int) -> ServerSentEvent:
 # --------------------------------------------------------------------------- ETags
 
 _JUDGED_AT_JSON: Final = re.compile(rb'"(?:as_of|in_sync_as_of|oldest_as_of)":(?:"[^"]*"|null)')
+#: Response headers that are part of what a page says (the next page's link): in its ETag.
+REPRESENTATION_HEADERS: Final = ("link",)
 
 
-def etag_of(body: bytes) -> str:
-    """A weak ETag of a JSON body: equal for bodies that differ only in when they were judged
-    (their ``as_of`` fields), which are the same representation judged again."""
-    digest = hashlib.sha256(_JUDGED_AT_JSON.sub(b"", body)).hexdigest()[:32]
-    return f'W/"{digest}"'
+def etag_of(body: bytes, headers: Headers | None = None) -> str:
+    """A weak ETag of a JSON body and its :data:`REPRESENTATION_HEADERS`: equal for answers that
+    differ only in when they were judged (their ``as_of`` fields), which are the same
+    representation judged again; a page whose next-page link changed is another one."""
+    digest = hashlib.sha256(_JUDGED_AT_JSON.sub(b"", body))
+    for name in REPRESENTATION_HEADERS:
+        for value in headers.getlist(name) if headers is not None else ():
+            digest.update(b"\n" + name.encode() + b": " + value.encode())
+    return f'W/"{digest.hexdigest()[:32]}"'
 
 
 def _matches(if_none_match: str, tag: str) -> bool:
@@ -334,8 +340,8 @@ class ETags:
             if message.get("more_body", False):
                 return
             body = b"".join(chunks)
-            tag = etag_of(body)
             headers = MutableHeaders(raw=list(start["headers"]))
+            tag = etag_of(body, headers)
             headers["ETag"] = tag
             headers["Cache-Control"] = "no-cache"
             if if_none_match is not None and _matches(if_none_match, tag):

@@ -289,3 +289,21 @@ async def test_the_favicon_is_served(client: httpx.AsyncClient) -> None:
         icon = await client.get(path)
         assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml"
         assert icon.content.startswith(b"<svg")
+
+
+async def test_a_page_whose_next_link_changed_is_not_304(
+    coordinator: Coordinator, client: httpx.AsyncClient, fleet_of_two: dict[str, Command]
+) -> None:
+    path = "/api/v1/rollouts?limit=2"
+    first = await client.get(path)
+    assert [r["rollout_id"] for r in first.json()] == ["r-new", "r-old"]
+    assert "link" not in first.headers
+    # An older rollout: the page's body is the same, but now it has a next page.
+    feed(coordinator, command("r-oldest", issued=0.5, version="v1"))
+    again = await client.get(path, headers={"If-None-Match": first.headers["etag"]})
+    assert again.status_code == 200 and again.content == first.content
+    assert 'rel="next"' in again.headers["link"]
+    assert again.headers["etag"] != first.headers["etag"]
+    # Unchanged, Link included: 304, and the Link still said.
+    same = await client.get(path, headers={"If-None-Match": again.headers["etag"]})
+    assert same.status_code == 304 and same.headers["link"] == again.headers["link"]
