@@ -33,6 +33,7 @@ from rich.rule import Rule
 from controlplane.coordinator.follower import Follower
 from controlplane.kafka.broker import BrokerConfig, LocalBroker
 from controlplane.kafka.launch import free_port
+from controlplane.kafka.secure import write_private
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.errors import ControlPlaneError
 from controlplane.wire.protocol import WorkerStatus, utcnow
@@ -605,10 +606,10 @@ class Demo:
 
     def second_terminal(self, api: str, token: str) -> Path:
         """Print what a second terminal needs (the ``export`` lines, the write token) and write
-        the lines to ``<workdir>/env.sh``; returns its path."""
+        the lines to ``<workdir>/env.sh`` (0600: it holds the write token); returns its path."""
         lines = self.exports(api, token)
         script = self.workdir / "env.sh"
-        script.write_text("\n".join(lines) + "\n")
+        write_private(script, ("\n".join(lines) + "\n").encode())
         self.out.print(
             f"in a second terminal (or `source {script}`), `controlplane ...` reaches this demo:"
         )
