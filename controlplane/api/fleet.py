@@ -244,10 +244,12 @@ class FleetFeed:
         finally:
             self._readers -= 1
             if self._readers == 0 and self._task is not None:
-                self._task.cancel()
+                # Detached before waiting for it: a reader arriving meanwhile starts a new
+                # feed, never this cancelled one (it would end at once).
+                stopping, self._task = self._task, None
+                stopping.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await self._task
-                self._task = None
+                    await stopping
                 # The view and the deltas stay: a client reconnecting resumes from them, and
                 # the next judgment is a delta against that view.
 

@@ -9,6 +9,7 @@ served by uvicorn on a free port where a stream is read as it comes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 from collections.abc import AsyncIterator
@@ -307,3 +308,41 @@ async def test_a_page_whose_next_link_changed_is_not_304(
     # Unchanged, Link included: 304, and the Link still said.
     same = await client.get(path, headers={"If-None-Match": again.headers["etag"]})
     assert same.status_code == 304 and same.headers["link"] == again.headers["link"]
+
+
+async def test_a_reader_arriving_while_the_last_one_tears_down_gets_a_new_feed(
+    coordinator: Coordinator, app: FastAPI, fleet_of_two: dict[str, Command]
+) -> None:
+    fleet_feed = app.state.fleet_feed
+    first = fleet_feed.events(None)
+    _, name, _ = _parsed(await anext(first))
+    assert name == "snapshot" and fleet_feed.readers == 1
+    # Stepped by hand: the last reader's teardown up to where it waits for the cancelled feed.
+    closing = first.aclose()
+    waited = closing.send(None)  # the feed task, cancelled, not done yet
+    assert fleet_feed.readers == 0 and isinstance(waited, asyncio.Task) and not waited.done()
+    second = fleet_feed.events(None)
+    try:
+        _, name, snapshot = _parsed(await anext(second))
+        assert name == "snapshot" and snapshot["rollouts"][0]["rollout_id"] == "r-new"
+        feed(coordinator, ack(fleet_of_two["new"], "w2", AckState.SUCCEEDED, 9.5))
+        _, name, delta = _parsed(await anext(second))
+        # The bug: the cancelled feed was reused, and this stream ended here.
+        assert name == "delta" and delta["rollouts"][0]["phase"] == "failed"
+        feed_of_fleet = fleet_feed._task
+        assert feed_of_fleet is not None and feed_of_fleet is not waited
+        with contextlib.suppress(asyncio.CancelledError):
+            await waited
+        with pytest.raises(StopIteration):
+            closing.send(None)  # the old reader's teardown ends; the new feed goes on
+        assert (
+            fleet_feed._task is feed_of_fleet
+            and not feed_of_fleet.done()
+            and fleet_feed.readers == 1
+        )
+    finally:
+        await second.aclose()
+
+
+def _parsed(event: Any) -> tuple[int, str, dict[str, Any]]:
+    return int(event.id), event.event, json.loads(event.data)
