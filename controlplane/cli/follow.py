@@ -277,7 +277,7 @@ async def follow(
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         bar = Progress(
-            TextColumn("{task.description}"),
+            TextColumn("{task.description}", markup=False),
             BarColumn(),
             TextColumn("{task.completed}/{task.total}"),
             TimeElapsedColumn(),

@@ -30,7 +30,7 @@ from rich.text import Text
 
 from controlplane.cli.common import BootstrapOpt, Exit, PrefixOpt, app, fail, kafka_settings, run
 from controlplane.cli.follow import catch_up, judge_time
-from controlplane.cli.render import console
+from controlplane.cli.render import console, plain
 from controlplane.cli.rollout import DrainChoice
 from controlplane.coordinator.follower import Follower
 from controlplane.coordinator.publisher import publish_control
@@ -224,7 +224,7 @@ def targets(
 
 
 def targets_table(statuses: list[TargetStatus]) -> Table:
-    table = Table(title="targets")
+    table = Table(title=Text("targets"))
     for column in (
         "target",
         "selector",
@@ -246,12 +246,15 @@ def targets_table(statuses: list[TargetStatus]) -> Table:
             phase = s.rollout.phase.value if s.rollout.phase is not None else "pending"
             rollout = f"{s.rollout.rollout_id} {phase} wave {s.rollout.wave}/{s.rollout.waves}"
         table.add_row(
-            s.name,
-            ",".join(f"{k}={v}" for k, v in s.selector.items()),
-            s.stable_version or "-",
-            rollout,
-            *(str(n) for n in (s.workers, s.at_stable, s.at_new, s.updating, s.drifting, s.lost)),
-            str(s.conflicts),
+            *plain(
+                s.name,
+                ",".join(f"{k}={v}" for k, v in s.selector.items()),
+                s.stable_version or "-",
+                rollout,
+                *(str(n) for n in (s.workers, s.at_stable, s.at_new, s.updating, s.drifting)),
+                str(s.lost),
+                str(s.conflicts),
+            ),
             digest_agreement(s),
         )
     return table
@@ -524,7 +527,7 @@ def rollout_table(rollout: Rollout) -> Table:
     title = f"rollout {rollout.rollout_id} of {spec.target}: {s.phase or 'pending'}"
     if s.code:
         title += f" ({s.code})"
-    table = Table(title=title)
+    table = Table(title=Text(title))
     table.add_column("wave")
     table.add_column("workers")
     table.add_column("gates")
@@ -534,11 +537,12 @@ def rollout_table(rollout: Rollout) -> Table:
                 f"{g.gate} {'ok' if g.passed else 'FAILED'}" for g in state.gates if g.wave == index
             ]
             marker = " <" if index == state.wave and not state.phase.terminal else ""
-            table.add_row(f"{index + 1}{marker}", ", ".join(wave), "; ".join(gates))
+            table.add_row(*plain(f"{index + 1}{marker}", ", ".join(wave), "; ".join(gates)))
         if state.failed:
-            table.add_row("failed", ", ".join(state.failed), "")
+            table.add_row(*plain("failed", ", ".join(state.failed), ""))
         if state.rollback:
-            table.add_row("rolled back", ", ".join(w for b in state.rollback for w in b), "")
+            rolled_back = ", ".join(w for b in state.rollback for w in b)
+            table.add_row(*plain("rolled back", rolled_back, ""))
     return table
 
 
@@ -580,19 +584,21 @@ def status(
 
 
 def history_table(title: str, rollouts: list[Rollout]) -> Table:
-    table = Table(title=title)
+    table = Table(title=Text(title))
     for column in ("rollout", "target", "version", "phase", "code", "started", "ended"):
         table.add_column(column)
     for r in rollouts:
         state = r.state
         table.add_row(
-            r.rollout_id,
-            r.spec.target,
-            r.spec.desired.version or ",".join(r.spec.desired.config) or "-",
-            "pending" if state is None else state.phase.value,
-            (state.code if state is not None else None) or "",
-            f"{state.started_at:%Y-%m-%d %H:%M:%S}" if state is not None else "",
-            f"{state.ended_at:%Y-%m-%d %H:%M:%S}" if state and state.ended_at else "",
+            *plain(
+                r.rollout_id,
+                r.spec.target,
+                r.spec.desired.version or ",".join(r.spec.desired.config) or "-",
+                "pending" if state is None else state.phase.value,
+                (state.code if state is not None else None) or "",
+                f"{state.started_at:%Y-%m-%d %H:%M:%S}" if state is not None else "",
+                f"{state.ended_at:%Y-%m-%d %H:%M:%S}" if state and state.ended_at else "",
+            )
         )
     return table
 

@@ -1,6 +1,9 @@
 """Human output for the CLI: rollout and worker tables, progress lines. Pure formatting, no I/O decisions.
 
-On a terminal rich draws tables; in CI logs the same tables come out as plain text.
+On a terminal rich draws tables; in CI logs the same tables come out as plain text. Data is
+never read as rich markup (an error, a label or a config value with ``[/x]`` in it is shown as
+it is, never a ``MarkupError``): cells and titles are :class:`~rich.text.Text` built from plain
+strings and styles, and :func:`console` prints strings as they are.
 """
 
 from __future__ import annotations
@@ -56,11 +59,21 @@ def dumped(value: BaseModel | Sequence[BaseModel] | Any, output: Output) -> str:
     return json.dumps(data)
 
 
-def titled(title: str, table: Table) -> Group:
+def titled(title: str | Text, table: Table) -> Group:
     """A table under its title, the title on its own line, as wide as the terminal: a rich
     table's own title wraps at the table's width (a narrow table cut ``rollout r-...
-    (weights v2): failed`` in two on a 120-column terminal)."""
-    return Group(Text.from_markup(title), table)
+    (weights v2): failed`` in two on a 120-column terminal). A string title is plain text."""
+    return Group(Text(title) if isinstance(title, str) else title, table)
+
+
+def styled(text: str, style: str = "") -> Text:
+    """``text`` as it is (never markup), in ``style``."""
+    return Text(text, style=style)
+
+
+def plain(*texts: str) -> list[Text]:
+    """A table row's cells, each as it is (never markup)."""
+    return [Text(t) for t in texts]
 
 
 _PHASE_STYLE = {
@@ -118,12 +131,12 @@ def rollout_table(status: RolloutStatus, *, wide: bool = False) -> Group:
     """The rollout's workers: with ``wide``, a row each; else workers in the same state, on the
     same version, with the same error (code and message) share one row, with their count and
     a few of their ids (40 identical rejections are one row), the bad ones first."""
-    title = (
-        f"rollout {status.rollout_id} ({target(status)}): "
-        f"[{_PHASE_STYLE.get(status.phase, 'white')}]{status.phase.value}[/]"
+    title = Text.assemble(
+        f"rollout {status.rollout_id} ({target(status)}): ",
+        (status.phase.value, _PHASE_STYLE.get(status.phase, "white")),
     )
     if status.reason:
-        title += f" [{status.reason.value}]"
+        title.append(f" [{status.reason.value}]")
     table = Table(title_justify="left")
     for col in ("worker" if wide else "workers", "state", "version", "duration", "error"):
         table.add_column(col)
@@ -134,15 +147,19 @@ def rollout_table(status: RolloutStatus, *, wide: bool = False) -> Group:
         state = w.state.value + (f" (then {w.late_state.value})" if w.late_state else "")
         ids = [g.worker_id for g in group]
         table.add_row(
-            ids[0] if len(ids) == 1 else f"{len(ids)}: {few(ids)}",
-            f"[{_STATE_STYLE.get(w.state, 'white')}]{state}[/]",
-            w.weights_version or "-",
+            styled(ids[0] if len(ids) == 1 else f"{len(ids)}: {few(ids)}"),
+            styled(state, _STATE_STYLE.get(w.state, "white")),
+            styled(w.weights_version or "-"),
             _durations([g.duration_s for g in group]),
-            error[:160],
+            styled(error[:160]),
         )
     for u in status.unexpected:
         table.add_row(
-            u.worker_id, f"{u.state.value} (unexpected)", u.weights_version or "-", "-", ""
+            styled(u.worker_id),
+            styled(f"{u.state.value} (unexpected)"),
+            styled(u.weights_version or "-"),
+            "-",
+            "",
         )
     return titled(title, table)
 
@@ -193,10 +210,12 @@ def rollouts_table(statuses: list[RolloutStatus]) -> Group:
         c = s.counts
         done = c.succeeded + c.failed + c.rejected + c.lost
         table.add_row(
-            s.rollout_id,
-            target(s),
-            f"[{_PHASE_STYLE.get(s.phase, 'white')}]{s.phase.value}[/]"
-            + (f" {s.reason.value}" if s.reason else ""),
+            styled(s.rollout_id),
+            styled(target(s)),
+            Text.assemble(
+                (s.phase.value, _PHASE_STYLE.get(s.phase, "white")),
+                f" {s.reason.value}" if s.reason else "",
+            ),
             f"{c.succeeded}/{s.expected}"
             + (f" ({done - c.succeeded} bad)" if done > c.succeeded else ""),
             _short_time(s.issued_at),
@@ -213,16 +232,16 @@ def workers_table(workers: list[WorkerView], levels: list[WorkerLevel]) -> Group
     for w in workers:
         lv = by_id.get(w.worker_id)
         desired = lv.desired_version if lv and lv.desired_version else "-"
-        sync = "" if lv is None or lv.in_sync else " [yellow](out of sync)[/]"
+        sync = "" if lv is None or lv.in_sync else " (out of sync)"
         table.add_row(
-            w.worker_id,
-            ",".join(f"{k}={v}" for k, v in sorted(w.labels.items())),
-            w.runner,
-            w.device,
-            w.status.value + (f" {w.in_flight.command_id}" if w.in_flight else ""),
-            (w.weights_version or "-") + sync,
-            desired,
-            ("yes" if w.alive else "[red]no[/]") + _publishing(w),
+            styled(w.worker_id),
+            styled(",".join(f"{k}={v}" for k, v in sorted(w.labels.items()))),
+            styled(w.runner),
+            styled(w.device),
+            styled(w.status.value + (f" {w.in_flight.command_id}" if w.in_flight else "")),
+            Text.assemble(w.weights_version or "-", (sync, "yellow")),
+            styled(desired),
+            Text.assemble(("yes", "") if w.alive else ("no", "red"), (_publishing(w), "yellow")),
         )
     return titled("workers", table)
 
@@ -252,7 +271,7 @@ def _publishing(w: WorkerView) -> str:
         if w.publish_failing_since is not None
         else ""
     )
-    return f" [yellow](cannot publish{since}: {w.acks_unpublished} ack(s) waiting)[/]"
+    return f" (cannot publish{since}: {w.acks_unpublished} ack(s) waiting)"
 
 
 def _short_time(when: datetime) -> str:
@@ -260,4 +279,11 @@ def _short_time(when: datetime) -> str:
 
 
 def console(*, stderr: bool = False) -> Console:
-    return Console(stderr=stderr, highlight=False, width=None if Console().is_terminal else 160)
+    """The CLI's console: strings print as they are (``markup=False``: a rollout id, a label
+    or an error message is data, never markup); styles come as :class:`~rich.text.Text`."""
+    return Console(
+        stderr=stderr,
+        highlight=False,
+        markup=False,
+        width=None if Console().is_terminal else 160,
+    )

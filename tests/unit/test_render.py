@@ -129,3 +129,46 @@ def test_data_output_is_json_or_yaml_of_the_same_fields() -> None:
     assert as_json == yaml.safe_load(dumped(judged, Output.YAML))
     assert as_json["counts"]["rejected"] == 38
     assert few(["a", "b"]) == "a, b" and few(list("abcdef")) == "a, b, c and 3 more"
+
+
+# --------------------------------------------------------------------------- data is never markup
+
+#: Text rich would read as a closing tag (``MarkupError``: exit 5 instead of the result).
+MARKUP = "[/x] [bold]"
+
+
+def _rendered_everywhere(renderable: Any) -> list[str]:
+    """``renderable`` as a default rich console prints it, and as the CLI's own does."""
+    from controlplane.cli.render import console
+
+    texts = [_table_text(renderable)]
+    cli_out = console()
+    with cli_out.capture() as captured:
+        cli_out.print(renderable)
+    texts.append(captured.get())
+    return texts
+
+
+def test_markup_in_an_error_a_label_a_config_value_and_a_line_is_shown_as_it_is() -> None:
+    from controlplane.cli.render import console, rollout_table, rollouts_table
+    from tests.factories import Event, X, ack, alive, command, status
+
+    events: list[Event] = [command(workers=["w1"]), *alive("w1", sent=1)]
+    nack = ack("w1", X, 2, code="PATH_NOT_ALLOWED")
+    assert nack.error is not None
+    error = nack.error.model_copy(update={"message": f"bad {MARKUP}"})
+    events.append(nack.model_copy(update={"error": error}))
+    judged = status(*events, now=3).model_copy(
+        update={"target_version": None, "overrides": {"stop": "[/INST]"}}
+    )
+    for text in _rendered_everywhere(rollout_table(judged)):
+        assert f"bad {MARKUP}" in text and "config stop=[/INST]" in text, text
+    for text in _rendered_everywhere(rollouts_table([judged])):
+        assert "config stop=[/INST]" in text, text
+    worker = _worker(labels={"disk": "[/dev/nvme0]"})
+    for text in _rendered_everywhere(workers_table([worker], [])):
+        assert "disk=[/dev/nvme0]" in text, text
+    out = console()
+    with out.capture() as captured:
+        out.print(f"config {MARKUP}")
+    assert captured.get().strip() == f"config {MARKUP}"
