@@ -193,10 +193,22 @@ def test_drain_quick(tmp_path: Path, pytestconfig: pytest.Config) -> None:
     for mode in ("wait", "abort", "keep"):
         row = modes[mode]
         assert number(row["gap_s"]["p50"]) and number(row["gap_s"]["p99"]), mode
-        assert row["completed"] > 0 and row["failed"] >= 0 and row["mixed"] >= 0, mode
+        assert row["completed"] > 0, mode
         assert row["in_flight"] > 0, mode  # every reload ran with requests in flight
         assert {"gap_over_idle_reload", "reload_over_idle_reload"} <= row["ratios"].keys()
+        # What the policies guarantee, in every run (counts, never times): no response of
+        # the torch runner mixes two versions, whatever the policy...
+        assert row["mixed"] == 0, (mode, row["mixed"])
+    # ...wait and keep fail no request...
+    for mode in ("wait", "keep"):
+        assert modes[mode]["failed"] == 0 and modes[mode]["failed_by"] == {}, (mode, modes[mode])
+    # ...and under abort every failure is an abort, of a request the drains aborted.
+    abort = modes["abort"]
+    assert set(abort["failed_by"]) <= {"aborted"}, abort["failed_examples"]
+    assert abort["failed"] == abort["failed_by"].get("aborted", 0) <= abort["aborted"], abort
     for run in engine["runs"]:
         assert run["result"]["version"] == run["version"]
         assert run["result"]["drain"]["mode"] == ("wait" if run["mode"] == "idle" else run["mode"])
-    assert {t["verdict"] for t in data["targets"]} <= {"met", "missed", "reported"}
+    missed = [t for t in data["targets"] if t["verdict"] == "missed"]
+    assert missed == []  # the guarantees' targets; the times' are only "reported"
+    assert {t["verdict"] for t in data["targets"]} <= {"met", "reported"}
