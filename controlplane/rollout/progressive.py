@@ -37,11 +37,14 @@ The rules, wave by wave (docs/rollouts.md, "Progressive rollouts"):
 8. A command the coordinator's own trust store refuses (``decide``'s ``seal``) is never
    published: its rollout ends ``aborted`` with the refusal's code (``SCOPE_DENIED``,
    ``SIGNATURE_MISSING``), a sync is left out (``Decision.refused``).
+9. A dry run (``Command.dry_run``) under a batch's or a rollback batch's rollout id (they are
+   predictable) applied nothing: never a batch applied. The rollout aborts with ``ROLLOUT_EXISTS``
+   (a batch; rolled back as any abort) or ``ROLLBACK_FAILED`` (a rollback batch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import datetime, timedelta
 from typing import Final
 
@@ -235,14 +238,24 @@ def _rejected(base: RolloutState, code: LocalCode, message: str, now: datetime) 
 def _advance(ctx: Context, rollout: Rollout, state: RolloutState) -> RolloutState:
     if state.phase.terminal:
         return state
-    if state.phase is ControlPhase.ROLLING_BACK:
-        return roll_back(ctx, rollout, state)
     spec = rollout.spec
+    if state.phase is ControlPhase.ROLLING_BACK:
+        rollback_ids = (rollback_rollout_id(spec.rollout_id, i) for i in range(len(state.rollback)))
+        dry = _dry_run_among(ctx, rollback_ids)
+        if dry is not None:
+            why = f"{state.message}; rollback failed: {_dry_run_holds(dry)}"
+            return end_state(state, ControlPhase.ABORTED, LocalCode.ROLLBACK_FAILED, why, ctx.now)
+        return roll_back(ctx, rollout, state)
     abort = rollout.abort
     if abort is not None:
         rollback = spec.rollback if abort.rollback is None else abort.rollback
         why = abort.reason or f"aborted by {abort.issuer}"
         return aborting(state, LocalCode.ABORTED_BY_OPERATOR, why, rollback, ctx.now)
+    dry = _dry_run_among(ctx, _batch_ids(state, spec.strategy.max_unavailable))
+    if dry is not None:
+        return aborting(
+            state, LocalCode.ROLLOUT_EXISTS, _dry_run_holds(dry), spec.rollback, ctx.now
+        )
     failed = _failed(ctx, state)
     if failed != state.failed:
         state = state.model_copy(update={"failed": failed})
@@ -379,6 +392,32 @@ def _gate_failed(
 def _gates_passed(state: RolloutState) -> bool:
     """Whether the wave in progress passed its gates (it waits at its boundary)."""
     return any(g.wave == state.wave and g.gate == "health" and g.passed for g in state.gates)
+
+
+def _batch_ids(state: RolloutState, max_unavailable: int | None) -> Iterator[str]:
+    """The rollout id of each batch of the waves begun (the wave in progress included)."""
+    for wave_index, wave in enumerate(state.waves[: state.wave + 1]):
+        for batch_index in range(len(batches(wave, max_unavailable))):
+            yield batch_rollout_id(state.rollout_id, wave_index, batch_index)
+
+
+def _dry_run_among(ctx: Context, batch_ids: Iterable[str]) -> str | None:
+    """The first of ``batch_ids`` whose command in the log is a dry run (``Command.dry_run``):
+    ids are predictable, so anyone may publish one under a batch's id, before the controller
+    (which then never publishes its own: the id is in the log) or after it, issued earlier
+    (the fleet's command of the rollout is then the dry run). Its ``succeeded`` acks applied
+    nothing: never a batch applied, a wave passed or a rollback done."""
+    for batch_id in batch_ids:
+        if batch_id in ctx.fleet and ctx.status(batch_id).dry_run:
+            return batch_id
+    return None
+
+
+def _dry_run_holds(batch_id: str) -> str:
+    return (
+        f"a dry run (Command.dry_run) holds the rollout id {batch_id}: it applied nothing, "
+        "and the controller's command for it is not published under a rollout id in the log"
+    )
 
 
 def _failed(ctx: Context, state: RolloutState) -> list[str]:
