@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
-from pydantic import JsonValue
+from pydantic import BaseModel, JsonValue
 
 from controlplane.cli.common import (
     ApiOpt,
@@ -194,9 +194,12 @@ async def _publish_and_maybe_wait(
     verifier: Verifier | None = None,
     dry_run: bool = False,
     validated: list[str] | None = None,
+    documents: list[Any] | None = None,
 ) -> int:
     """Publish ``request`` (as a dry run when ``dry_run``: always followed to its end, then
-    :func:`_dry_run_verdict`, the workers that validated it appended to ``validated``)."""
+    :func:`_dry_run_verdict`, the workers that validated it appended to ``validated``). Under
+    ``-o json|yaml`` its document is printed, or appended to ``documents`` when given (as
+    data: ``--preflight`` prints both of its steps' as one)."""
     out = console()
     wait = wait or dry_run
     # Only what this publish needs: the workers topic (the selector), and what is appended
@@ -273,7 +276,7 @@ async def _publish_and_maybe_wait(
                 )
             if not wait:
                 if output.data:
-                    typer.echo(dumped(command, output))
+                    _emit(command, output, documents)
                 return Exit.OK
             left = None
             if wait_timeout is not None:
@@ -295,11 +298,25 @@ async def _publish_and_maybe_wait(
         typer.echo(f"gave up waiting: rollout {command.rollout_id} not read back yet", err=True)
         return Exit.TIMED_OUT
     if dry_run:
-        return _dry_run_verdict(status, output, validated)
-    return _finish(status, output, waited_out=not status.terminal)
+        return _dry_run_verdict(status, output, validated, documents)
+    return _finish(status, output, waited_out=not status.terminal, documents=documents)
 
 
-def _dry_run_verdict(status: RolloutStatus, output: Output, validated: list[str] | None) -> int:
+def _emit(value: BaseModel, output: Output, documents: list[Any] | None) -> None:
+    """``-o json|yaml``: ``value``'s document on stdout, or appended to ``documents`` (as
+    JSON data) when the caller prints one document of several."""
+    if documents is None:
+        typer.echo(dumped(value, output))
+    else:
+        documents.append(value.model_dump(mode="json"))
+
+
+def _dry_run_verdict(
+    status: RolloutStatus,
+    output: Output,
+    validated: list[str] | None,
+    documents: list[Any] | None = None,
+) -> int:
     """A dry run's outcome: "validated on N worker(s)" (exit 0), or the workers that did not
     validate it, collapsed by error code (or state) with their counts, a message and a few
     ids (exit 1; 2 when it timed out or the wait did). Nothing was applied either way."""
@@ -312,7 +329,7 @@ def _dry_run_verdict(status: RolloutStatus, output: Output, validated: list[str]
         ended_in_time = status.terminal and status.phase is not RolloutPhase.TIMED_OUT
         code = Exit.FAILED if ended_in_time else Exit.TIMED_OUT
     if output.data:
-        typer.echo(dumped(status, output))
+        _emit(status, output, documents)
         return code
     out = console()
     if passed:
@@ -363,11 +380,17 @@ def _check_own(verifier: Verifier, command: Command) -> None:
         ) from None
 
 
-def _finish(status: RolloutStatus, output: Output, *, waited_out: bool = False) -> int:
-    if output is Output.JSON:
+def _finish(
+    status: RolloutStatus,
+    output: Output,
+    *,
+    waited_out: bool = False,
+    documents: list[Any] | None = None,
+) -> int:
+    if output is Output.JSON and documents is None:
         typer.echo(status.model_dump_json())
     elif output.data:
-        typer.echo(dumped(status, output))
+        _emit(status, output, documents)
     else:
         out = console()
         out.print(rollout_table(status, wide=output is Output.WIDE))
@@ -436,23 +459,38 @@ def _roll_out(
         verifier=verifier,
     )
     if preflight:
-        _run_exit(_preflighted(publishing, request))
+        _run_exit(_preflighted(publishing, request, Output.JSON if as_json else output))
     _run_exit(publishing(request, dry_run=dry_run))
 
 
-async def _preflighted(publishing: Callable[..., Any], request: RolloutRequest) -> int:
+async def _preflighted(
+    publishing: Callable[..., Any], request: RolloutRequest, output: Output
+) -> int:
     """``--preflight``: a dry run to the matched workers first (its own rollout id), then the
-    command itself to exactly the workers that validated it, only if every one did."""
+    command itself to exactly the workers that validated it, only if every one did. Under
+    ``-o json|yaml`` one document: ``{"dry_run": <its status>, "rollout": <the command, or
+    its status under --wait; null when not published>}``."""
     validated: list[str] = []
-    code: int = await publishing(
-        dataclasses.replace(request, rollout_id=None), dry_run=True, validated=validated
-    )
-    if code != Exit.OK:
-        typer.echo("preflight failed: the command itself was not published", err=True)
-        return code
-    pinned = Selector(worker_ids=sorted(validated))
-    real: int = await publishing(dataclasses.replace(request, selector=pinned))
-    return real
+    documents: list[Any] | None = [] if output.data else None
+    try:
+        code: int = await publishing(
+            dataclasses.replace(request, rollout_id=None),
+            dry_run=True,
+            validated=validated,
+            documents=documents,
+        )
+        if code != Exit.OK:
+            typer.echo("preflight failed: the command itself was not published", err=True)
+            return code
+        pinned = Selector(worker_ids=sorted(validated))
+        real: int = await publishing(
+            dataclasses.replace(request, selector=pinned), documents=documents
+        )
+        return real
+    finally:
+        if documents:  # the dry run's, at least (an error before it: only its line)
+            steps = [*documents, None]
+            typer.echo(dumped({"dry_run": steps[0], "rollout": steps[1]}, output))
 
 
 #: The options of :func:`_roll_out`, as typer reads them: the first three choose the workers.

@@ -122,3 +122,50 @@ async def test_preflight_publishes_the_command_only_when_every_worker_validated_
     assert out.index("validated on 3 worker(s)") < out.index("published rollout "), out
     for runner in runners:
         assert runner.history == ["init", "v3"]
+
+
+async def test_preflight_as_json_or_yaml_is_one_document_of_both_steps(
+    kafka: KafkaSettings, tmp_path: Path, weights: Path
+) -> None:
+    """``-o json|yaml`` under ``--preflight``: stdout is ONE document, the dry run's verdict and
+    the command's (its status under --wait; null when it was not published)."""
+    import yaml
+
+    path = str(weights / "model.safetensors")
+    async with fleet(kafka, tmp_path) as runners:
+        as_json = await asyncio.to_thread(
+            cli, kafka, "reload-weights", path, "--version", "v3", "--preflight", "--wait",
+            "-o", "json",
+        )  # fmt: skip
+        as_yaml = await asyncio.to_thread(
+            cli, kafka, "update-config", "--set", "top_k=7", "--preflight", "-o", "yaml"
+        )
+        refused = await asyncio.to_thread(
+            cli, kafka, "update-config", "--set", "top_k=-1", "--preflight", "-o", "json"
+        )
+    assert as_json.returncode == CliExit.OK, as_json.stdout + as_json.stderr
+    both = json.loads(as_json.stdout)
+    assert both["dry_run"]["phase"] == "succeeded" and both["dry_run"]["dry_run"], both
+    assert both["rollout"]["phase"] == "succeeded", both
+    assert both["rollout"]["counts"]["succeeded"] == 3 and not both["rollout"]["dry_run"], both
+    assert as_yaml.returncode == CliExit.OK, as_yaml.stdout + as_yaml.stderr
+    config = yaml.safe_load(as_yaml.stdout)
+    assert config["dry_run"]["counts"]["succeeded"] == 3, config
+    assert config["rollout"]["spec"]["overrides"] == {"top_k": 7}, config  # the command
+    assert refused.returncode == CliExit.FAILED, refused.stdout + refused.stderr
+    assert json.loads(refused.stdout)["rollout"] is None, refused.stdout
+    for runner in runners:
+        assert runner.history == ["init", "v3"]
+
+
+async def test_markup_in_a_config_value_is_shown_as_it_is(
+    kafka: KafkaSettings, tmp_path: Path
+) -> None:
+    """``--set 'stop=[/INST]'``: the rollout's verdict (failed: no such key on a fake worker)
+    with the value in its title, never exit 5 (rich read ``[/INST]`` as a closing tag)."""
+    async with fleet(kafka, tmp_path):
+        proc = await asyncio.to_thread(
+            cli, kafka, "update-config", "--set", "stop=[/INST]", "--wait"
+        )
+    assert proc.returncode == CliExit.FAILED, proc.stdout + proc.stderr
+    assert "config stop=[/INST]" in proc.stdout, proc.stdout
