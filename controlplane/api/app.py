@@ -36,7 +36,14 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.staticfiles import StaticFiles
 
-from controlplane.api.fleet import ROLLOUTS_SHOWN, ETags, FleetFeed, target_overview
+from controlplane.api.fleet import (
+    ROLLOUTS_SHOWN,
+    SEND_TIMEOUT_S,
+    ETags,
+    EventStream,
+    FleetFeed,
+    target_overview,
+)
 from controlplane.api.models import (
     API,
     PAGE_DEFAULT,
@@ -234,12 +241,14 @@ def create_app(
     metrics: CoordinatorMetrics | None = None,
     sse_tick_s: float = SSE_TICK_S,
     sse_ping_s: float = SSE_PING_S,
+    sse_send_timeout_s: float = SEND_TIMEOUT_S,
     fleet_min_interval_s: float = FLEET_MIN_INTERVAL_S,
 ) -> FastAPI:
     """The ASGI app over ``coordinator``. Create it before the coordinator starts, so the metrics
     listener sees the replay (see :class:`~controlplane.coordinator.metrics.CoordinatorMetrics`).
 
     ``app.state.closing`` (an asyncio.Event) ends every SSE stream when set; :class:`ApiServer` sets it.
+    A stream whose client reads nothing for ``sse_send_timeout_s`` (a send blocked) is dropped.
     """
     if metrics is None:
         if coordinator.follower.records:
@@ -466,7 +475,9 @@ def create_app(
         ] = False,
     ) -> EventSourceResponse:
         last = None if once else request.headers.get("last-event-id")
-        return EventSourceResponse(feed.events(last, once=once), ping=sse_ping_s)
+        return EventStream(
+            feed.events(last, once=once), ping=sse_ping_s, send_timeout=sse_send_timeout_s
+        )
 
     @app.get(
         f"{API}/rollouts",
@@ -641,9 +652,10 @@ def create_app(
             await _wait_for_rollout(coordinator, rollout_id, wait_s)
         if rollout_id not in coordinator.fleet:
             raise no_rollout(rollout_id)
-        return EventSourceResponse(
+        return EventStream(
             _status_events(coordinator, summaries, rollout_id, closing, sse_tick_s, workers_limit),
             ping=sse_ping_s,
+            send_timeout=sse_send_timeout_s,
         )
 
     @app.post(
@@ -960,6 +972,7 @@ def create_app(
             closing=closing,
             sse_tick_s=sse_tick_s,
             sse_ping_s=sse_ping_s,
+            sse_send_timeout_s=sse_send_timeout_s,
         )
     )
 

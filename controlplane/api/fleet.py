@@ -28,7 +28,8 @@ from datetime import datetime
 from typing import Any, Final
 
 from pydantic import BaseModel
-from sse_starlette import ServerSentEvent
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette.sse import SendTimeoutError
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -56,6 +57,9 @@ SECTIONS: Final = ("rollouts", "progressive", "targets")
 ID_OF: Final = {"rollouts": "rollout_id", "progressive": "rollout_id", "targets": "name"}
 #: Fields that say when something was judged, not what it is: not a change by themselves.
 JUDGED_AT: Final = frozenset({"as_of", "in_sync_as_of", "oldest_as_of"})
+#: A stream whose send stays blocked this long (its client stopped reading: the socket's
+#: buffers full) is dropped, its generator closed (a fleet feed read by nobody stops judging).
+SEND_TIMEOUT_S: Final = 30.0
 
 
 def target_overview(coordinator: Coordinator, target: Target, now: datetime) -> TargetOverview:
@@ -273,6 +277,24 @@ def _event_id(value: str | None) -> int | None:
 
 def _event(name: str, data: dict[str, Any], seq: int) -> ServerSentEvent:
     return ServerSentEvent(data=json.dumps(data, separators=(",", ":")), event=name, id=str(seq))
+
+
+class EventStream(EventSourceResponse):
+    """Server-sent events that drop a client that stopped reading: a send blocked for
+    ``send_timeout`` seconds ends the stream (its generator closed, the connection closed), one
+    warning logged instead of a traceback."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            client = scope.get("client")
+            log.warning(
+                "dropped the event stream %s of %s: it read nothing for %g s",
+                scope.get("path"),
+                f"{client[0]}:{client[1]}" if client else "a client",
+                self.send_timeout,
+            )
 
 
 # --------------------------------------------------------------------------- ETags

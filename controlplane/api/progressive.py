@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from controlplane.api.fleet import EventStream
 from controlplane.api.models import (
     ABORT_REQUEST,
     ACTION_REQUEST,
@@ -137,6 +138,7 @@ def progressive_router(
     closing: asyncio.Event,
     sse_tick_s: float,
     sse_ping_s: float,
+    sse_send_timeout_s: float,
 ) -> APIRouter:
     """Targets, progressive rollouts and the controller. ``ready`` guards every route,
     ``token`` every write and ``read`` every read (first: nothing is said to a caller without
@@ -432,8 +434,10 @@ def progressive_router(
         if control.rollout(rollout_id) is None and wait_s > 0:
             await _wait_for(coordinator, lambda: control.rollout(rollout_id) is not None, wait_s)
         control.known_rollout(rollout_id)
-        return EventSourceResponse(
-            rollout_events_of(coordinator, rollout_id, closing, sse_tick_s), ping=sse_ping_s
+        return EventStream(
+            rollout_events_of(coordinator, rollout_id, closing, sse_tick_s),
+            ping=sse_ping_s,
+            send_timeout=sse_send_timeout_s,
         )
 
     # ------------------------------------------------------------------ the controller

@@ -6,7 +6,10 @@ No Kafka: a Coordinator that is never started, fixtures in tests/component/conft
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -198,3 +201,73 @@ async def test_serve_runs_until_cancelled_and_ends_open_streams(
         assert "event: end" not in rest
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 10)
+
+
+# --------------------------------------------------------------------------- a client that stops reading
+
+#: Events this big fill a socket's buffers in a few sends.
+BLOB: dict[str, object] = {"blob": "x" * 200_000}
+
+
+@contextlib.contextmanager
+def stalled_reader(port: int, path: str) -> Iterator[socket.socket]:
+    """A client that asks for ``path`` and never reads a byte of the answer (a small receive
+    buffer: the server's sends block soon)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: coordinator\r\n\r\n".encode())
+        yield sock
+    finally:
+        sock.close()
+
+
+async def test_a_rollout_stream_whose_client_stopped_reading_is_dropped(
+    coordinator: Coordinator,
+) -> None:
+    workers = [f"w{i}" for i in range(300)]
+    big = command("r-big", workers=workers, issued=1.0, overrides=BLOB)
+    feed(coordinator, big)
+    app = create_app(coordinator, sse_tick_s=0.05, sse_send_timeout_s=0.5)
+    async with ApiServer(coordinator, "127.0.0.1", 0, app=app) as server:
+        with stalled_reader(server.port, "/api/v1/rollouts/r-big/events"):
+            await wait_for(lambda: coordinator.subscribers == 1, timeout=10)
+            # A change at a time, each sent as a status event of 200 KB, until the sends block:
+            # the stream is dropped (the bug: it waits on its send forever, subscribed).
+            for i, worker in enumerate(workers):
+                if coordinator.subscribers == 0:
+                    break
+                feed(coordinator, ack(big, worker, AckState.RUNNING, 2.0 + i / 1000))
+                await wait_for(
+                    lambda: coordinator.backlog == 0 or coordinator.subscribers == 0, timeout=10
+                )
+            assert coordinator.subscribers == 0
+            # The server goes on serving others.
+            async with httpx.AsyncClient(base_url=server.url) as c:
+                assert (await c.get("/api/v1/rollouts/r-big/summary")).status_code == 200
+
+
+async def test_a_fleet_stream_whose_client_stopped_reading_is_dropped_and_judging_stops(
+    coordinator: Coordinator,
+) -> None:
+    feed(coordinator, heartbeat("w1", 0.0))
+    app = create_app(coordinator, sse_tick_s=0.05, sse_send_timeout_s=0.5, fleet_min_interval_s=0)
+    fleet_feed = app.state.fleet_feed
+    async with ApiServer(coordinator, "127.0.0.1", 0, app=app) as server:
+        with stalled_reader(server.port, "/api/v1/events"):
+            await wait_for(lambda: fleet_feed.readers == 1, timeout=10)
+            for i in range(200):  # a rollout at a time, each a delta of 200 KB
+                if fleet_feed.readers == 0:
+                    break
+                judged = fleet_feed.judged
+                feed(
+                    coordinator,
+                    command(f"r{i}", workers=["w1"], issued=1 + i / 100, overrides=BLOB),
+                )
+                await wait_for(
+                    lambda judged=judged: fleet_feed.judged > judged or fleet_feed.readers == 0,
+                    timeout=10,
+                )
+            # Dropped, and the feed read by nobody stops judging.
+            assert fleet_feed.readers == 0 and fleet_feed._task is None
