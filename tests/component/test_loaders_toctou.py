@@ -246,29 +246,94 @@ def test_seeded_weights_hash_the_commands_sha256_again_as_copied(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Seeded weights check the manifest before copying (nothing written if it is wrong), and
-    the bytes copied again as copied: a tensor changed after the first hash and before the copy
-    is found (degraded: there is nothing to restore), not loaded as if it had been checked."""
+    the bytes copied again as copied: a tensor changed after the last check, as the copy
+    begins, is found (degraded: there is nothing to restore), not loaded as if it had been
+    checked. (A change before the copy begins is refused untouched: test_reload_phases.py,
+    test_seeded_weights_changed_while_draining_are_refused_untouched.)"""
     from workers.demo.checkpoints import sha256_manifest
 
     made = plain_runner(None)
     v2 = checkpoint(tmp_path, "v2", 2)
     manifest = sha256_manifest(v2)
     changed: list[int] = []
-    verify_sha256 = loaders.verify_sha256
+    copy_plan = loaders.copy_plan
 
-    def then_change(*args: Any, **kwargs: Any) -> None:
-        verify_sha256(*args, **kwargs)
+    def change_then_copy(*args: Any, **kwargs: Any) -> None:
         fd = os.open(v2, os.O_RDWR)
         try:
             os.pwrite(fd, b"\xde\xad", tensor_offset(v2, -1) + 3)
         finally:
             os.close(fd)
         changed.append(1)
+        copy_plan(*args, **kwargs)
 
-    monkeypatch.setattr(loaders, "verify_sha256", then_change)
+    monkeypatch.setattr(loaders, "copy_plan", change_then_copy)
     with pytest.raises(WeightsCorrupted) as caught:
         made.reload_weights(ReloadWeightsSpec(path=str(v2), version="v2", sha256=manifest), v2)
     assert changed
     assert isinstance(caught.value, CopiedBytesMismatch)
     assert made.describe().degraded is not None
     assert made.describe().weights_version != "v2"
+
+
+def test_seeded_signed_bytes_changed_after_the_checks_are_refused_untouched(
+    tmp_path: Path, keys: dict[str, tuple[Path, Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeded weights (nothing to restore) and a signed checkpoint: its signed bytes are hashed
+    before the drain, and a tensor changed after that, before the copy begins, is refused
+    (CHECKSUM_MISMATCH) with the model untouched, not copied and found as copied (degraded)."""
+    private, public = keys["trusted"]
+    made = runner(None, public)
+    v2 = signed(tmp_path, "v2", 2, private)
+    before, seeded = weights(made), state(made)
+    changed: list[int] = []
+    check_sizes = loaders.PreparedCheckpoint._check_sizes
+
+    def change_then_check(self: loaders.PreparedCheckpoint) -> None:
+        with open(v2, "r+b") as fh:
+            fh.seek(tensor_offset(v2, -1) + 3)
+            fh.write(b"\xde\xad")
+        changed.append(1)
+        check_sizes(self)
+
+    monkeypatch.setattr(loaders.PreparedCheckpoint, "_check_sizes", change_then_check)
+    with pytest.raises(RunnerError) as caught:
+        made.reload_weights(ReloadWeightsSpec(path=str(v2), version="v2"), v2)
+    assert changed
+    assert not isinstance(caught.value, WeightsCorrupted)
+    assert caught.value.code is WireCode.CHECKSUM_MISMATCH
+    assert state(made) == seeded and seeded[1] is None
+    assert same(weights(made), before)
+
+
+@pytest.mark.parametrize("quiet", [True, False], ids=["quiet-files", "just-written"])
+def test_seeded_copy_hashes_again_unless_no_file_can_have_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quiet: bool
+) -> None:
+    """What keeps a seeded worker's pause short: the manifest hashed while serving is not hashed
+    again inside the drain when every file's fstat proves it unchanged (its ctime older than
+    ``QUIET_S`` before it was opened, the same now); a file written just before is hashed
+    again before the first write."""
+    from workers.demo.checkpoints import sha256_manifest
+
+    made = plain_runner(None)
+    v2 = checkpoint(tmp_path, "v2", 2)
+    if quiet:  # as if v2 had been written long ago (its ctime is before the open's clock)
+        monkeypatch.setattr(loaders, "QUIET_S", 0.0)
+    hashed_in_copy: list[int] = []
+    verify_bytes = loaders.PreparedCheckpoint.verify_bytes
+    copy = loaders.PreparedCheckpoint.copy
+
+    def counting(self: loaders.PreparedCheckpoint, *args: Any, **kwargs: Any) -> None:
+        hashed_in_copy.append(1)
+        verify_bytes(self, *args, **kwargs)
+
+    def copy_counting(self: loaders.PreparedCheckpoint, *args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(loaders.PreparedCheckpoint, "verify_bytes", counting)
+        return copy(self, *args, **kwargs)
+
+    monkeypatch.setattr(loaders.PreparedCheckpoint, "copy", copy_counting)
+    spec = ReloadWeightsSpec(path=str(v2), version="v2", sha256=sha256_manifest(v2))
+    made.reload_weights(spec, v2)
+    assert made.describe().weights_version == "v2"
+    assert hashed_in_copy == ([] if quiet else [1])

@@ -9,9 +9,12 @@ is the test's own, so what ``paused_s`` covers is shown by construction, not by 
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -189,11 +192,15 @@ def weights(runner: TorchRunner) -> dict[str, torch.Tensor]:
 
 
 def changed_while_draining(
-    runner: TorchRunner, hold: Hold, spec: ReloadWeightsSpec, change: Callable[[], None]
+    runner: TorchRunner,
+    hold: Hold,
+    spec: ReloadWeightsSpec,
+    change: Callable[[], None],
+    kept: str = "v1",
 ) -> RunnerError:
     """Reload ``spec`` while a request is in flight; once the checks are done and the reload
     drains, ``change`` the checkpoint, then let the request finish. The reload's error; the
-    model as before, not degraded."""
+    model as before (version ``kept``), not degraded."""
     before = weights(runner)
     clients = Clients(runner)
     (held,) = clients.once(PROMPTS[0])
@@ -209,8 +216,48 @@ def changed_while_draining(
     after = weights(runner)
     assert all(torch.equal(after[name], before[name]) for name in before)
     described = runner.describe()
-    assert (described.weights_version, described.degraded) == ("v1", None)
+    assert (described.weights_version, described.degraded) == (kept, None)
     return error
+
+
+def flip_last_tensor(path: Path) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, b"\xde\xad\xbe\xef", tensor_offset(path, -1) + 4)
+    finally:
+        os.close(fd)
+
+
+def rewrite_moving_two_tensors(path: Path) -> None:
+    """Rewrite ``path`` in place (as ``cp`` over it does: the same inode, the same size) with
+    the same checkpoint laid out otherwise: two tensors of one dtype and shape trade places,
+    their bytes and their header offsets both. Read at the old header's offsets, the new file
+    gives each of the two the other's values."""
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    seen: dict[tuple[str, tuple[int, ...]], str] = {}
+    for name, info in header.items():
+        kind = (info["dtype"], tuple(info["shape"])) if name != "__metadata__" else None
+        if kind is not None and kind in seen and info["data_offsets"][1] > info["data_offsets"][0]:
+            first = header[seen[kind]]
+            break
+        if kind is not None:
+            seen[kind] = name
+    else:
+        raise AssertionError(f"{path.name} has no two tensors of one dtype and shape")
+    data = bytearray(raw[8 + length :])
+    (a0, a1), (b0, b1) = first["data_offsets"], info["data_offsets"]
+    data[a0:a1], data[b0:b1] = (
+        raw[8 + length + b0 : 8 + length + b1],
+        raw[8 + length + a0 : 8 + length + a1],
+    )
+    first["data_offsets"], info["data_offsets"] = info["data_offsets"], first["data_offsets"]
+    moved = json.dumps(header, separators=(",", ":")).encode()
+    assert len(moved) <= length
+    with open(path, "r+b") as out:  # no O_TRUNC: the descriptor the reload holds sees it all
+        out.write(raw[:8] + moved.ljust(length, b" ") + bytes(data))
+    assert path.stat().st_size == len(raw)
 
 
 def test_a_tensor_changed_after_the_checks_is_caught_and_v1_restored(
@@ -221,16 +268,44 @@ def test_a_tensor_changed_after_the_checks_is_caught_and_v1_restored(
     runner, hold = restorable
     spec = manifest_spec(versions)
 
-    def flip() -> None:
-        fd = os.open(versions.v2, os.O_RDWR)
-        try:
-            os.pwrite(fd, b"\xde\xad\xbe\xef", tensor_offset(versions.v2, -1) + 4)
-        finally:
-            os.close(fd)
-
-    error = changed_while_draining(runner, hold, spec, flip)
+    error = changed_while_draining(runner, hold, spec, lambda: flip_last_tensor(versions.v2))
     assert error.code is WireCode.CHECKSUM_MISMATCH
     assert "'v1' was restored" in error.message
+
+
+def test_seeded_weights_changed_while_draining_are_refused_untouched(
+    gated: Callable[[Hold | None], TorchRunner], versions: Versions
+) -> None:
+    """Review MED-2 (a): seeded weights (nothing to restore) and a manifest hashed while
+    serving; a tensor changed while the reload drains is refused (CHECKSUM_MISMATCH) before
+    the first byte is written, the model as it was and not degraded, instead of being copied
+    and found afterwards (WEIGHTS_CORRUPTED, degraded)."""
+    hold = Hold(1)
+    runner = gated(hold)
+    seeded = runner.describe().weights_version
+    assert seeded is not None and runner._in_force is None  # nothing to restore
+    error = changed_while_draining(
+        runner, hold, manifest_spec(versions), lambda: flip_last_tensor(versions.v2), seeded
+    )
+    assert error.code is WireCode.CHECKSUM_MISMATCH
+    assert "nothing was copied" in error.message or "differ from" in error.message
+
+
+def test_a_file_rewritten_in_place_while_draining_is_refused_before_copying(
+    restorable: tuple[TorchRunner, Hold], versions: Versions
+) -> None:
+    """Review MED-2 (b): no manifest; v2 rewritten in place while the reload drains (the same
+    inode, not shorter), its tensors laid out otherwise: the header parsed while serving no
+    longer describes the file, so the copy would read two tensors at each other's offsets. It
+    is refused before the first byte is written (WEIGHTS_UNREADABLE), v1 untouched."""
+    runner, hold = restorable
+    spec = ReloadWeightsSpec(path=str(versions.v2), version="v2")
+    error = changed_while_draining(
+        runner, hold, spec, lambda: rewrite_moving_two_tensors(versions.v2)
+    )
+    assert error.code is WireCode.WEIGHTS_UNREADABLE
+    assert "changed after it was checked" in error.message
+    assert "nothing was copied" in error.message
 
 
 def test_a_file_truncated_after_the_checks_is_refused_before_copying(

@@ -280,6 +280,8 @@ class TorchRunner:
             try:
                 self._set_phase("validating", (0, 0))  # requests are served meanwhile
                 with self._prepare(spec, path, cancel) as prepared:
+                    if self._in_force is None and not prepared.bytes_verified:
+                        prepared.verify_bytes(cancel)  # nothing to restore: hashed first
                     self._set_phase("draining", (0, 0))  # requests in flight hold it off
                     with self._gate.exclusive(spec.drain_policy, cancel=cancel) as hold:
                         stats = self._copy_drained(spec, path, prepared, from_version, cancel)
@@ -361,6 +363,7 @@ class TorchRunner:
                 progress=lambda done, total: self._on_copy_progress(done, total, cancel),
                 sync=self._sync,
                 read_threads=self.options.read_threads,
+                verify_first=self._in_force is None,
             )
         except CopiedBytesMismatch as exc:
             self._restore_or_degrade(exc)  # raises

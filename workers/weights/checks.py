@@ -81,6 +81,11 @@ class OpenCheckpoint:
     entries: dict[str, TensorEntry]
     fds: dict[Path, int]
     headers: dict[Path, bytes] = field(default_factory=dict)
+    #: Each file's fstat as it was opened, before its header was read; and the wall clock
+    #: (``time.time_ns()``) just before the first was opened: what a copy compares against
+    #: (``workers.weights.loaders.PreparedCheckpoint``) to find a file changed since checked.
+    stats: dict[Path, os.stat_result] = field(default_factory=dict)
+    opened_ns: int = 0
 
     def close(self) -> None:
         for fd in self.fds.values():

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from time import time_ns  # not through ``time``: tests replace that module's clock
 
 import torch
 from pydantic import JsonValue
@@ -72,6 +73,12 @@ _byte_view = byte_view
 _read_exact = read_exact
 
 DEFAULT_STAGING_BYTES = 64 * 1024 * 1024
+#: A file whose change time (ctime) was at least this long before it was opened, and whose
+#: size, mtime and ctime are the same when the copy begins, was not written in between: any
+#: write sets ctime to the clock's "now", later than that (ctime cannot be set back, and its
+#: granularity, a clock tick, is far below this). A file changed more recently than this
+#: cannot be proven unchanged by its fstat alone: it is hashed again (see ``copy``).
+QUIET_S = 2.0
 
 
 def module_targets(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -96,10 +103,11 @@ def open_checkpoint(path: Path, roots: Sequence[Path] | None = None) -> Iterator
     opened as exactly the file that was checked (CommandRejected(PATH_NOT_ALLOWED) otherwise).
     """
     files = checkpoint_files(path, roots)
-    ckpt = OpenCheckpoint(files=files, entries={}, fds={})
+    ckpt = OpenCheckpoint(files=files, entries={}, fds={}, opened_ns=time_ns())
     try:
         for file in files.files:
             fd = ckpt.fds[file] = open_member(file, files.members[file], files.within)
+            ckpt.stats[file] = os.fstat(fd)  # before the header is read: see _changed_files
             entries, ckpt.headers[file] = read_header(fd, file)
             for name, entry in entries.items():
                 if name in ckpt.entries:
@@ -204,6 +212,9 @@ class PreparedCheckpoint:
     checked: float
     #: Each target's name (by identity): :meth:`copy` may write other tensors of those names.
     target_names: dict[int, str] = field(default_factory=dict)
+    #: Whether every byte the copy hashes (``digests``) was hashed from the files before it
+    #: (the manifest checked whole, or :meth:`verify_bytes`).
+    bytes_verified: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -240,6 +251,7 @@ class PreparedCheckpoint:
                 f"the checkpoint's bytes differ from {expected} in {names(wrong)}",
                 code=WireCode.CHECKSUM_MISMATCH,
             )
+        self.bytes_verified = True
 
     def copy(
         self,
@@ -253,13 +265,27 @@ class PreparedCheckpoint:
         sync: Callable[[], None] | None = None,
         read_threads: int | None = None,
         read_chunk_bytes: int = DEFAULT_READ_CHUNK_BYTES,
+        verify_first: bool = False,
     ) -> LoadStats:
         """Copy the plan in place (into ``targets``: tensors of the same names, shapes and
         dtypes as those prepared against, e.g. host aliases of them; default those), hashing
         what is copied against ``digests``. See :func:`load_checkpoint` for the errors.
 
         Before the first byte is written every file is checked to still hold each planned
-        tensor (a file truncated since it was prepared: WEIGHTS_UNREADABLE, untouched)."""
+        tensor (a file truncated since it was prepared: WEIGHTS_UNREADABLE, untouched). With
+        nothing hashed (no manifest, no signature), each is also checked to be the file that
+        was checked: the same size, mtime and ctime (fstat of the open descriptor) and the same
+        header bytes; a file changed since: WEIGHTS_UNREADABLE, untouched. With ``digests``, the
+        bytes copied are hashed: a caller that can restore what it had restores it on a
+        difference (CopiedBytesMismatch).
+
+        ``verify_first`` (a caller that cannot restore what it has, e.g. seeded weights): with
+        ``digests``, a file whose fstat or header changed since it was checked is refused
+        (CHECKSUM_MISMATCH, untouched), and every byte to be hashed is hashed from the files
+        again before the first write unless it was hashed while preparing and no file can have
+        changed since (each quiet for ``QUIET_S`` before it was opened, its fstat the same
+        now): a difference is refused (CHECKSUM_MISMATCH), untouched, not found as it is copied
+        (WeightsCorrupted, degraded)."""
         if read_threads is not None and read_threads < 1:
             raise ValueError(f"read_threads must be at least 1, not {read_threads}")
         if read_chunk_bytes < 1:
@@ -274,6 +300,10 @@ class PreparedCheckpoint:
                 "reload cancelled before copying began", code=WireCode.COMMAND_TIMEOUT
             )
         self._check_sizes()
+        if self.digests is None:
+            self._changed_files()
+        elif verify_first and (self._changed_files() or not self.bytes_verified):
+            self.verify_bytes(cancel)  # the model untouched until these bytes are right
         copy_started = time.perf_counter()
         copier = Copier(staging_bytes, flush=sync, threads=readers, read_chunk=read_chunk_bytes)
         if self.digests is None:
@@ -320,6 +350,34 @@ class PreparedCheckpoint:
                 )
             out.append((entry, dst))
         return out
+
+    def _changed_files(self) -> list[Path]:
+        """Refuse (untouched) a file whose fstat or header bytes differ from what was checked;
+        return the files whose fstat cannot prove them unchanged (changed within ``QUIET_S``
+        before they were opened). The descriptors are read, not the paths: a file renamed over
+        the checkpoint's is not read, and its inode and device are those of the descriptor."""
+        ckpt = self.ckpt
+        quiet_before = ckpt.opened_ns - int(QUIET_S * 1e9)
+        unproven: list[Path] = []
+        for file, fd in ckpt.fds.items():
+            was, now = ckpt.stats[file], os.fstat(fd)
+            same = (was.st_size, was.st_mtime_ns, was.st_ctime_ns) == (
+                now.st_size,
+                now.st_mtime_ns,
+                now.st_ctime_ns,
+            )
+            header = ckpt.headers[file]
+            if not same or os.pread(fd, len(header), 0) != header:
+                raise RunnerError(
+                    f"{file.name!r} changed after it was checked (before the copy began);"
+                    " nothing was copied",
+                    code=WireCode.WEIGHTS_UNREADABLE
+                    if self.digests is None
+                    else WireCode.CHECKSUM_MISMATCH,
+                )
+            if now.st_ctime_ns >= quiet_before:
+                unproven.append(file)
+        return unproven
 
     def _check_sizes(self) -> None:
         """Every planned tensor still lies within its file (pread past the end would be a short
@@ -387,5 +445,13 @@ def prepare_checkpoint(
             checked = True
         by_id = {id(tensor): name for name, tensor in targets.items()}
         yield PreparedCheckpoint(
-            ckpt, plan, digests, signed, checked, started, time.perf_counter(), by_id
+            ckpt,
+            plan,
+            digests,
+            signed,
+            checked,
+            started,
+            time.perf_counter(),
+            by_id,
+            bytes_verified=checked and signed is None,  # the manifest's hash is not the signed
         )
