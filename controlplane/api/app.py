@@ -42,6 +42,7 @@ from controlplane.api.fleet import (
     ETags,
     EventStream,
     FleetFeed,
+    overview_shown,
     target_overview,
 )
 from controlplane.api.models import (
@@ -58,6 +59,7 @@ from controlplane.api.models import (
     Health,
     RolloutCreated,
     RolloutOut,
+    RolloutOverviewOut,
     RolloutWorker,
     TargetOverview,
     WorkerOut,
@@ -81,7 +83,6 @@ from controlplane.coordinator.summary import (
     Budget,
     FleetSummary,
     Levels,
-    RolloutOverview,
     Summaries,
     Want,
     in_sync_with,
@@ -498,7 +499,7 @@ def create_app(
         ] = None,
         limit: Annotated[int, Query(ge=1, le=1000, description="Page size.")] = 100,
         cursor: Cursor = None,
-    ) -> list[RolloutOverview]:
+    ) -> list[RolloutOverviewOut]:
         wanted = set(phase) if phase else None
         keys = coordinator.fleet.rollout_keys()  # oldest first
         end = len(keys)
@@ -506,7 +507,7 @@ def create_app(
             end = bisect.bisect_left(keys, decode_time_cursor(cursor))
         summaries.check_compaction()
         budget = Budget()
-        out: list[RolloutOverview] = []
+        out: list[RolloutOverviewOut] = []
         for index in range(end - 1, -1, -1):  # judged lazily: as the page needs
             rollout_id = keys[index][1]
             overview = await summaries.overview(rollout_id, budget=budget, checked=True)
@@ -516,7 +517,7 @@ def create_app(
                 last = out[-1]
                 _link_next(request, response, last.issued_at.isoformat(), last.rollout_id)
                 break
-            out.append(overview)
+            out.append(overview_shown(coordinator, overview))
         return out
 
     @app.get(
@@ -545,9 +546,9 @@ def create_app(
         responses=not_found,
         dependencies=reads,
     )
-    async def rollout_summary(rollout_id: str) -> RolloutOverview:
+    async def rollout_summary(rollout_id: str) -> RolloutOverviewOut:
         try:
-            return await summaries.overview(rollout_id)
+            return overview_shown(coordinator, await summaries.overview(rollout_id))
         except KeyError:
             raise no_rollout(rollout_id) from None
 
@@ -1228,6 +1229,7 @@ async def _status_events(
                     "phase": status.phase.value,
                     "reason": status.reason.value if status.reason else None,
                     "exit_code": status.exit_code,
+                    "dry_run": status.dry_run,
                 }
                 yield ServerSentEvent(data=json.dumps(end), event="end", id=str(sent + 1))
                 return

@@ -23,7 +23,7 @@ from controlplane.api.server import ApiServer
 from controlplane.coordinator.service import Coordinator
 from controlplane.wire.control import ControlPhase
 from controlplane.wire.protocol import AckState, Command, Degraded, Heartbeat
-from tests.component.conftest import Clock, ack, command, feed, heartbeat, succeeded
+from tests.component.conftest import Clock, ack, command, feed, heartbeat, sse_events, succeeded
 from tests.component.test_api_progressive import feed_control, gate, rollout_spec, state
 from tests.component.test_api_progressive import targets as targets  # the fixture
 from tests.component.test_api_scale import every_page, many_workers
@@ -346,3 +346,28 @@ async def test_a_reader_arriving_while_the_last_one_tears_down_gets_a_new_feed(
 
 def _parsed(event: Any) -> tuple[int, str, dict[str, Any]]:
     return int(event.id), event.event, json.loads(event.data)
+
+
+# --------------------------------------------------------------------------- dry runs
+
+
+async def test_a_dry_run_says_so_wherever_a_rollout_is_shown(
+    coordinator: Coordinator, client: httpx.AsyncClient, fleet_of_two: dict[str, Command]
+) -> None:
+    checked = command("r-dry", issued=9.6, version="v4").model_copy(update={"dry_run": True})
+    feed(coordinator, checked, *succeeded(checked, "w1", "w2", sent=9.8))
+    listed = {r["rollout_id"]: r for r in (await client.get("/api/v1/rollouts")).json()}
+    assert listed["r-dry"]["dry_run"] is True and listed["r-dry"]["phase"] == "succeeded"
+    assert listed["r-new"]["dry_run"] is False and listed["r-old"]["dry_run"] is False
+    summary = (await client.get("/api/v1/rollouts/r-dry/summary")).json()
+    assert summary["dry_run"] is True
+    assert (await client.get("/api/v1/rollouts/r-old/summary")).json()["dry_run"] is False
+    status = (await client.get("/api/v1/rollouts/r-dry")).json()
+    assert status["dry_run"] is True
+    events = sse_events((await client.get("/api/v1/rollouts/r-dry/events")).text)
+    assert [e for e, _ in events] == ["status", "end"]
+    assert json.loads(events[0][1])["dry_run"] is True
+    assert json.loads(events[1][1])["dry_run"] is True
+    snapshot = sse_events((await client.get("/api/v1/events?once=true")).text)[0][1]
+    shown = {r["rollout_id"]: r["dry_run"] for r in json.loads(snapshot)["rollouts"]}
+    assert shown == {"r-dry": True, "r-new": False, "r-old": False}

@@ -23,7 +23,7 @@ from controlplane.coordinator.service import Coordinator
 from controlplane.wire.control import ControlPhase
 from controlplane.wire.protocol import AckState, Command
 from tests.browser.chrome import BrowserMissing, Page, chrome
-from tests.component.conftest import ack, command, feed
+from tests.component.conftest import ack, command, feed, succeeded
 from tests.component.test_api_progressive import feed_control, rollout_spec, state
 from tests.component.test_api_progressive import targets as targets  # the fixture
 from tests.component.test_api_scale import many_workers
@@ -180,3 +180,20 @@ async def test_actions_show_the_apis_coded_answer(
         30,
     )
     assert await browser.attribute("#action-result", "data-outcome") == "error"
+
+
+async def test_a_dry_run_reads_validated_with_a_badge_never_applied(
+    coordinator: Coordinator, browser: Page, url: str, fleet_of_two: dict[str, Command]
+) -> None:
+    checked = command("r-dry", issued=9.6, version="v4").model_copy(update={"dry_run": True})
+    feed(coordinator, checked, *succeeded(checked, "w1", "w2", sent=9.8))
+    await open_page(browser, url)
+    row = '[data-rollout-id="r-dry"]'
+    assert await browser.attribute(row, "data-phase") == "succeeded"  # C3: the phase as it is
+    assert await browser.attribute(row, "data-dry-run") == "1"
+    shown = await browser.text(row)
+    assert "dry run" in shown and "validated" in shown and "succeeded" not in shown
+    real = '[data-rollout-id="r-old"]'
+    assert await browser.attribute(real, "data-dry-run") is None
+    shown = await browser.text(real)
+    assert "succeeded" in shown and "dry run" not in shown and "validated" not in shown
