@@ -16,6 +16,7 @@ import pytest
 from fastapi import FastAPI
 
 from controlplane.api.app import create_app
+from controlplane.api.fleet import FleetFeed
 from controlplane.api.server import ApiServer, serve
 from controlplane.coordinator.service import (
     RESYNC,
@@ -253,7 +254,7 @@ async def test_a_fleet_stream_whose_client_stopped_reading_is_dropped_and_judgin
 ) -> None:
     feed(coordinator, heartbeat("w1", 0.0))
     app = create_app(coordinator, sse_tick_s=0.05, sse_send_timeout_s=0.5, fleet_min_interval_s=0)
-    fleet_feed = app.state.fleet_feed
+    fleet_feed: FleetFeed = app.state.fleet_feed
     async with ApiServer(coordinator, "127.0.0.1", 0, app=app) as server:
         with stalled_reader(server.port, "/api/v1/events"):
             await wait_for(lambda: fleet_feed.readers == 1, timeout=10)
@@ -261,13 +262,14 @@ async def test_a_fleet_stream_whose_client_stopped_reading_is_dropped_and_judgin
                 if fleet_feed.readers == 0:
                     break
                 judged = fleet_feed.judged
+
+                def judged_or_dropped(before: int = judged) -> bool:
+                    return fleet_feed.judged > before or fleet_feed.readers == 0
+
                 feed(
                     coordinator,
                     command(f"r{i}", workers=["w1"], issued=1 + i / 100, overrides=BLOB),
                 )
-                await wait_for(
-                    lambda judged=judged: fleet_feed.judged > judged or fleet_feed.readers == 0,
-                    timeout=10,
-                )
+                await wait_for(judged_or_dropped, timeout=10)
             # Dropped, and the feed read by nobody stops judging.
             assert fleet_feed.readers == 0 and fleet_feed._task is None

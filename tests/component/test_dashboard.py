@@ -11,11 +11,14 @@ browser tests in tests/browser fail instead).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from controlplane.api.app import create_app
 from controlplane.api.server import ApiServer
@@ -197,3 +200,35 @@ async def test_a_dry_run_reads_validated_with_a_badge_never_applied(
     assert await browser.attribute(real, "data-dry-run") is None
     shown = await browser.text(real)
     assert "succeeded" in shown and "dry run" not in shown and "validated" not in shown
+
+
+class StreamAfterWorkers:
+    """ASGI middleware: the fleet stream answers only once a page of workers was asked for."""
+
+    def __init__(self, app: ASGIApp, asked: asyncio.Event) -> None:
+        self.app = app
+        self.asked = asked
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/api/v1/workers":
+            self.asked.set()
+        elif scope["type"] == "http" and scope["path"] == "/api/v1/events":
+            with contextlib.suppress(TimeoutError):  # never asked: the page never gets ready
+                async with asyncio.timeout(20):
+                    await self.asked.wait()
+        await self.app(scope, receive, send)
+
+
+async def test_the_first_page_of_workers_is_read_beside_the_stream_not_after_it(
+    coordinator: Coordinator, browser: Page, fleet_of_two: dict[str, Command]
+) -> None:
+    app = create_app(coordinator, sse_tick_s=0.2, fleet_min_interval_s=0)
+    asked = asyncio.Event()
+    app.add_middleware(StreamAfterWorkers, asked=asked)
+    async with ApiServer(coordinator, port=0, app=app) as server:
+        await browser.get(server.url)
+        # The bug: the page asked for workers only once the snapshot came (held here until then).
+        await browser.element('html[data-ready="1"]', timeout=15)
+        assert await ids(browser, "#workers [data-worker-id]", "data-worker-id") == ["w1", "w2"]
+        assert "of 2" in await browser.text("#workers-page")  # with the fleet's counts
+        assert await ids(browser, "[data-rollout-id]", "data-rollout-id") == ["r-new", "r-old"]
