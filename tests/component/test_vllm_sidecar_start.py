@@ -535,3 +535,36 @@ def test_no_initial_version_can_pass_for_the_degraded_marker(tmp_path: Path) -> 
     with pytest.raises(ValueError, match="initial_version"):
         VllmRunner({"mode": "sidecar", "model": str(tmp_path), "initial_version": "v1!degraded"})
     VllmRunner({"mode": "sidecar", "model": str(tmp_path), "initial_version": "v1"})
+
+
+def _metrics(running: int, waiting: int, **finished: int) -> str:
+    """vLLM 0.32's /metrics lines for the request counts (and a few that must not count)."""
+    labels = 'engine="0",model_name="m"'
+    lines = [
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+        "# TYPE vllm:num_requests_running gauge",
+        f"vllm:num_requests_running{{{labels}}} {float(running)}",
+        f"vllm:num_requests_waiting{{{labels}}} {float(waiting)}",
+        f'vllm:num_requests_waiting_by_reason{{{labels},reason="capacity"}} {float(waiting)}',
+    ]
+    for reason in ("stop", "length", "abort", "error", "repetition"):
+        count = finished.get(reason, 0)
+        lines.append(f'vllm:request_success_total{{{labels},finished_reason="{reason}"}} {count}.0')
+        lines.append(f'vllm:request_success_created{{{labels},finished_reason="{reason}"}} 1.7e9')
+    return "\n".join(lines) + "\n"
+
+
+def test_a_sidecar_drain_counts_what_vllm_finished_not_its_stale_running_gauge() -> None:
+    """The gauge read before the pause said 2 running; vLLM then aborted 6 (4 running, 2
+    queued, one more finished on its own before the pause landed): the counts are vLLM's."""
+    from workers.runners.vllm_sidecar import RequestCounts
+
+    before = RequestCounts.parse(_metrics(2, 0, length=10, abort=1))
+    assert (before.running, before.waiting) == (2, 0)
+    assert before.finished == {"stop": 0, "length": 10, "abort": 1, "error": 0, "repetition": 0}
+    aborted = RequestCounts.parse(_metrics(0, 0, length=11, abort=7))
+    assert before.drained(aborted, "abort") == (7, 6)
+    waited = RequestCounts.parse(_metrics(0, 0, length=16, abort=1))
+    assert before.drained(waited, "wait") == (6, 0)
+    kept = RequestCounts.parse(_metrics(4, 2, length=11, abort=1))
+    assert before.drained(kept, "keep") == (7, 0)

@@ -464,6 +464,78 @@ async def test_an_abort_reload_aborts_the_requests_in_flight_the_rest_are_one_ve
     assert served[-1] == "v2", served
 
 
+#: Requests a sidecar test streams at once: more than the server's ``--max-num-seqs`` (4), so
+#: that vLLM runs four and queues the rest, as under real load.
+STREAMS = 6
+
+
+def stream_all(
+    runner: VllmRunner, count: int, max_tokens: int
+) -> tuple[list[Generation], Callable[[], None]]:
+    """``count`` requests streamed at once, one thread each; returns their results (filled as
+    they finish) and a join(). Waits until four of them are streaming tokens."""
+    results: list[Generation] = []
+    errors: list[BaseException] = []
+    streaming: set[int] = set()
+
+    def one(index: int) -> None:
+        try:
+            results.append(
+                request(runner, SHORT, max_tokens, on_tokens=lambda: streaming.add(index))
+            )
+        except BaseException as exc:  # the test's result
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+
+    def join() -> None:
+        for thread in threads:
+            thread.join(timeout=300)
+        assert errors == [], errors
+
+    wait_for(lambda: len(streaming) >= 4 or len(results) == count)
+    return results, join
+
+
+def test_an_abort_reload_aborts_the_streams_in_flight_and_counts_them(
+    runner: VllmRunner, ckpts: Checkpoints, held_refs: dict[str, list[int]]
+) -> None:
+    """A sidecar under real load, nothing frozen beforehand: STREAMS long requests go to vLLM at
+    once (it runs four, queues the rest), and while four stream tokens a reload with drain
+    abort comes. Every request vLLM held when the pause landed ends with finish reason abort
+    (a v1 prefix; none if it was queued), the rest are one version, and the drain's counts are
+    vLLM's: aborted is exactly the responses aborted, in_flight at least that. All requests may
+    have finished before the pause reached vLLM (nothing to abort): tried again, three times
+    at most."""
+    if runner.options.mode != "sidecar":
+        pytest.skip("the in-process engine's counts are exact (the test above)")
+    for attempt in range(1, 4):
+        TIMINGS["sidecar_abort_streams_attempts"] = attempt
+        results, join = stream_all(runner, STREAMS, HELD_TOKENS)
+        try:
+            result = runner.reload_weights(drain_spec(ckpts.v2, "v2", "abort"), ckpts.v2)
+        finally:
+            join()
+            runner.reload_weights(ReloadWeightsSpec(path=str(ckpts.v1), version="v1"), ckpts.v1)
+        aborted = [out for out in results if out.finish_reason == "abort"]
+        if not aborted:
+            continue
+        assert result.drain is not None and result.drain.mode == "abort", result
+        assert result.drain.aborted == len(aborted), (result.drain, results)
+        assert result.drain.in_flight >= result.drain.aborted, result.drain
+        for out in aborted:
+            cut = len(out.token_ids)
+            assert out.token_ids == held_refs["v1"][:cut], out
+            assert all(v == "v1" for v, _, _ in out.weight_versions or []), out
+        for out in results:
+            if out.finish_reason != "abort":
+                one_version(out, held_refs)
+        return
+    raise AssertionError("every request finished before the reload's pause, three times")
+
+
 @pytest.mark.kafka
 async def test_a_keep_reload_carries_requests_on_with_the_new_weights_labelled_by_span(
     runner: VllmRunner,

@@ -68,6 +68,55 @@ def worker_message(text: str) -> str:
     return match.group("msg") if match else text
 
 
+@dataclass(frozen=True)
+class RequestCounts:
+    """vLLM's request metrics at one moment: its scheduler's gauges (as of its last step) and
+    its counter of finished requests by finish reason (``abort`` included), since it started."""
+
+    running: int
+    waiting: int
+    finished: dict[str, int]
+
+    @classmethod
+    def parse(cls, text: str) -> RequestCounts:
+        """From Prometheus text: each metric summed over its labels (engines, models)."""
+        running = waiting = 0.0
+        finished: dict[str, int] = {}
+        for line in text.splitlines():
+            if line.startswith("vllm:num_requests_running"):
+                running += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:num_requests_waiting{") or line.startswith(
+                "vllm:num_requests_waiting "
+            ):
+                waiting += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:request_success_total"):
+                found = _FINISHED_REASON.search(line)
+                reason = found.group(1) if found else "unknown"
+                count = int(float(line.rsplit(" ", 1)[1]))
+                finished[reason] = finished.get(reason, 0) + count
+        return cls(int(running), int(waiting), finished)
+
+    def drained(self, after: RequestCounts, mode: PauseMode) -> tuple[int, int]:
+        """(in flight, aborted) of a ``/pause`` that ran between ``self`` and ``after``.
+
+        A pause queues new requests (none is admitted), so the requests finished in between
+        were in flight when the drain was asked for: waited for (``wait``), or aborted by it
+        (``abort``: the ``abort`` finish reason; a request finishing on its own just before
+        the pause landed is in flight, not aborted). ``keep`` finishes nothing: the requests it
+        froze are vLLM's running and waiting gauges after it (its scheduler's last step).
+        Not from the running gauge before the pause: a gauge as of vLLM's last step, stale by
+        the time the pause lands."""
+        done = {r: n - self.finished.get(r, 0) for r, n in after.finished.items()}
+        finished = sum(max(n, 0) for n in done.values())
+        if mode == "keep":
+            return finished + after.running + after.waiting, 0
+        aborted = max(done.get("abort", 0), 0) if mode == "abort" else 0
+        return finished, aborted
+
+
+_FINISHED_REASON = re.compile(r'finished_reason="([^"]*)"')
+
+
 class SidecarClient:
     """Synchronous calls to one vLLM OpenAI-compatible server started with VLLM_SERVER_DEV_MODE=1."""
 
@@ -149,19 +198,18 @@ class SidecarClient:
 
     def running_requests(self) -> int:
         """vLLM's ``vllm:num_requests_running`` gauge (Prometheus ``/metrics``); 0 if absent."""
+        counts = self.request_counts()
+        return 0 if counts is None else counts.running
+
+    def request_counts(self) -> RequestCounts | None:
+        """vLLM's request gauges and finished-request counters (``/metrics``); None if absent."""
         try:
             response = self._http.get("/metrics")
         except httpx.HTTPError:
-            return 0
+            return None
         if response.status_code != 200:
-            return 0
-        return int(
-            sum(
-                float(line.rsplit(" ", 1)[1])
-                for line in response.text.splitlines()
-                if line.startswith("vllm:num_requests_running")
-            )
-        )
+            return None
+        return RequestCounts.parse(response.text)
 
     def set_weight_version(self, version: str) -> None:
         """vLLM's weight-version label (``/update_weight_version``, the RL dev endpoints)."""
@@ -362,11 +410,14 @@ class SidecarEngine:
         self.client.collective_rpc("update_config", args=[overrides])
 
     def pause(self, mode: PauseMode, timeout_s: float) -> tuple[int, int]:
-        """vLLM's ``/pause``; returns (requests in flight, requests aborted). vLLM does not count
-        them: both are its ``vllm:num_requests_running`` gauge read just before (0 if absent)."""
-        in_flight = self.client.running_requests()
+        """vLLM's ``/pause``; returns (requests in flight, requests aborted), from vLLM's own
+        counts read before and after it (see :meth:`RequestCounts.drained`; 0, 0 without them)."""
+        before = self.client.request_counts()
         self.client.pause(mode, timeout_s=timeout_s)
-        return in_flight, in_flight if mode == "abort" else 0
+        after = self.client.request_counts()
+        if before is None or after is None:
+            return 0, 0
+        return before.drained(after, mode)
 
     def resume(self) -> None:
         self.client.resume()
