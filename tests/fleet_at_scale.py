@@ -154,14 +154,18 @@ def build(
     _fold(coordinator, batch)
 
 
-#: What the dashboard fetches for one update (controlplane/api/static/dashboard.html).
 def dashboard_paths(selected: str) -> list[str]:
+    """What the dashboard (controlplane/api/static/dashboard.html) reads for one update that
+    changed the fleet's counts, with rollout ``selected`` open: the fleet in counts (here the
+    stream's snapshot, read once; live, a delta carries only what changed), the first page of
+    workers problems first, and the open rollout's two pages of workers (failed, rejected and
+    lost; then the others)."""
+    detail = f"/api/v1/rollouts/{selected}/workers"
     return [
-        "/healthz",
-        "/api/v1/summary",
-        "/api/v1/rollouts?limit=25",
-        "/api/v1/workers?limit=50",
-        f"/api/v1/rollouts/{selected}/workers?limit=50",
+        "/api/v1/events?once=true",
+        "/api/v1/workers?order=problems&limit=50",
+        f"{detail}?state=failed&state=rejected&state=lost&limit=50",
+        f"{detail}?state=running&state=accepted&state=pending&state=succeeded&limit=50",
     ]
 
 
@@ -278,7 +282,9 @@ async def _measure(workers: int, rollouts: int, rounds: int, active: int) -> Non
             )
         update = 0
         for path in dashboard_paths(last):
-            update += len((await client.get(path)).content)
+            response = await client.get(path)
+            assert response.status_code == 200, (path, response.text[:300])
+            update += len(response.content)
         print(f"one dashboard update: {update / 1024:.1f} KiB")
         print(
             f"/healthz while serving: p50 {1000 * statistics.median(health):.1f} ms, "
@@ -468,9 +474,10 @@ async def _restore(path: str, workers: int, rollouts: int) -> None:
 def _tallied(tally: Tally) -> list[object]:
     """A tally as JSON (compared across processes)."""
     status = tally.status.model_dump(mode="json")
-    return json.loads(
+    out: list[object] = json.loads(
         json.dumps([status, tally.errors, tally.versions, tally.late, tally.unexpected])
     )
+    return out
 
 
 def build_heartbeats(coordinator: Coordinator, workers: int, rollouts: int) -> None:

@@ -295,15 +295,21 @@ async def test_one_dashboard_update_and_the_lists_are_bounded(big: Big) -> None:
     for fragment in DASHBOARD_READS:  # what the dashboard asks for
         assert fragment in page, fragment
     # Its first render: the fleet stream's snapshot (in counts), a page of workers and the
-    # open rollout's workers (problems first, then a page of the others).
+    # open rollout's workers (problems first, then a page of the others): what
+    # `python -m tests.fleet_at_scale` measures as one dashboard update. No polled list.
     first = 0
-    for path in (
-        "/api/v1/events?once=true",
-        "/api/v1/workers?order=problems&limit=50",
-        "/api/v1/rollouts/r0029/workers?state=failed&state=rejected&state=lost&limit=50",
-        "/api/v1/rollouts/r0029/workers?state=running&state=accepted&state=pending"
-        "&state=succeeded&limit=50",
-    ):
+    paths = fleet_at_scale.dashboard_paths("r0029")
+    assert paths[0] == "/api/v1/events?once=true"
+    assert not any(
+        p.startswith(("/healthz", "/api/v1/summary", "/api/v1/rollouts?")) for p in paths
+    )
+    assert [p.partition("?")[0] for p in paths] == [
+        "/api/v1/events",
+        "/api/v1/workers",
+        "/api/v1/rollouts/r0029/workers",
+        "/api/v1/rollouts/r0029/workers",
+    ]
+    for path in paths:
         response = await client.get(path)
         assert response.status_code == 200
         first += len(response.content)
