@@ -635,7 +635,7 @@ def create_app(
         description=(
             "Each `status` event carries the RolloutStatus JSON (its first `workers_limit` "
             "workers, as GET /rollouts/{id}); when the phase is terminal a "
-            "final `end` event carries `{rollout_id, phase, reason, exit_code}` and the stream "
+            "final `end` event carries `{rollout_id, phase, reason, exit_code}` (and `dry_run: true` for a dry run) and the stream "
             "closes. A client too slow for the change feed gets a `resync` event, then the "
             "full status again. `wait_s` waits that long for a rollout just published to "
             "appear in the log."
@@ -1229,7 +1229,7 @@ async def _status_events(
                     "phase": status.phase.value,
                     "reason": status.reason.value if status.reason else None,
                     "exit_code": status.exit_code,
-                    "dry_run": status.dry_run,
+                    **({"dry_run": True} if status.dry_run else {}),  # said only of a dry run
                 }
                 yield ServerSentEvent(data=json.dumps(end), event="end", id=str(sent + 1))
                 return
