@@ -42,7 +42,6 @@ from controlplane.api.fleet import (
     ETags,
     EventStream,
     FleetFeed,
-    overview_shown,
     target_overview,
 )
 from controlplane.api.models import (
@@ -59,7 +58,6 @@ from controlplane.api.models import (
     Health,
     RolloutCreated,
     RolloutOut,
-    RolloutOverviewOut,
     RolloutWorker,
     TargetOverview,
     WorkerOut,
@@ -83,6 +81,7 @@ from controlplane.coordinator.summary import (
     Budget,
     FleetSummary,
     Levels,
+    RolloutOverview,
     Summaries,
     Want,
     in_sync_with,
@@ -499,7 +498,7 @@ def create_app(
         ] = None,
         limit: Annotated[int, Query(ge=1, le=1000, description="Page size.")] = 100,
         cursor: Cursor = None,
-    ) -> list[RolloutOverviewOut]:
+    ) -> list[RolloutOverview]:
         wanted = set(phase) if phase else None
         keys = coordinator.fleet.rollout_keys()  # oldest first
         end = len(keys)
@@ -507,7 +506,7 @@ def create_app(
             end = bisect.bisect_left(keys, decode_time_cursor(cursor))
         summaries.check_compaction()
         budget = Budget()
-        out: list[RolloutOverviewOut] = []
+        out: list[RolloutOverview] = []
         for index in range(end - 1, -1, -1):  # judged lazily: as the page needs
             rollout_id = keys[index][1]
             overview = await summaries.overview(rollout_id, budget=budget, checked=True)
@@ -517,7 +516,7 @@ def create_app(
                 last = out[-1]
                 _link_next(request, response, last.issued_at.isoformat(), last.rollout_id)
                 break
-            out.append(overview_shown(coordinator, overview))
+            out.append(overview)
         return out
 
     @app.get(
@@ -546,9 +545,9 @@ def create_app(
         responses=not_found,
         dependencies=reads,
     )
-    async def rollout_summary(rollout_id: str) -> RolloutOverviewOut:
+    async def rollout_summary(rollout_id: str) -> RolloutOverview:
         try:
-            return overview_shown(coordinator, await summaries.overview(rollout_id))
+            return await summaries.overview(rollout_id)
         except KeyError:
             raise no_rollout(rollout_id) from None
 

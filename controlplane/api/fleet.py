@@ -36,12 +36,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from controlplane.api.models import (
     API,
     ProgressiveOverview,
-    RolloutOverviewOut,
     TargetOverview,
     rollout_out,
 )
 from controlplane.coordinator.service import Coordinator
-from controlplane.coordinator.summary import Budget, RolloutOverview, Summaries
+from controlplane.coordinator.summary import Budget, Summaries
 from controlplane.rollout.desired import target_status
 from controlplane.rollout.targets import Target
 
@@ -67,25 +66,6 @@ def target_overview(coordinator: Coordinator, target: Target, now: datetime) -> 
     """``target`` in counts, as the stream and GET /summary/targets show it."""
     status = target_status(coordinator.control, coordinator.fleet, target, now)
     return TargetOverview.of(status, undo_available=target.previous is not None)
-
-
-def is_dry_run(coordinator: Coordinator, rollout_id: str) -> bool:
-    """Whether the rollout's command is a dry run (``Command.dry_run``): read from its command,
-    or from its stored status once summarized (never a judgment of its workers)."""
-    fleet = coordinator.fleet
-    try:
-        return bool(fleet.command(rollout_id).dry_run)
-    except KeyError:  # summarized (its status kept), or NACKs only (no command: not one)
-        try:
-            return fleet.status(rollout_id, coordinator.now()).dry_run
-        except KeyError:
-            return False
-
-
-def overview_shown(coordinator: Coordinator, overview: RolloutOverview) -> RolloutOverviewOut:
-    """``overview`` as the API shows it: with ``dry_run``."""
-    dry_run = is_dry_run(coordinator, overview.rollout_id)
-    return RolloutOverviewOut.shown(overview, dry_run=dry_run)
 
 
 def _without_judged_at(value: Any) -> Any:
@@ -174,7 +154,7 @@ class FleetFeed:
         rollouts: dict[str, tuple[str, dict[str, Any]]] = {}
         for _, rollout_id in reversed(coordinator.fleet.rollout_keys()[-ROLLOUTS_SHOWN:]):
             overview = await summaries.overview(rollout_id, budget=budget, checked=True)
-            rollouts[rollout_id] = _item(overview_shown(coordinator, overview))
+            rollouts[rollout_id] = _item(overview)
         control = coordinator.control
         progressive = {
             r.rollout_id: _item(ProgressiveOverview.of(rollout_out(r)))

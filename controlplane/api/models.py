@@ -31,7 +31,6 @@ from pydantic import (
 )
 
 from controlplane.coordinator.publisher import MAX_TTL_S, PublishUnconfirmed, RolloutRequest
-from controlplane.coordinator.summary import RolloutOverview
 from controlplane.rollout.desired import RolloutSummary, TargetStatus
 from controlplane.rollout.models import RolloutStatus, WorkerDetail, WorkerLevel
 from controlplane.rollout.registry import WorkerView
@@ -241,25 +240,6 @@ class RolloutOut(RolloutStatus):
         description="The next page of this rollout's workers (GET /rollouts/{id}/workers); "
         "absent when `workers` lists them all.",
     )
-
-
-class RolloutOverviewOut(RolloutOverview):
-    """One rollout in counts as the API shows it (GET /rollouts, /rollouts/{id}/summary, the
-    fleet stream): the overview, and whether it is a dry run."""
-
-    dry_run: bool = Field(
-        default=False,
-        description="A dry run (`Command.dry_run`): checked on every worker, applied on none; "
-        "`succeeded` means validated.",
-    )
-
-    @classmethod
-    def shown(cls, overview: RolloutOverview, *, dry_run: bool) -> RolloutOverviewOut:
-        """``overview`` with ``dry_run`` (its fields as they are: no validation again)."""
-        fields = {name: getattr(overview, name) for name in RolloutOverview.model_fields}
-        return cls.model_construct(
-            overview.model_fields_set | {"dry_run"}, **fields, dry_run=dry_run
-        )
 
 
 class RolloutWorker(WorkerDetail):

@@ -182,6 +182,11 @@ class RolloutOverview(_Out):
     kind: CommandKind | None
     target_version: str | None = None
     overrides: dict[str, JsonValue] | None = None
+    dry_run: bool = Field(
+        default=False,
+        description="A dry run (`Command.dry_run`): checked on every worker, applied on none; "
+        "`succeeded` means validated.",
+    )
     issuer: str | None
     selector: Selector
     pinned_workers: int | None = Field(
@@ -245,6 +250,7 @@ class RolloutOverview(_Out):
             kind=status.kind,
             target_version=status.target_version,
             overrides=status.overrides,
+            dry_run=status.dry_run,
             issuer=status.issuer,
             selector=status.selector.model_copy(update={"worker_ids": None}),
             pinned_workers=None if ids is None else len(ids),
