@@ -209,14 +209,33 @@ def fail(error: ControlPlaneError) -> typer.Exit:
     return typer.Exit(cli_exit(error))
 
 
+#: What goes on when Ctrl-C stops this command (:func:`goes_on`; the latest said counts).
+_going_on: list[str] = []
+
+
+def goes_on(what: str) -> None:
+    """From now on, Ctrl-C ends this command with ``interrupted; WHAT`` (e.g. ``the rollout
+    goes on: controlplane status R``) and :attr:`CliExit.INTERRUPTED`."""
+    _going_on.append(what)
+
+
+def interrupted_line() -> str:
+    """The one line Ctrl-C ends a command with."""
+    return "interrupted" + (f"; {_going_on[-1]}" if _going_on else "")
+
+
 def run(coro: Coroutine[Any, Any, T]) -> T:
     """Run a command's coroutine; our errors become one line and an exit code, and so does
-    anything unexpected (exit 5): never a traceback."""
+    anything unexpected (exit 5): never a traceback. Ctrl-C: :func:`interrupted_line` and
+    :attr:`CliExit.INTERRUPTED` (130)."""
     try:
         return asyncio.run(coro)
     except ControlPlaneError as exc:
         raise fail(described(exc)) from None
-    except (typer.Exit, typer.Abort, KeyboardInterrupt, SystemExit):
+    except KeyboardInterrupt:
+        typer.echo(interrupted_line(), err=True)
+        raise typer.Exit(CliExit.INTERRUPTED) from None
+    except (typer.Exit, typer.Abort, SystemExit):
         raise
     except BaseException as exc:  # a bug, or a library's stray CancelledError
         typer.echo(internal_line(exc), err=True)

@@ -28,7 +28,16 @@ from pydantic import JsonValue, ValidationError
 from rich.table import Table
 from rich.text import Text
 
-from controlplane.cli.common import BootstrapOpt, Exit, PrefixOpt, app, fail, kafka_settings, run
+from controlplane.cli.common import (
+    BootstrapOpt,
+    Exit,
+    PrefixOpt,
+    app,
+    fail,
+    goes_on,
+    kafka_settings,
+    run,
+)
 from controlplane.cli.follow import catch_up, judge_time
 from controlplane.cli.render import console, plain
 from controlplane.cli.rollout import DrainChoice
@@ -462,6 +471,7 @@ async def _follow(
     follower: Follower, rollout_id: str, wait_timeout: float | None, as_json: bool
 ) -> int:
     """Read the log until the rollout ends (or the wait times out); its exit code."""
+    goes_on(f"the rollout goes on: controlplane rollout status {rollout_id}")
     deadline = None if wait_timeout is None else time.monotonic() + wait_timeout
     control = _control(follower)
     err = console(stderr=True)

@@ -44,6 +44,7 @@ from controlplane.cli.common import (
     TrustStoreOpt,
     app,
     fail,
+    goes_on,
     kafka_settings,
     run,
     verifier_from,
@@ -246,6 +247,10 @@ async def _publish_and_maybe_wait(
         if verifier is not None:
             _check_own(verifier, command)
         fleet.publishing(command)
+        goes_on(
+            f"the {'dry run (it changes nothing)' if dry_run else 'rollout'} goes on: "
+            f"controlplane status {command.rollout_id}"
+        )
         pinned = command.selector
         started = time.monotonic()
         # Open until the wait ends: an unconfirmed record is still being retried meanwhile.
@@ -651,6 +656,11 @@ def status(
     """Rollout status computed from the log (no coordinator needed), or asked of a coordinator
     (--api). Exits with the rollout's code."""
     shown = Output.JSON if as_json else output
+    goes_on(
+        "the rollouts go on: controlplane status"
+        if rollout is None
+        else f"the rollout goes on: controlplane status {rollout}"
+    )
     if api:
         if rollout is None:
             raise typer.BadParameter(

@@ -33,6 +33,9 @@ class CliExit(IntEnum):
     #: value, no worker selector): nothing was done. sysexits' EX_USAGE, apart from every
     #: outcome above (click's own 2 would read as "timed out").
     USAGE = 64
+    #: Ctrl-C (SIGINT) while ``--wait`` or ``status --watch`` followed a rollout: only the
+    #: waiting stopped, the rollout goes on (the shell's 128 + SIGINT; never 1, "failed").
+    INTERRUPTED = 130
 
 
 #: What each `controlplane` exit means, in the words README.md and ``--help`` use.
@@ -48,6 +51,7 @@ CLI_EXIT_MEANINGS: Mapping[CliExit, str] = MappingProxyType(
         CliExit.ABORTED: "aborted",
         CliExit.ROLLED_BACK: "rolled back",
         CliExit.USAGE: "usage error (nothing done)",
+        CliExit.INTERRUPTED: "interrupted (Ctrl-C; the rollout goes on)",
     }
 )
 

@@ -63,6 +63,7 @@ def test_the_controlplane_codes_are_the_ones_readme_documents() -> None:
         CliExit.ABORTED: "aborted",
         CliExit.ROLLED_BACK: "rolled back",
         CliExit.USAGE: "usage error",
+        CliExit.INTERRUPTED: "interrupted",
     }
     assert set(documented) == {int(e) for e in CliExit}, text
     for code, words in meaning.items():
