@@ -301,8 +301,10 @@ def vllm_server(model: Path, log_path: Path) -> Iterator[str]:
                 proc.wait(timeout=30)
 
 
-def _stream(url: str, new_tokens: int) -> Outcome:
-    """One greedy request streamed from the token-in/token-out endpoint; a tick per chunk."""
+def _stream(client: Any, url: str, new_tokens: int) -> Outcome:
+    """One greedy request streamed from the token-in/token-out endpoint over ``client`` (an
+    ``httpx.Client`` the load's threads share: kept-alive connections, not a new one per
+    request, so the client's overhead does not hide vLLM's time); a tick per chunk."""
     import httpx
 
     body = {
@@ -315,8 +317,7 @@ def _stream(url: str, new_tokens: int) -> Outcome:
     spans: list[tuple[str, int, int]] | None = None
     reason: str | None = None
     try:
-        with httpx.stream("POST", f"{url}/inference/v1/generate", json=body, timeout=300,
-                          trust_env=False) as response:  # fmt: skip
+        with client.stream("POST", f"{url}/inference/v1/generate", json=body) as response:
             if response.status_code != 200:
                 return Outcome(start, time.monotonic(), False, f"HTTP {response.status_code}", ())
             for line in response.iter_lines():
@@ -337,10 +338,16 @@ def _stream(url: str, new_tokens: int) -> Outcome:
 
 @contextlib.contextmanager
 def vllm_sidecar(ckpts: dict[str, Path], new_tokens: int, work: Path) -> Iterator[Engine]:
+    import httpx
+
     from workers.runners.vllm_runner import VllmRunner
 
     started = time.perf_counter()
-    with vllm_server(ckpts["v1"], work / "vllm-serve.log") as url:
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    with (
+        vllm_server(ckpts["v1"], work / "vllm-serve.log") as url,
+        httpx.Client(timeout=300, trust_env=False, limits=limits) as client,
+    ):
         runner = VllmRunner({"mode": "sidecar", "model": str(ckpts["v1"]),
                              "initial_version": "v1", "base_url": url,
                              "startup_timeout_s": 120})  # fmt: skip
@@ -348,7 +355,7 @@ def vllm_sidecar(ckpts: dict[str, Path], new_tokens: int, work: Path) -> Iterato
         start_s = time.perf_counter() - started
         try:
             engine = _vllm_engine(
-                "vllm-sidecar", runner, lambda: _stream(url, new_tokens), ckpts,
+                "vllm-sidecar", runner, lambda: _stream(client, url, new_tokens), ckpts,
                 "streamed chunk", new_tokens,
             )  # fmt: skip
             engine.facts["engine_start_s"] = start_s

@@ -85,7 +85,7 @@ def targets(engines: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 m = modes[mode]
                 add(f"{name} {mode}: no response mixes two versions", m["mixed"] == 0,
                     m["mixed"], f"{m['mixed']} mixed of {m['completed']}")  # fmt: skip
-        if "abort" in modes and name != "vllm-sidecar":  # a sidecar's in_flight is a gauge
+        if "abort" in modes:
             m = modes["abort"]
             add(f"{name} abort: only the requests the drain aborted failed",
                 m["failed"] <= m["aborted"], m["failed"],
