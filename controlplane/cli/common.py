@@ -51,15 +51,14 @@ def _usage_errors() -> Iterator[None]:
         exc.exit_code = CliExit.USAGE
         raise
     except click.exceptions.UsageError as exc:
-        typer.echo(usage_line(exc), err=True)
-        raise typer.Exit(CliExit.USAGE) from None
+        raise fail(usage_error(exc)) from None
 
 
-def usage_line(exc: click.exceptions.UsageError) -> str:
-    """``error: USAGE: <what>; hint: <the command's --help>``: one line, like every error."""
+def usage_error(exc: click.exceptions.UsageError) -> ControlPlaneError:
+    """USAGE (exit 64): ``<what>; hint: <the command's --help>``, one line like every error."""
     path = exc.ctx.command_path if exc.ctx is not None else "controlplane"
     message = " ".join(exc.format_message().split()).rstrip(".")
-    return f"error: USAGE: {message}; hint: see `{path} --help`"
+    return ControlPlaneError(f"{message}; hint: see `{path} --help`", code=LocalCode.USAGE)
 
 
 def _readable_metavar(param: TyperOption, command: click.Command) -> str:

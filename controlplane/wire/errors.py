@@ -76,6 +76,9 @@ class LocalCode(StrEnum):
     """Codes a tool raises on its own side, never sent in a message. Never rename one either:
     they end a command's output (``error: CODE: ...``), choose its exit code, or an HTTP error's."""
 
+    #: The command line itself was wrong (a typo'd command or option, a missing one, a bad
+    #: value, no worker selector): nothing was done (`controlplane` exits 64).
+    USAGE = "USAGE"
     # Publishing a rollout (the CLI and the API, before anything is written).
     NO_MATCHING_WORKERS = "NO_MATCHING_WORKERS"
     ROLLOUT_EXISTS = "ROLLOUT_EXISTS"

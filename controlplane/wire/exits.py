@@ -80,6 +80,7 @@ class WorkerExit(IntEnum):
 #: `controlplane`: an error whose code is not here exits :attr:`CliExit.FAILED`.
 CLI_EXITS: Mapping[WireCode | LocalCode, CliExit] = MappingProxyType(
     {
+        LocalCode.USAGE: CliExit.USAGE,
         LocalCode.BROKER_UNAVAILABLE: CliExit.UNREACHABLE,
         LocalCode.COORDINATOR_UNAVAILABLE: CliExit.UNREACHABLE,
         LocalCode.PUBLISH_OUTCOME_UNKNOWN: CliExit.UNKNOWN,

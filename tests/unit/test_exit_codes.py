@@ -86,9 +86,16 @@ def test_the_worker_codes_are_the_ones_readme_documents() -> None:
 def test_every_error_code_maps_to_a_documented_exit() -> None:
     for code in CODES:
         error = ControlPlaneError("x", code=code)
-        assert cli_exit(error) in (Exit.FAILED, Exit.INVALID, Exit.UNREACHABLE, Exit.UNKNOWN)
+        usage = (Exit.USAGE,) if code is LocalCode.USAGE else ()  # the command line's own
+        assert cli_exit(error) in (
+            Exit.FAILED,
+            Exit.INVALID,
+            Exit.UNREACHABLE,
+            Exit.UNKNOWN,
+            *usage,
+        )
         assert worker_exit(error) in set(WorkerExit) - {WorkerExit.OK}
-    assert set(CLI_EXITS.values()) == {Exit.INVALID, Exit.UNREACHABLE, Exit.UNKNOWN}
+    assert set(CLI_EXITS.values()) == {Exit.INVALID, Exit.UNREACHABLE, Exit.UNKNOWN, Exit.USAGE}
     assert set(WORKER_EXITS.values()) == set(WorkerExit) - {WorkerExit.OK, WorkerExit.ERROR}
 
 
@@ -294,3 +301,17 @@ def test_a_secured_kafka_refusing_us_is_invalid_input_for_the_cli_and_kafka_for_
     error = ControlPlaneError("x", code=code)
     assert cli_exit(error) is CliExit.INVALID
     assert worker_exit(error) is WorkerExit.KAFKA
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["rollouts-of-nothing"], ["status", "--no-such-option"], ["update-config", "--set", "x=1"]],
+    ids=["unknown command", "unknown option", "no worker selector"],
+)
+def test_a_usage_error_is_code_usage_and_exit_64(args: list[str]) -> None:
+    """The code a usage error's line names is a real one (LocalCode.USAGE), mapped to 64."""
+    assert CLI_EXITS[LocalCode.USAGE] is Exit.USAGE == 64
+    exit_code, output = invoke(controlplane_app, args)
+    assert exit_code == Exit.USAGE, output
+    [line] = [ln for ln in output.splitlines() if ln.startswith("error: ")]
+    assert line.startswith(f"error: {LocalCode.USAGE.value}: "), output
