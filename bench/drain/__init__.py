@@ -27,6 +27,10 @@ Engines: the torch runner (``workers/runners/torch_runner.py``, a TinyLM whose d
 timed) in ``.venv``, and vLLM (``workers/runners/vllm_runner.py``: in process, and in full mode a
 ``vllm serve`` sidecar) in ``.venv-vllm``, on a tiny Llama (``workers/demo/tiny_llama.py``).
 Nothing goes through Kafka: the runner's reload is called directly, as the agent would.
+The sidecar's load is its own (``--sidecar-clients``, ``--sidecar-new-tokens``; full: 4 clients,
+128 tokens, on one kept-alive HTTP client): vLLM generates 16 tokens in ~35 ms, less than a
+streamed request's HTTP round trips, so shorter requests are mostly done in vLLM when a reload's
+pause lands and the drain policies have little to act on.
 
     .venv/bin/python -m bench.drain --quick                         # torch, seconds
     .venv/bin/python -m bench.drain                                 # torch, full
