@@ -31,6 +31,7 @@ from rich.text import Text
 from controlplane.cli.common import (
     BootstrapOpt,
     Exit,
+    OutputOpt,
     PrefixOpt,
     app,
     fail,
@@ -39,7 +40,7 @@ from controlplane.cli.common import (
     run,
 )
 from controlplane.cli.follow import catch_up, judge_time
-from controlplane.cli.render import console, plain
+from controlplane.cli.render import Output, console, dumped, plain
 from controlplane.cli.rollout import DrainChoice
 from controlplane.coordinator.follower import Follower
 from controlplane.coordinator.publisher import publish_control
@@ -72,7 +73,7 @@ targets_app = typer.Typer(
 app.add_typer(rollout_app, name="rollout")
 app.add_typer(targets_app, name="targets")
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output (-o json).")]
 WaitOpt = Annotated[
     bool, typer.Option("--wait", help="Follow until the rollout ends; exit with its outcome.")
 ]
@@ -211,6 +212,7 @@ _CREATE = "`controlplane targets set {name} --selector k=v`"
 @targets_app.callback()
 def targets(
     ctx: typer.Context,
+    output: OutputOpt = Output.TABLE,
     as_json: JsonOpt = False,
     bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
     prefix: PrefixOpt = "fleet",
@@ -219,12 +221,13 @@ def targets(
     drifting, lost."""
     if ctx.invoked_subcommand is not None:
         return
+    shown = Output.JSON if as_json else output
 
     async def go() -> int:
         async with read_control(kafka_settings(bootstrap, prefix)) as (follower, now):
             statuses = targets_status(_control(follower), follower.fleet, now)
-        if as_json:
-            typer.echo(json.dumps([json.loads(s.model_dump_json()) for s in statuses]))
+        if shown.data:
+            typer.echo(dumped(statuses, shown))
         else:
             console().print(targets_table(statuses))
         return Exit.OK
@@ -442,7 +445,7 @@ def start(
         text = summarize(exc) if isinstance(exc, ValidationError) else str(exc)
         raise _invalid(text) from None
     raise typer.Exit(
-        run(_start(kafka_settings(bootstrap, prefix), spec, wait, wait_timeout, as_json))
+        run(_start(kafka_settings(bootstrap, prefix), spec, wait, wait_timeout, _shown(as_json)))
     )
 
 
@@ -451,24 +454,31 @@ async def _start(
     spec: RolloutSpec,
     wait: bool,
     wait_timeout: float | None,
-    as_json: bool,
+    output: Output,
 ) -> int:
     async with read_control(settings) as (follower, _):
         _control(follower).check_start(spec)
         offset = await publish_control(settings, spec)
-        if not as_json:
+        if not output.data:
             console(stderr=True).print(
                 f"rollout {spec.rollout_id} of target {spec.target} requested (offset {offset})"
             )
         if not wait:
-            if as_json:
+            if output is Output.JSON:
                 typer.echo(spec.model_dump_json())
+            elif output.data:
+                typer.echo(dumped(spec, output))
             return Exit.OK
-        return await _follow(follower, spec.rollout_id, wait_timeout, as_json)
+        return await _follow(follower, spec.rollout_id, wait_timeout, output)
+
+
+def _shown(as_json: bool) -> Output:
+    """A command with ``--json`` only: its output."""
+    return Output.JSON if as_json else Output.TABLE
 
 
 async def _follow(
-    follower: Follower, rollout_id: str, wait_timeout: float | None, as_json: bool
+    follower: Follower, rollout_id: str, wait_timeout: float | None, output: Output
 ) -> int:
     """Read the log until the rollout ends (or the wait times out); its exit code."""
     goes_on(f"the rollout goes on: controlplane rollout status {rollout_id}")
@@ -480,14 +490,14 @@ async def _follow(
         rollout = control.rollout(rollout_id)
         if rollout is not None:
             line = _progress(rollout)
-            if line != last and not as_json:
+            if line != last and not output.data:
                 err.print(line)
                 last = line
             if rollout.ended:
-                return _finish(rollout, as_json)
+                return _finish(rollout, output)
         if deadline is not None and time.monotonic() >= deadline:
-            if as_json and rollout is not None:
-                typer.echo(_rollout_json(rollout))
+            if output.data and rollout is not None:
+                _print_rollout(rollout, output)
             typer.echo(f"gave up waiting: rollout {rollout_id} is still running", err=True)
             return Exit.TIMED_OUT
         await follower.poll(timeout_s=0.5)
@@ -501,7 +511,18 @@ def _progress(rollout: Rollout) -> str:
     return f"{rollout.rollout_id}: {state.phase.value}, wave {wave}/{len(state.waves)}: {state.message}"
 
 
+def _print_rollout(rollout: Rollout, output: Output) -> None:
+    """``-o json|yaml``: the rollout's spec, state, actions and exit code."""
+    typer.echo(
+        _rollout_json(rollout) if output is Output.JSON else dumped(_rollout_data(rollout), output)
+    )
+
+
 def _rollout_json(rollout: Rollout) -> str:
+    return json.dumps(_rollout_data(rollout))
+
+
+def _rollout_data(rollout: Rollout) -> dict[str, Any]:
     body: dict[str, Any] = {
         "spec": json.loads(rollout.spec.model_dump_json()),
         "state": None if rollout.state is None else json.loads(rollout.state.model_dump_json()),
@@ -509,14 +530,14 @@ def _rollout_json(rollout: Rollout) -> str:
     }
     phase = None if rollout.state is None else rollout.state.phase.value
     body["exit_code"] = CONTROL_PHASE_EXITS.get(phase) if phase else None
-    return json.dumps(body)
+    return body
 
 
-def _finish(rollout: Rollout, as_json: bool) -> int:
+def _finish(rollout: Rollout, output: Output) -> int:
     state = rollout.state
     assert state is not None
-    if as_json:
-        typer.echo(_rollout_json(rollout))
+    if output.data:
+        _print_rollout(rollout, output)
     else:
         show(rollout)
     return int(CONTROL_PHASE_EXITS.get(state.phase.value, Exit.INTERNAL))
@@ -563,29 +584,33 @@ def status(
     ] = None,
     wait: WaitOpt = False,
     wait_timeout: WaitTimeoutOpt = None,
+    output: OutputOpt = Output.TABLE,
     as_json: JsonOpt = False,
     bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
     prefix: PrefixOpt = "fleet",
 ) -> None:
     """A progressive rollout's waves, gates and phase (all rollouts when no id is given)."""
+    shown = Output.JSON if as_json else output
 
     async def go() -> int:
         async with read_control(kafka_settings(bootstrap, prefix)) as (follower, _):
             control = _control(follower)
             if rollout_id is None:
                 rows = control.rollouts()
-                if as_json:
+                if shown is Output.JSON:
                     typer.echo("[" + ",".join(_rollout_json(r) for r in rows) + "]")
+                elif shown.data:
+                    typer.echo(dumped([_rollout_data(r) for r in rows], shown))
                 else:
                     console().print(history_table("progressive rollouts", rows))
                 return Exit.OK
             rollout = control.known_rollout(rollout_id, hint=_LOOK)
             if wait:
-                return await _follow(follower, rollout_id, wait_timeout, as_json)
+                return await _follow(follower, rollout_id, wait_timeout, shown)
             if rollout.ended:
-                return _finish(rollout, as_json)
-            if as_json:
-                typer.echo(_rollout_json(rollout))
+                return _finish(rollout, shown)
+            if shown.data:
+                _print_rollout(rollout, shown)
             else:
                 show(rollout)
             return Exit.OK
@@ -717,7 +742,7 @@ def undo(
             issued_at=datetime.now().astimezone(),
             issuer=_issuer(),
         )
-        return await _start(settings, spec, wait, wait_timeout, as_json)
+        return await _start(settings, spec, wait, wait_timeout, _shown(as_json))
 
     raise typer.Exit(run(go()))
 
@@ -725,18 +750,20 @@ def undo(
 @rollout_app.command("history")
 def history(
     target: Annotated[str, typer.Argument(help="The target.")],
+    output: OutputOpt = Output.TABLE,
     as_json: JsonOpt = False,
     bootstrap: BootstrapOpt = DEFAULT_BOOTSTRAP,
     prefix: PrefixOpt = "fleet",
 ) -> None:
     """The target's rollouts and the stable states it had, oldest first."""
+    shown = Output.JSON if as_json else output
 
     async def go() -> int:
         async with read_control(kafka_settings(bootstrap, prefix)) as (follower, _):
             control = _control(follower)
             found = control.known_target(target, create=_CREATE.format(name=target))
             rows = control.rollouts(target)
-        if as_json:
+        if shown.data:
             body = {
                 "stable": [
                     {
@@ -746,9 +773,9 @@ def history(
                     }
                     for e in found.history
                 ],
-                "rollouts": [json.loads(_rollout_json(r)) for r in rows],
+                "rollouts": [_rollout_data(r) for r in rows],
             }
-            typer.echo(json.dumps(body))
+            typer.echo(dumped(body, shown))
         else:
             out = console()
             out.print(history_table(f"rollouts of {target}", rows))

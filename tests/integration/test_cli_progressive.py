@@ -147,3 +147,42 @@ async def test_a_second_rollout_while_one_runs_is_target_busy_and_abort_without_
         assert alignment == {"w00": "drifting", "w01": "in_sync"}
         assert (tiny["drifting"], tiny["at_stable"]) == (1, 1)
         assert fleet.runners["w00"].history == ["v1", "v2"]
+
+
+async def test_targets_rollout_status_and_history_take_o_table_wide_json_yaml(
+    kafka: KafkaSettings, tmp_path: Path
+) -> None:
+    """``-o table|wide|json|yaml`` as on every other command (``--json`` kept: the same data as
+    ``-o json``)."""
+    import yaml
+
+    async with fleet_of(kafka, tmp_path, 2) as fleet:
+        await fleet.target()
+        await fleet.rollout("r-held", "v2", Strategy(canary=1, pause="manual"))
+        await fleet.phase("r-held", ControlPhase.PAUSED)
+        for args in (["targets"], ["rollout", "status"], ["rollout", "status", "r-held"],
+                     ["rollout", "history", "tiny"]):  # fmt: skip
+            code, as_json = await cli(kafka, *args, "-o", "json")
+            assert code == CliExit.OK, (args, as_json.out, as_json.err)
+            expected = shape(json.loads(as_json.out[-1]))
+            code, alias = await cli(kafka, *args, "--json")
+            assert code == CliExit.OK and shape(json.loads(alias.out[-1])) == expected
+            code, as_yaml = await cli(kafka, *args, "-o", "yaml")
+            assert code == CliExit.OK, (args, as_yaml.out, as_yaml.err)
+            assert shape(yaml.safe_load("\n".join(as_yaml.out))) == expected, args
+            for shown in ("table", "wide"):
+                code, table = await cli(kafka, *args, "-o", shown)
+                assert code == CliExit.OK, (args, table.out, table.err)
+                assert any(("tiny" if args == ["targets"] else "r-held") in ln for ln in table.out)
+        code, out = await cli(kafka, "targets", "-o", "yaml")
+        (tiny,) = yaml.safe_load("\n".join(out.out))
+        assert (tiny["name"], tiny["rollout"]["rollout_id"]) == ("tiny", "r-held"), tiny
+
+
+def shape(doc: object) -> object:
+    """A document's fields, nested, without their values (heartbeat times differ each read)."""
+    if isinstance(doc, dict):
+        return {k: shape(v) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [shape(v) for v in doc]
+    return type(doc).__name__ if doc is not None else None
