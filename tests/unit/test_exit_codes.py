@@ -310,7 +310,7 @@ def test_a_secured_kafka_refusing_us_is_invalid_input_for_the_cli_and_kafka_for_
 )
 def test_a_usage_error_is_code_usage_and_exit_64(args: list[str]) -> None:
     """The code a usage error's line names is a real one (LocalCode.USAGE), mapped to 64."""
-    assert CLI_EXITS[LocalCode.USAGE] is Exit.USAGE == 64
+    assert CLI_EXITS[LocalCode.USAGE] is Exit.USAGE and int(Exit.USAGE) == 64
     exit_code, output = invoke(controlplane_app, args)
     assert exit_code == Exit.USAGE, output
     [line] = [ln for ln in output.splitlines() if ln.startswith("error: ")]
