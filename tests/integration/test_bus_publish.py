@@ -28,7 +28,7 @@ from controlplane.kafka.bus import Consumer, Producer, Record
 from controlplane.kafka.settings import KafkaSettings
 from controlplane.wire.errors import BusError, LocalCode
 from controlplane.wire.topics import Topics
-from tests.conftest import free_port
+from tests.factories import free_port
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

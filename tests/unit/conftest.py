@@ -346,6 +346,7 @@ def assert_agree(data: bytes) -> FastAck | None:
         assert got == want
         return None
     assert isinstance(got, FastAck), got
+    assert isinstance(want, Ack), want
     assert_same(got, want)
     return got
 
