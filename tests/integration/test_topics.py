@@ -277,7 +277,9 @@ async def test_min_insync_above_the_replication_factor_is_refused_before_creatin
             )
     assert info.value.code is LocalCode.SETTINGS_INVALID
     assert "min.insync.replicas 2 exceeds the replication factor 1" in info.value.message
-    assert not {t.name for t in settings.topics.ensured()} & set(await _topic_names(kafka_bootstrap))
+    assert not {t.name for t in settings.topics.ensured()} & set(
+        await _topic_names(kafka_bootstrap)
+    )
 
 
 async def _topic_names(bootstrap: str) -> list[str]:

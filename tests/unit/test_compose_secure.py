@@ -391,4 +391,3 @@ def test_secure_files_in_a_directory_it_cannot_write_is_one_coded_line(tmp_path:
     result = CliRunner().invoke(controlplane_app, ["broker", "secure-files", str(blocker / "x")])
     assert result.exit_code != 0
     assert "SETTINGS_INVALID" in result.output and "Traceback" not in result.output
-
