@@ -34,6 +34,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Final
 
+from bench.scale.probe import dashboard_paths
 from controlplane.coordinator.follower import Batch
 from controlplane.coordinator.service import Coordinator
 from controlplane.rollout.judge import Tally
@@ -152,21 +153,6 @@ def build(
             _fold(coordinator, batch)
             batch = Batch(replay=replay)
     _fold(coordinator, batch)
-
-
-def dashboard_paths(selected: str) -> list[str]:
-    """What the dashboard (controlplane/api/static/dashboard.html) reads for one update that
-    changed the fleet's counts, with rollout ``selected`` open: the fleet in counts (here the
-    stream's snapshot, read once; live, a delta carries only what changed), the first page of
-    workers problems first, and the open rollout's two pages of workers (failed, rejected and
-    lost; then the others)."""
-    detail = f"/api/v1/rollouts/{selected}/workers"
-    return [
-        "/api/v1/events?once=true",
-        "/api/v1/workers?order=problems&limit=50",
-        f"{detail}?state=failed&state=rejected&state=lost&limit=50",
-        f"{detail}?state=running&state=accepted&state=pending&state=succeeded&limit=50",
-    ]
 
 
 # --------------------------------------------------------------------------- measuring

@@ -17,9 +17,9 @@ ensure`` (so the topic settings the product chooses apply):
 * the coordinator (``python -m controlplane coordinator``, a child process): start until
   ``/healthz`` says ready, RSS then and at the end; ``GET /api/v1/workers``,
   ``/api/v1/rollouts?limit=50``, ``/metrics`` (p50/p99, bytes), every GET path of its OpenAPI
-  document naming a summary (``absent`` when none), one dashboard update (the URLs its served
-  page's script fetches per poll), ``/healthz`` while the biggest of those responses is being
-  built, and one rollout's 3N acks produced in a burst until the API shows it succeeded;
+  document naming a summary (``absent`` when none), one dashboard update
+  (``probe.dashboard_paths``: the stream's snapshot and the pages of workers it shows),
+  ``/healthz`` while the biggest of those responses is being built, and one rollout's 3N acks produced in a burst until the API shows it succeeded;
 * a watcher polling ``/api/v1/workers?alive=true`` and the in-progress rollout's phase records
   every false verdict (fewer than N alive, the rollout shown failed).
 

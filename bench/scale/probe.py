@@ -1,7 +1,7 @@
 """The instruments: the product's CLI as a subprocess (wall time, peak RSS, exit code, output
 bytes, killed at a cap), the coordinator as a child process (start to ready, RSS), timed HTTP
-requests, the URLs the dashboard fetches per poll, the API's summary endpoints (probed in its
-OpenAPI document), a watcher for false verdicts, and the floor: a bare aiokafka consumer
+requests, the URLs the dashboard reads for one full update, the API's summary endpoints (probed
+in its OpenAPI document), a watcher for false verdicts, and the floor: a bare aiokafka consumer
 reading the same topics to their end.
 """
 
@@ -220,39 +220,26 @@ def _summarize(url: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def dashboard_urls(html: str, rollout_id: str) -> tuple[list[str], list[str]]:
-    """The URLs the dashboard's script fetches per poll, in order: ``getJSON``/``fetch`` calls
-    with a literal or template argument, ``const`` string constants substituted, a rollout id
-    for expressions naming the selected rollout. (urls, what could not be resolved)."""
-    consts = dict(re.findall(r'const\s+([A-Z_][A-Z0-9_]*)\s*=\s*"([^"]*)"', html))
-    calls = re.findall(r"(?:getJSON|fetch)\(\s*(`[^`]*`|\"[^\"]*\"|'[^']*')", html)
-    urls: list[str] = []
-    unresolved: list[str] = []
-    for literal in calls:
-        text = literal[1:-1]
-
-        def fill(match: re.Match[str]) -> str:
-            expr = match.group(1).strip()
-            if expr in consts:
-                return str(consts[expr])
-            if re.search(r"selected|rollout|\bid\b", expr):
-                return rollout_id
-            raise KeyError(expr)
-
-        try:
-            url = re.sub(r"\$\{([^}]*)\}", fill, text)
-        except KeyError as exc:
-            unresolved.append(f"{text} ({exc})")
-            continue
-        if url.startswith("/") and url not in urls:
-            urls.append(url)
-    return urls, unresolved
+def dashboard_paths(selected: str) -> list[str]:
+    """What the dashboard (controlplane/api/static/dashboard.html) reads for one update that
+    changed the fleet's counts, with rollout ``selected`` open: the fleet in counts (here the
+    stream's snapshot, read once; live, a delta carries only what changed), the first page of
+    workers problems first, and the open rollout's two pages of workers (failed, rejected and
+    lost; then the others)."""
+    detail = f"/api/v1/rollouts/{selected}/workers"
+    return [
+        "/api/v1/events?once=true",
+        "/api/v1/workers?order=problems&limit=50",
+        f"{detail}?state=failed&state=rejected&state=lost&limit=50",
+        f"{detail}?state=running&state=accepted&state=pending&state=succeeded&limit=50",
+    ]
 
 
 async def dashboard_update(
     client: httpx.AsyncClient, base: str, urls: list[str], timeout_s: float
 ) -> dict[str, Any]:
-    """One poll as the dashboard does it: ``/healthz`` first, then the rest together."""
+    """One full dashboard update (``dashboard_paths``): ``/healthz`` first if listed, then the
+    rest together."""
     t0 = time.perf_counter()
     first = [u for u in urls if u == "/healthz"]
     rest = [u for u in urls if u != "/healthz"]

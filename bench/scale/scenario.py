@@ -31,8 +31,8 @@ from bench.scale.probe import (
     Coordinator,
     Watcher,
     api_paths,
+    dashboard_paths,
     dashboard_update,
-    dashboard_urls,
     healthz_during,
     read_bare,
     run_cli,
@@ -225,8 +225,7 @@ class Scenario:
 
     async def dashboard(self, client: httpx.AsyncClient, base: str) -> dict[str, Any]:
         page = await timed_get(client, f"{base}/", self.args.cap_s)
-        html = (await client.get(f"{base}/", timeout=self.args.cap_s)).text
-        urls, unresolved = dashboard_urls(html, self.rollouts.live)
+        urls = dashboard_paths(self.rollouts.live)
         polls: list[dict[str, Any]] = []
         started = time.perf_counter()
         while len(polls) < self.args.samples and (
@@ -236,7 +235,6 @@ class Scenario:
         out = {
             "page_bytes": page["bytes"],
             "urls": urls,
-            "unresolved": unresolved,
             "polls": len(polls),
             "s": sorted(p["s"] for p in polls),
             "bytes": max(p["bytes"] for p in polls),

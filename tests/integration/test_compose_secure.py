@@ -36,6 +36,7 @@ from typer.testing import CliRunner
 
 from controlplane.cli.admin import ACL_SCRIPT
 from controlplane.cli.common import app as controlplane_app
+from controlplane.cli.render import Output
 from controlplane.cli.rollout import _publish_and_maybe_wait
 from controlplane.coordinator.follower import Follower
 from controlplane.coordinator.publisher import RolloutRequest
@@ -226,7 +227,7 @@ async def test_a_rollout_succeeds_as_the_compose_services_are_configured(
             ),
             wait=True,
             wait_timeout=60,
-            as_json=True,
+            output=Output.JSON,
         )
         assert code == CliExit.OK
 

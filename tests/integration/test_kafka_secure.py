@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from controlplane.cli.admin import secure_env_lines
+from controlplane.cli.render import Output
 from controlplane.cli.rollout import _publish_and_maybe_wait
 from controlplane.coordinator.follower import Follower
 from controlplane.coordinator.publisher import RolloutRequest
@@ -64,7 +65,7 @@ async def test_end_to_end_rollout_over_sasl_ssl(
             ),
             wait=True,
             wait_timeout=60,
-            as_json=True,
+            output=Output.JSON,
         )
         assert code == CliExit.OK
 

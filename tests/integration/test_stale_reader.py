@@ -26,6 +26,7 @@ import pytest
 
 import controlplane.cli.follow as cli_follow
 import controlplane.coordinator.follower as follower_module
+from controlplane.cli.render import Output
 from controlplane.cli.rollout import _publish_and_maybe_wait
 from controlplane.coordinator.follower import Batch, Follower
 from controlplane.coordinator.publisher import RolloutRequest, prepare_rollout
@@ -147,7 +148,7 @@ async def test_reload_weights_with_a_selector_after_a_long_replay_publishes(
         RolloutRequest(SPEC, BIG, rollout_id="r-after-a-long-replay"),
         wait=False,
         wait_timeout=None,
-        as_json=True,
+        output=Output.JSON,
     )
     assert lagging == [True]
     assert code == CliExit.OK
