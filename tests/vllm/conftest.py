@@ -45,7 +45,7 @@ from workers.runners.vllm_runner import VllmRunner  # noqa: E402
 #: 32-token blocks (the stale-KV case needs a full cached block), small limits.
 ENGINE_ARGS: dict[str, Any] = {
     "dtype": "float32",
-    "max_model_len": 256,
+    "max_model_len": 512,  # the model's positions: room for a long held request
     "block_size": 32,
     "enable_prefix_caching": True,
     "enforce_eager": True,
@@ -139,7 +139,7 @@ def vllm_server(ckpts: Checkpoints, tmp_path_factory: pytest.TempPathFactory) ->
         log_path = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
         flags = [
             "--model", str(ckpts.v1), "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "float32", "--max-model-len", "256", "--block-size", "32",
+            "--dtype", "float32", "--max-model-len", str(ENGINE_ARGS["max_model_len"]), "--block-size", "32",
             "--enable-prefix-caching", "--enforce-eager", "--seed", "0", "--max-num-seqs", "4",
             "--enable-scale-out",  # /inference/v1/generate: weight-version spans per output
         ]  # fmt: skip
