@@ -1,5 +1,5 @@
-"""The child processes: agents in one process, N HTTP endpoints in another, and the
-parent's handle on each (JSON lines on stdout, commands on stdin).
+"""The child processes: agents in one process, bare workers in another, N HTTP endpoints in
+another (JSON lines on stdout, commands on stdin).
 """
 
 from __future__ import annotations
@@ -65,6 +65,35 @@ async def agent_host(cfg: dict[str, Any]) -> None:
         raise RuntimeError("an agent ended while starting")
     _say({"ready": len(agents), "start_s": round(time.perf_counter() - started, 3)})
 
+    await _serve_stdin()
+    for agent in agents:
+        agent.request_stop()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+    _say({"stopped": sum(sum(a.outcomes.values()) for a in agents)})
+
+
+async def bare_host(cfg: dict[str, Any]) -> None:
+    """Run ``cfg['workers']`` bare workers (bench.fanout.bare) in this process, as
+    :func:`agent_host` runs agents: started together, then until told to stop on stdin."""
+    from bench.fanout.bare import BareWorker
+
+    workers = [BareWorker(cfg["bootstrap"], cfg["prefix"], w) for w in cfg["workers"]]
+    started = time.perf_counter()
+    await asyncio.gather(*(w.start() for w in workers))
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(w.run(stop)) for w in workers]
+    _say({"ready": len(workers), "start_s": round(time.perf_counter() - started, 3)})
+    await _serve_stdin()
+    stop.set()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+    await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
+    _say({"stopped": sum(w.acked for w in workers)})
+
+
+async def _serve_stdin() -> None:
+    """The parent's commands, until "stop" (or EOF): ``profile-on``, ``profile-off PATH``."""
     loop = asyncio.get_running_loop()
     profiler: cProfile.Profile | None = None
     while True:
@@ -82,12 +111,7 @@ async def agent_host(cfg: dict[str, Any]) -> None:
                 profiler = None
             _say({"ok": "profile-off"})
         else:  # "stop" or EOF
-            break
-    for agent in agents:
-        agent.request_stop()
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
-    _say({"stopped": sum(sum(a.outcomes.values()) for a in agents)})
+            return
 
 
 def _say(message: dict[str, Any]) -> None:

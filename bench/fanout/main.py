@@ -1,5 +1,5 @@
 """Arguments, the run over every fleet size, and the child roles (``--agents-child``,
-``--http-child``).
+``--bare-child``, ``--http-child``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from bench.common import (
     state_dir,
 )
 from bench.fanout import JUDGE_INTERVAL_S
-from bench.fanout.hosts import agent_host, http_host
+from bench.fanout.hosts import agent_host, bare_host, http_host
 from bench.fanout.report import report, targets
 from bench.fanout.scenario import measure_level
 
@@ -103,7 +103,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="cProfile the agents at the largest N.")
     p.add_argument("--profile-rollouts", type=int, default=5)
     p.add_argument("--out-dir", type=Path, default=None)
+    p.add_argument(
+        "--no-bare",
+        action="store_true",
+        help="Skip the bare workers (the fair floor: N hand-written aiokafka workers).",
+    )
     p.add_argument("--agents-child", help=argparse.SUPPRESS)
+    p.add_argument("--bare-child", help=argparse.SUPPRESS)
     p.add_argument("--http-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     mode = mode_of(args.quick, args.tiny)
@@ -160,6 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_logging()
     if args.agents_child:
         asyncio.run(agent_host(json.loads(args.agents_child)))
+        return 0
+    if args.bare_child:
+        asyncio.run(bare_host(json.loads(args.bare_child)))
         return 0
     if args.http_child:
         asyncio.run(http_host(json.loads(args.http_child)))

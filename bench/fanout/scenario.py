@@ -1,4 +1,5 @@
-"""One fleet size: N agents in child processes, rollouts followed as the CLI does, CPU, idle."""
+"""One fleet size: N bare workers, then N agents, in child processes; rollouts followed as the
+CLI does; CPU per command of each; idle."""
 
 from __future__ import annotations
 
@@ -19,9 +20,14 @@ from bench.fanout import JUDGE_INTERVAL_S, OVERRIDE_KEY
 from bench.fanout.broker_probe import between, rss_mb, snapshot
 from bench.fanout.floors import measure_floor, measure_http
 
+#: The fleets a :class:`Fanout` can start: the product's agents, or bare workers (bench.fanout.bare).
+ROLES = ("agents", "bare")
+
 
 class Fanout:
-    """N agents in child processes plus a Follower watching their topics from this process."""
+    """N agents (or bare workers) in child processes plus a Follower watching their topics from
+    this process. Both kinds are started, published to and judged the same way; only agents
+    heartbeat, so only their start also waits until the Follower sees every one alive."""
 
     def __init__(
         self,
@@ -34,7 +40,11 @@ class Fanout:
         fetch_wait_ms: int | None = None,
         judge: str = "cli",
         start_timeout_s: float = 600.0,
+        role: str = "agents",
     ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role {role!r} is not one of {ROLES}")
+        self.role = role
         self.start_timeout_s = start_timeout_s
         self.fetch_wait_ms = fetch_wait_ms
         self.judge = judge
@@ -54,7 +64,8 @@ class Fanout:
         from controlplane.coordinator.follower import Follower
 
         tag = uuid.uuid4().hex[:6]
-        self.settings = await ensure_topics(self.bootstrap, f"fan{self.n}-{tag}")
+        kind = "fan" if self.role == "agents" else "bare"
+        self.settings = await ensure_topics(self.bootstrap, f"{kind}{self.n}-{tag}")
         self.follower = Follower(self.settings)
         await self.follower.start()
         self.follower.listeners.append(lambda batch: self.acks.extend(batch.acks))
@@ -75,15 +86,13 @@ class Fanout:
                 "heartbeat_s": self.heartbeat_s,
                 "fetch_wait_ms": self.fetch_wait_ms,
             }
-            self.children.append(
-                await Child.start(
-                    "bench.fanout", "agents-child", cfg, self.log_dir / f"agents-n{self.n}-p{p}.log"
-                )
-            )
+            log = self.log_dir / f"{self.role}-n{self.n}-p{p}.log"
+            self.children.append(await Child.start("bench.fanout", f"{self.role}-child", cfg, log))
         deadline = time.monotonic() + self.start_timeout_s
         hellos = [await c.read(max(1.0, deadline - time.monotonic())) for c in self.children]
         children_ready_s = time.perf_counter() - started
-        await self._wait_registered(timeout=min(120.0, self.start_timeout_s))
+        if self.role == "agents":
+            await self._wait_registered(timeout=min(120.0, self.start_timeout_s))
         return {
             "processes": processes,
             "agents_per_process": [len(g) for g in groups],
@@ -194,7 +203,7 @@ class Fanout:
             await self.rollout(10_000 + i, producer)
         files = []
         for p, c in enumerate(self.children):
-            path = out_dir / f"agents-n{self.n}-p{p}.prof"
+            path = out_dir / f"{self.role}-n{self.n}-p{p}.prof"
             await c.send(f"profile-off {path}")
             await c.read(60)
             files.append(str(path))
@@ -224,13 +233,16 @@ class Fanout:
             await self.follower.stop()
 
 
+BARE_FILE = f"{os.sep}bench{os.sep}fanout{os.sep}bare.py"
+
+
 def profile_summary(files: Sequence[str], commands: int, top: int = 18) -> dict[str, Any]:
     stats = pstats.Stats(*files, stream=io.StringIO())
     total = stats.total_tt  # type: ignore[attr-defined]
     rows = []
     agent_steps = set()
     for (file, line, func), (_, ncalls, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
-        if f"{os.sep}workers{os.sep}agent{os.sep}" in file:
+        if f"{os.sep}workers{os.sep}agent{os.sep}" in file or file.endswith(BARE_FILE):
             agent_steps.add(f"{Path(file).name}:{line}({func})")
         rows.append(
             {
@@ -277,6 +289,9 @@ async def measure_level(
     if not args.no_http:
         print(f"== N={n}: HTTP fan-out", flush=True)
         level["http"] = await measure_http(n, args.http_repeats, tmp)
+    if not args.no_bare:
+        print(f"== N={n}: starting {n} bare workers (the fair floor)", flush=True)
+        level["bare"] = await measure_bare(bootstrap, broker_pid, n, args, tmp)
     print(f"== N={n}: starting {n} agents", flush=True)
     fan = Fanout(
         bootstrap,
@@ -303,34 +318,23 @@ async def measure_level(
             await fan.rollout(0, producer)  # warm-up
             if probe:
                 snaps["before_rollouts"] = await asyncio.to_thread(snapshot, broker_pid)
-            a0, b0, c0 = fan.cpu(), _broker_cpu(broker_pid), time.process_time()
-            t0 = time.perf_counter()
-            runs = [await fan.rollout(i + 1, producer) for i in range(args.repeats)]
-            elapsed = time.perf_counter() - t0
-            commands = args.repeats * n
+            runs, cpu = await timed_rollouts(fan, producer, args.repeats, broker_pid)
             if probe:
                 snaps["after_rollouts"] = await asyncio.to_thread(snapshot, broker_pid)
             level["rollout_cpu"] = {
-                "window_s": elapsed,
-                "agents_cpu_s": fan.cpu() - a0,
-                "agents_cpu_ms_per_command": 1e3 * (fan.cpu() - a0) / commands,
-                "broker_cpu_ms_per_command": 1e3 * (_broker_cpu(broker_pid) - b0) / commands,
-                "follower_cpu_ms_per_rollout": 1e3 * (time.process_time() - c0) / args.repeats,
-                "cores": os.cpu_count(),
+                "window_s": cpu["window_s"],
+                "agents_cpu_s": cpu["cpu_s"],
+                "agents_cpu_ms_per_command": cpu["cpu_ms_per_command"],
+                "broker_cpu_ms_per_command": cpu["broker_cpu_ms_per_command"],
+                "follower_cpu_ms_per_rollout": cpu["follower_cpu_ms_per_rollout"],
+                "cores": cpu["cores"],
             }
             if args.profile and n == max(args.n):
                 print(
                     f"== N={n}: profiling agents over {args.profile_rollouts} rollouts", flush=True
                 )
                 level["agent_profile"] = await fan.profile(args.profile_rollouts, producer, tmp)
-        level["rollouts"] = {
-            "converge_s": summary([r["converge_s"] for r in runs]),
-            "last_ack_s": summary([r["last_ack_s"] for r in runs]),
-            "publish_s": summary([r["publish_s"] for r in runs]),
-            "status_s": summary([r["status_s"] for r in runs]),
-            "ack_s": summary([x for r in runs for x in r["ack_s"]]),
-            "received_s": summary([x for r in runs for x in r["received_s"]]),
-        }
+        level["rollouts"] = rollout_summary(runs)
         print(f"== N={n}: idle CPU over {args.idle_s:.0f} s", flush=True)
         await asyncio.sleep(1.0)
         if probe:
@@ -359,6 +363,72 @@ async def measure_level(
     return level
 
 
+async def measure_bare(
+    bootstrap: str, broker_pid: int | None, n: int, args: argparse.Namespace, tmp: Path
+) -> dict[str, Any]:
+    """The fair floor: N bare workers in the agents' process layout, the same rollouts published
+    and followed the same way; converge and CPU per command as for the agents."""
+    from controlplane.kafka.bus import Producer
+
+    fan = Fanout(
+        bootstrap,
+        n,
+        args.per_process,
+        args.heartbeat_s,
+        args.state_dir,
+        tmp,
+        judge=args.judge,
+        start_timeout_s=args.start_timeout_s,
+        role="bare",
+    )
+    out: dict[str, Any] = {"loadavg_before": loadavg()}
+    try:
+        out["workers"] = await fan.start()
+        print(f"   started in {out['workers']['start_s']:.1f} s; rollouts", flush=True)
+        async with Producer(fan.settings) as producer:
+            await fan.rollout(0, producer)  # warm-up
+            runs, out["rollout_cpu"] = await timed_rollouts(fan, producer, args.repeats, broker_pid)
+            if args.profile and n == max(args.n):
+                print(f"== N={n}: profiling bare workers over {args.profile_rollouts} rollouts")
+                out["profile"] = await fan.profile(args.profile_rollouts, producer, tmp)
+        out["rollouts"] = rollout_summary(runs)
+    finally:
+        await fan.stop()
+    return out
+
+
+async def timed_rollouts(
+    fan: Fanout, producer: Any, repeats: int, broker_pid: int | None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``repeats`` rollouts one after another, and the CPU the fleet's processes, the broker
+    and this process (the Follower) spent over them."""
+    a0, b0, c0 = fan.cpu(), _broker_cpu(broker_pid), time.process_time()
+    t0 = time.perf_counter()
+    runs = [await fan.rollout(i + 1, producer) for i in range(repeats)]
+    elapsed = time.perf_counter() - t0
+    fleet_cpu = fan.cpu() - a0
+    commands = repeats * fan.n
+    return runs, {
+        "window_s": elapsed,
+        "cpu_s": fleet_cpu,
+        "cpu_ms_per_command": 1e3 * fleet_cpu / commands,
+        "broker_cpu_ms_per_command": 1e3 * (_broker_cpu(broker_pid) - b0) / commands,
+        "follower_cpu_ms_per_rollout": 1e3 * (time.process_time() - c0) / repeats,
+        "cores": os.cpu_count(),
+    }
+
+
+def rollout_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "converge_s": summary([r["converge_s"] for r in runs]),
+        "last_ack_s": summary([r["last_ack_s"] for r in runs]),
+        "publish_s": summary([r["publish_s"] for r in runs]),
+        "status_s": summary([r["status_s"] for r in runs]),
+        "ack_s": summary([x for r in runs for x in r["ack_s"]]),
+        "received_s": summary([x for r in runs for x in r["received_s"]]),
+    }
+
+
 def _probe_windows(snaps: dict[str, Any], commands: int) -> dict[str, Any]:
     """The snapshots, and the rates over the rollouts and over the idle window."""
     out: dict[str, Any] = {"snapshots": snaps}
@@ -380,12 +450,24 @@ def _broker_cpu(pid: int | None) -> float:
 
 
 def _derive(level: dict[str, Any]) -> None:
-    """Ratios of p50s: convergence against the floor and against HTTP fan-outs."""
-    floor = level["floor"]["round_trip_s"].get("p50")
+    """Ratios of p50s: convergence against the bare workers (the fair floor), against one bare
+    command/ack pair (``floor``, kept under its old key: ``converge_over_floor`` is
+    ``converge_over_one_pair``) and against HTTP fan-outs; CPU per command against the bare
+    workers'."""
+    one_pair = level["floor"]["round_trip_s"].get("p50")
     conv = level["rollouts"]["converge_s"].get("p50")
     http = level.get("http", {})
+    bare = level.get("bare", {})
     level["ratios"] = {
-        "converge_over_floor": ratio(conv, floor),
+        "converge_over_floor": ratio(conv, one_pair),
+        "converge_over_one_pair": ratio(conv, one_pair),
+        "converge_over_bare": ratio(
+            conv, bare.get("rollouts", {}).get("converge_s", {}).get("p50")
+        ),
+        "cpu_over_bare": ratio(
+            level["rollout_cpu"]["agents_cpu_ms_per_command"],
+            bare.get("rollout_cpu", {}).get("cpu_ms_per_command"),
+        ),
         "converge_over_http_concurrent": ratio(conv, http.get("concurrent_s", {}).get("p50")),
         "converge_over_http_sequential": ratio(conv, http.get("sequential_s", {}).get("p50")),
     }
