@@ -35,7 +35,11 @@ def write_ckpt(directory: Path, kwargs: dict[str, Any]) -> tuple[Path, float]:
 
 
 def run_section(
-    name: str, path: Path, kwargs: dict[str, Any], args: argparse.Namespace
+    name: str,
+    path: Path,
+    kwargs: dict[str, Any],
+    args: argparse.Namespace,
+    peer_settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
         out = Path(fh.name)
@@ -56,8 +60,11 @@ def run_section(
         "--section-out",
         str(out),
     ]
-    if args.mode == "quick":  # keeps --quick under 2 minutes: XLA's cold run is the full mode's
+    cmd += ["--sweep", args.mode]
+    if args.mode == "quick":  # keeps --quick short: XLA's cold runs are the full mode's
         cmd.append("--no-xla-cold")
+    if peer_settings:  # the torch section's choice of the peers' best settings, reused
+        cmd += ["--peer-settings", json.dumps(peer_settings)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if name == "xla":
         env.setdefault("PJRT_DEVICE", "CPU")
@@ -100,6 +107,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--kwargs", help=argparse.SUPPRESS)
     p.add_argument("--section-out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--no-xla-cold", dest="xla_cold", action="store_false", help=argparse.SUPPRESS)
+    p.add_argument("--sweep", default="full", help=argparse.SUPPRESS)
+    p.add_argument("--peer-settings", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.mode = mode_of(args.quick, args.tiny)
     repeats, cold = {"tiny": (1, 1), "quick": (2, 1), "full": (3, 2)}[args.mode]
@@ -153,6 +162,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "skipped": "no CUDA device (torch.cuda.is_available() is False)"
                 }
                 continue
-            result["sections"][name] = run_section(name, path, kwargs, args)
+            # XLA reuses the peers' settings the torch section chose (the same host reads); CUDA
+            # sweeps its own (its peers read to the GPU).
+            torch_section = result["sections"].get("torch", {})
+            chosen = torch_section.get("peer_settings") if name == "xla" else None
+            result["sections"][name] = run_section(name, path, kwargs, args, chosen)
     derive(result)
     return conclude(result, report(result), args.out_dir, started)

@@ -6,6 +6,7 @@ from typing import Any
 
 from bench.common import fmt, ratio, table
 from bench.reload import MB
+from bench.reload.peers import PEER_PREFIXES
 
 
 def _find(section: dict[str, Any], prefix: str, cold: bool = False) -> dict[str, Any] | None:
@@ -16,7 +17,24 @@ def _find(section: dict[str, Any], prefix: str, cold: bool = False) -> dict[str,
 
 
 def _gbps(run: dict[str, Any] | None) -> float | None:
-    return None if run is None else float(run["gbps"])
+    return None if run is None or run.get("gbps") is None else float(run["gbps"])
+
+
+def _peers(section: dict[str, Any], cold: bool) -> list[dict[str, Any]]:
+    """The section's peer rows that ran (cached or cold), fastest first."""
+    rows = [
+        run
+        for run in section.get("runs", [])
+        if run["name"].startswith(PEER_PREFIXES) and run["cold"] == cold and _gbps(run)
+    ]
+    return sorted(rows, key=lambda run: -float(run["gbps"]))
+
+
+def peer_ratios(
+    section: dict[str, Any], ours: dict[str, Any] | None, cold: bool
+) -> dict[str, float | None]:
+    """Ours over each peer that ran, keyed by the peer's row name."""
+    return {run["name"]: ratio(_gbps(ours), _gbps(run)) for run in _peers(section, cold)}
 
 
 def derive(result: dict[str, Any]) -> None:
@@ -34,6 +52,29 @@ def derive(result: dict[str, Any]) -> None:
             {"name": name, "value": value, "limit": limit, "verdict": verdict, "detail": why}
         )
 
+    def peer_target(name: str, section: dict[str, Any], ours_prefix: str, cold: bool) -> None:
+        """Ours >= 1.0x the fastest peer that ran in ``section`` (cached or cold)."""
+        ours = _find(section, ours_prefix, cold)
+        fastest = next(iter(_peers(section, cold)), None)
+        why = (
+            "no peer ran"
+            if fastest is None
+            else (
+                f"fastest peer: {fastest['name']}, {fastest['gbps']:.2f} GB/s"
+                f" vs ours {_gbps(ours) or 0:.2f} GB/s"
+            )
+        )
+        target(name, ratio(_gbps(ours), _gbps(fastest)), 1.0, why)
+
+    def limit_target(name: str, ours: float | None, limit: dict[str, Any] | None) -> None:
+        """Ours >= 0.9x the machine's limit row (best parallel memcpy, or parallel read)."""
+        why = (
+            "limit not measured"
+            if limit is None
+            else (f"{limit['name']}, {_gbps(limit) or 0:.2f} GB/s vs ours {ours or 0:.2f} GB/s")
+        )
+        target(name, ratio(ours, _gbps(limit)), 0.9, why)
+
     def memory_target(name: str, section: dict[str, Any], prefix: str, cold: bool = False) -> None:
         run = _find(section, prefix, cold)
         if run is None:
@@ -50,10 +91,19 @@ def derive(result: dict[str, Any]) -> None:
             }
         )
 
+    limit_cached = _find(cpu, "limit: parallel memcpy")
+    limit_cold = _find(cpu, "limit: parallel read", cold=True)
     if cpu.get("runs"):
         ours_c = _gbps(_find(cpu, "ours"))
         ours_cold = _gbps(_find(cpu, "ours", cold=True))
+        fastest_c = next(iter(_peers(cpu, False)), None)
+        fastest_cold = next(iter(_peers(cpu, True)), None)
         ratios["cpu"] = {
+            # issue 16: the machine's limits and the fastest of the loaders users would pick
+            "cached_over_limit": ratio(ours_c, _gbps(limit_cached)),
+            "cold_over_limit": ratio(ours_cold, _gbps(limit_cold)),
+            "cached_over_fastest_peer": ratio(ours_c, _gbps(fastest_c)),
+            "cold_over_fastest_peer": ratio(ours_cold, _gbps(fastest_cold)),
             "cached_over_memcpy": ratio(ours_c, memcpy),
             "one_reader_over_memcpy": ratio(_gbps(_find(cpu, "one reader")), memcpy),
             "one_reader_cold_over_read_cold": ratio(
@@ -80,8 +130,12 @@ def derive(result: dict[str, Any]) -> None:
                 _gbps(_find(cpu, "verified sha256", cold=True)), ours_cold
             ),
         }
-        target("CPU cached >= 0.9x memcpy", ratios["cpu"]["cached_over_memcpy"], 0.9)
-        target("CPU cold >= 0.9x sequential read", ratios["cpu"]["cold_over_read_cold"], 0.9)
+        ratios["cpu_peers_cached"] = peer_ratios(cpu, _find(cpu, "ours"), cold=False)
+        ratios["cpu_peers_cold"] = peer_ratios(cpu, _find(cpu, "ours", cold=True), cold=True)
+        peer_target("CPU cached >= 1.0x fastest peer", cpu, "ours", cold=False)
+        peer_target("CPU cold >= 1.0x fastest peer", cpu, "ours", cold=True)
+        limit_target("CPU cached >= 0.9x limit (parallel memcpy)", ours_c, limit_cached)
+        limit_target("CPU cold >= 0.9x limit (parallel read)", ours_cold, limit_cold)
         memory_target("CPU peak extra <= largest tensor + 64 MiB", cpu, "ours")
         target(
             "CPU verified (blake3) >= 0.9x unverified, cached",
@@ -105,7 +159,26 @@ def derive(result: dict[str, Any]) -> None:
             "cached_over_naive": ratio(ours_x, _gbps(_find(xla, "naive"))),
             "cold_over_read_cold": ratio(_gbps(_find(xla, "ours", cold=True)), read_cold),
         }
+        ours_xcold = _gbps(_find(xla, "ours", cold=True))
+        ratios["xla"].update(
+            {
+                "cached_over_limit": ratio(ours_x, _gbps(limit_cached)),
+                "cold_over_limit": ratio(ours_xcold, _gbps(limit_cold)),
+                "cached_over_fastest_peer": ratio(
+                    ours_x, _gbps(next(iter(_peers(xla, False)), None))
+                ),
+                "cold_over_fastest_peer": ratio(
+                    ours_xcold, _gbps(next(iter(_peers(xla, True)), None))
+                ),
+            }
+        )
+        ratios["xla_peers_cached"] = peer_ratios(xla, _find(xla, "ours"), cold=False)
+        ratios["xla_peers_cold"] = peer_ratios(xla, _find(xla, "ours", cold=True), cold=True)
         target("XLA CPU >= 0.5x memcpy", ratios["xla"]["cached_over_memcpy"], 0.5)
+        peer_target("XLA cached >= 1.0x fastest peer", xla, "ours", cold=False)
+        peer_target("XLA cold >= 1.0x fastest peer", xla, "ours", cold=True)
+        limit_target("XLA cached >= 0.9x limit (CPU parallel memcpy)", ours_x, limit_cached)
+        limit_target("XLA cold >= 0.9x limit (CPU parallel read)", ours_xcold, limit_cold)
         memory_target("XLA peak extra <= largest tensor + 64 MiB", xla, "ours")
     cuda = sections.get("cuda", {})
     if cuda.get("runs"):
@@ -122,6 +195,10 @@ def derive(result: dict[str, Any]) -> None:
         }
         target("CUDA >= 0.8x pinned H2D", ratios["cuda"]["cached_over_h2d_pinned"], 0.8)
         target("CUDA >= 1.5x naive loop", ratios["cuda"]["cached_over_naive"], 1.5)
+        ratios["cuda_peers_cached"] = peer_ratios(cuda, _find(cuda, "ours"), cold=False)
+        ratios["cuda_peers_cold"] = peer_ratios(cuda, _find(cuda, "ours", cold=True), cold=True)
+        peer_target("CUDA cached >= 1.0x fastest peer", cuda, "ours", cold=False)
+        peer_target("CUDA cold >= 1.0x fastest peer", cuda, "ours", cold=True)
         memory_target("CUDA host peak extra <= largest tensor + 64 MiB", cuda, "ours")
     result["ratios"] = ratios
     result["targets"] = targets
@@ -138,10 +215,10 @@ def report(result: dict[str, Any]) -> str:
                 run["name"],
                 "cold" if run["cold"] else "cached",
                 run["gbps"],
-                run["median_s"],
-                run["peak_extra_anon_mb"],
-                run["first_run_extra_anon_mb"],
-                run["peak_extra_file_mb"],
+                run.get("median_s"),
+                run.get("peak_extra_anon_mb"),
+                run.get("first_run_extra_anon_mb"),
+                run.get("peak_extra_file_mb"),
                 run.get("peak_extra_gpu_mb"),
             ]
             for run in section["runs"]
@@ -165,6 +242,20 @@ def report(result: dict[str, Any]) -> str:
                 ],
             )
         )
+        for run in section["runs"]:
+            if run.get("error"):
+                lines.append(
+                    f"  {run['name']} ({'cold' if run['cold'] else 'cached'}): {run['error']}"
+                )
+        limits = section.get("limits", {})
+        for key in ("memcpy_best", "pread_best"):
+            if key in limits:
+                lines.append(f"  {key.replace('_', ' ')} of {limits['cores']} cores: {limits[key]}")
+        for dist, chosen in section.get("peer_settings", {}).items():
+            lines.append(
+                f"  {dist} best settings: "
+                + ", ".join(f"{k} {v['label']}" for k, v in chosen.items())
+            )
         if "breakdown" in section:
             b = section["breakdown"]
             lines.append(
@@ -173,7 +264,10 @@ def report(result: dict[str, Any]) -> str:
             )
         lines.append("")
     for sec, values in result["ratios"].items():
-        lines.append(f"{sec}: " + ", ".join(f"{k} {fmt(v)}x" for k, v in values.items()))
+        if "_peers_" in sec:  # ours over each peer: one per line, the names are long
+            lines.extend(f"{sec}: ours / {k}: {fmt(v)}x" for k, v in values.items())
+        else:
+            lines.append(f"{sec}: " + ", ".join(f"{k} {fmt(v)}x" for k, v in values.items()))
     for t in result["targets"]:
         lines.append(
             f"target {t['name']}: {t['verdict']} ({fmt(t['value'])}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import time
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from typing import Any
 
 from bench.reload import MB
 from bench.reload.floors import h2d_baselines, memcpy_baselines, one_reader
+from bench.reload.limits import QUEUE_DEPTHS, memcpy_loaders, parallel_pread, sweep
 from bench.reload.measure import (
     load_file_state_dict,
     measure,
@@ -20,6 +22,9 @@ from bench.reload.measure import (
     runner_reload,
     sequential_read,
 )
+from bench.reload.peers import TUNABLE, Setting, load_file_copy, peer_label, unavailable
+
+Loader = Callable[[], None]
 
 
 def section_out(
@@ -59,6 +64,8 @@ def section_torch(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) 
     print(f"torch/cpu: {len(targets)} tensors, {nbytes / 1e9:.3f} GB", flush=True)
 
     runs.extend(memcpy_baselines(targets, nbytes, r))
+    out["limits"] = {"cores": cores()}
+    runs.append(memcpy_limit(targets, nbytes, r, out["limits"]))
     threads = torch.get_num_threads()
     readers = [  # (label, reload), page-cached and then cold, in this order
         ("sequential read (64 MiB buffer)", sequential_read(path)),
@@ -66,18 +73,153 @@ def section_torch(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) 
         ("one reader: the same loader, read_threads=1", one_reader(path, targets)),
         ("naive: safe_open+get_tensor+copy_", naive_loop(path, targets, nothing)),
         ("load_file + load_state_dict", load_file_state_dict(path, runner._model, nothing)),
+        ("peer: safetensors load_file + copy_", load_file_copy(path, targets, nothing)),
     ]
     verified = verified_reloads(runner, path)
     if not verified:
         out["verified"] = "skipped: model-signing (the [verify] extra) is not installed"
     readers[2:2] = verified
-    for label, fn in readers:
-        runs.append(measure(label, fn, nbytes, repeats=r, path=path))
-    for label, fn in readers if c else []:
-        runs.append(measure(label, fn, nbytes, repeats=c, path=path, cold=True))
+    peers = tuned_peers(path, targets, nothing, nbytes, args, out, cold=bool(c))
+    for label, fn in [*readers, *peers.cached]:
+        runs.append(timed(label, fn, nbytes, repeats=r, path=path))
+    if c:
+        runs.append(pread_limit(path, nbytes, c, out["limits"]))
+    for label, fn in [*readers, *peers.cold] if c else []:
+        runs.append(timed(label, fn, nbytes, repeats=c, path=path, cold=True))
+    runs.extend(peers.missing)
+    out["peer_settings"] = peers.best
     out["last_reload"] = runner.describe().extra.get("last_reload")
     runner.close()
     return out
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def timed(label: str, fn: Callable[[], object], nbytes: int, **kw: Any) -> dict[str, Any]:
+    """``measure``, but a failure (a peer's) is a row that says why, not a crashed section."""
+    try:
+        return measure(label, fn, nbytes, **kw)
+    except Exception as exc:
+        print(f"  {label:<34} failed: {exc!r}", flush=True)
+        return {"name": label, "cold": bool(kw.get("cold")), "gbps": None, "error": repr(exc)}
+
+
+def memcpy_limit(
+    targets: dict[str, Any], nbytes: int, repeats: int, limits: dict[str, Any]
+) -> dict[str, Any]:
+    """The cached limit: the model's bytes copied from resident memory into its tensors at the
+    best parallelism (limits.py), swept, then the best measured as a row."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    candidates = memcpy_loaders(targets, src, limits["cores"])
+    points = sweep(candidates, nbytes)
+    limits["memcpy_sweep"] = points
+    best = points[0]["setting"]
+    limits["memcpy_best"] = best
+    row = timed(
+        f"limit: parallel memcpy into the model ({best})",
+        dict(candidates)[best],
+        nbytes,
+        repeats=repeats,
+    )
+    del src, candidates
+    gc.collect()
+    return row
+
+
+def pread_limit(path: Path, nbytes: int, repeats: int, limits: dict[str, Any]) -> dict[str, Any]:
+    """The cold limit: the file read by k threads with preadv (queue depth k), swept, the best
+    measured as a row (page cache dropped before every run)."""
+    size = path.stat().st_size
+    candidates = [(f"preadv from {k} threads", parallel_pread(path, k)) for k in QUEUE_DEPTHS]
+    points = sweep(candidates, size, path=path, cold=True)
+    limits["pread_sweep"] = points
+    best = points[0]["setting"]
+    limits["pread_best"] = best
+    return timed(
+        f"limit: parallel read ({best}, 8 MiB ranges)",
+        dict(candidates)[best],
+        nbytes,
+        repeats=repeats,
+        path=path,
+        cold=True,
+    )
+
+
+class Peers:
+    """The tunable peers' rows: (label, loader) cached and cold, rows for the missing ones, and
+    the settings chosen (for the XLA section, which reuses them instead of sweeping again)."""
+
+    def __init__(self) -> None:
+        self.cached: list[tuple[str, Loader]] = []
+        self.cold: list[tuple[str, Loader]] = []
+        self.missing: list[dict[str, Any]] = []
+        self.best: dict[str, dict[str, Any]] = {}
+
+
+def tuned_peers(
+    path: Path,
+    targets: dict[str, Any],
+    sync: Callable[[], object],
+    nbytes: int,
+    args: argparse.Namespace,
+    out: dict[str, Any],
+    *,
+    cold: bool,
+    device: str = "cpu",
+    how: str = "",
+) -> Peers:
+    """runai-model-streamer and fastsafetensors at their defaults and at the best of their
+    documented settings: swept here (cached, and cold when ``cold``), or taken from
+    ``args.peer_settings`` (what the torch section chose) when given."""
+    peers = Peers()
+    chosen = json.loads(args.peer_settings) if getattr(args, "peer_settings", None) else None
+    sweeps = out.setdefault("peer_sweeps", {})
+    for dist, (module, settings_of, loader_of) in TUNABLE.items():
+        why = unavailable(dist, module)
+        if why is not None:
+            print(f"  peer {dist}: {why}", flush=True)
+            for is_cold in [False, True] if cold else [False]:
+                label = peer_label(dist, "defaults", how)
+                peers.missing.append({"name": label, "cold": is_cold, "gbps": None, "error": why})
+            continue
+
+        def make(s: Setting, _l: Callable[..., Loader] = loader_of) -> Loader:
+            return _l(path, targets, sync, s, device=device)
+
+        settings = settings_of(cores(), args.sweep != "full")
+        default = settings[0]
+        peers.cached.append((peer_label(dist, "defaults", how), make(default)))
+        if cold:
+            peers.cold.append((peer_label(dist, "defaults", how), make(default)))
+        if chosen is not None:
+            best = {k: Setting.from_json(v) for k, v in chosen.get(dist, {}).items()}
+        else:
+            best = {}
+            candidates = [(s.label, make(s)) for s in settings]
+            by_label = {s.label: s for s in settings}
+            sweeps[dist] = {"cached": sweep(candidates, nbytes)}
+            best["cached"] = by_label[sweeps[dist]["cached"][0]["setting"]]
+            if cold:
+                sweeps[dist]["cold"] = sweep(candidates, nbytes, path=path, cold=True)
+                best["cold"] = by_label[sweeps[dist]["cold"][0]["setting"]]
+        peers.best[dist] = {k: v.as_json() for k, v in best.items()}
+        if "cached" in best:
+            peers.cached.append(
+                (peer_label(dist, f"best: {best['cached'].label}", how), make(best["cached"]))
+            )
+        if cold and "cold" in best:
+            peers.cold.append(
+                (peer_label(dist, f"best: {best['cold'].label}", how), make(best["cold"]))
+            )
+    return peers
 
 
 #: The verified reloads' rows: the same runner, the checkpoint signed, every copied byte hashed;
@@ -182,6 +324,16 @@ def section_xla(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) ->
             path=path,
         )
     )
+    xla_cold = bool(c and args.xla_cold)
+    peers = tuned_peers(
+        path, targets, sync, nbytes, args, out, cold=xla_cold, how=" to host, copy_ to XLA"
+    )
+    host_then_device = [
+        ("peer: safetensors load_file + copy_ to XLA", load_file_copy(path, targets, sync)),
+        *peers.cached,
+    ]
+    for label, fn in host_then_device:
+        runs.append(timed(label, fn, nbytes, repeats=r, path=path))
     out["breakdown"] = xla_breakdown(path, targets, sync)
     dlpack = xla_dlpack_reader(path, targets)
     if dlpack is not None:
@@ -191,7 +343,7 @@ def section_xla(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) ->
             )
         )
         out["dlpack_matches_checkpoint"] = _matches(path, targets)
-    if c and args.xla_cold:
+    if xla_cold:
         runs.append(
             measure(
                 "ours: XlaRunner.reload_weights",
@@ -202,6 +354,15 @@ def section_xla(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) ->
                 cold=True,
             )
         )
+        cold_peers = [
+            ("naive: safe_open+get_tensor+copy_", naive_loop(path, targets, sync)),
+            (host_then_device[0][0], host_then_device[0][1]),
+            *peers.cold,
+        ]
+        for label, fn in cold_peers:
+            runs.append(timed(label, fn, nbytes, repeats=c, path=path, cold=True))
+    runs.extend(peers.missing)
+    out["peer_settings"] = peers.best
     del torch
     runner.close()
     return out
@@ -304,10 +465,23 @@ def section_cuda(path: Path, kwargs: dict[str, Any], args: argparse.Namespace) -
         ("naive: safe_open+get_tensor+copy_", naive_loop(path, targets, sync), on_gpu),
     ]
     state_dict = load_file_state_dict(path, runner._model, sync, device="cuda")
-    for label, fn, kw in [*readers, ("load_file(cuda) + load_state_dict", state_dict, on_gpu)]:
-        runs.append(measure(label, fn, nbytes, repeats=r, path=path, **kw))
-    for label, fn, kw in readers if c else []:
-        runs.append(measure(label, fn, nbytes, repeats=c, path=path, cold=True, **kw))
+    peers = tuned_peers(
+        path, targets, sync, nbytes, args, out, cold=bool(c), device="cuda", how=" to cuda"
+    )
+    readers += [
+        ("load_file(cuda) + load_state_dict", state_dict, on_gpu),
+        (
+            "peer: safetensors load_file(cuda) + copy_",
+            load_file_copy(path, targets, sync, device="cuda"),
+            on_gpu,
+        ),
+    ]
+    for label, fn, kw in [*readers, *((lb, f, on_gpu) for lb, f in peers.cached)]:
+        runs.append(timed(label, fn, nbytes, repeats=r, path=path, **kw))
+    for label, fn, kw in [*readers, *((lb, f, on_gpu) for lb, f in peers.cold)] if c else []:
+        runs.append(timed(label, fn, nbytes, repeats=c, path=path, cold=True, **kw))
+    runs.extend(peers.missing)
+    out["peer_settings"] = peers.best
     out["last_reload"] = runner.describe().extra.get("last_reload")
     runner.close()
     return out
