@@ -2,7 +2,8 @@
 # Idempotent set-up of everything the demo and the tests need, on a fresh machine or a warm one:
 # Java 17+ and Maven, Chromium and its WebDriver (Debian packages, only if missing; the browser test
 # and the dashboard benchmark drive them), uv, the Python environment in .venv (torch 2.9.0 +
-# torch_xla 2.9.0 + model-signing + Selenium + the package, editable), and Apache Kafka's jars (cached).
+# torch_xla 2.9.0 + model-signing + Selenium + the reload benchmark's peer loaders, runai-model-streamer
+# and fastsafetensors + the package, editable), and Apache Kafka's jars (cached).
 # A second run downloads nothing: uv's cache and the jar cache live under ~/.cache.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,8 +58,8 @@ source scripts/uv.sh
 if [[ ! -x .venv/bin/python ]]; then
   uv venv -q -p "$PY" .venv
 fi
-echo "setup: Python environment .venv (torch 2.9.0 + torch_xla 2.9.0, model-signing 1.1.1)"
-uv pip install -q -p .venv/bin/python -e ".[tpu,test,verify]"
+echo "setup: Python environment .venv (torch 2.9.0 + torch_xla 2.9.0, model-signing 1.1.1, the reload benchmark's peer loaders)"
+uv pip install -q -p .venv/bin/python -e ".[tpu,test,verify,bench]"
 
 echo "setup: Apache Kafka jars"
 .venv/bin/controlplane broker install
