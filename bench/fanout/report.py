@@ -80,7 +80,7 @@ def report(result: dict[str, Any]) -> str:
         "idle agents % core",
         "idle broker % core",
     ]
-    lines = [table(rows, head), "", table(rows2, head2), ""]
+    lines = [table(rows, head), "", table(rows2, head2), "", cpu_table(result["levels"]), ""]
     for failed in result.get("failed_levels", []):
         lines.append(f"N={failed['n']} failed: {failed['error']}")
     log = result.get("broker_log", {})
@@ -107,6 +107,40 @@ def report(result: dict[str, Any]) -> str:
             if prof:
                 lines += profile_lines(who, lv["n"], prof)
     return "\n".join(lines)
+
+
+def cpu_table(levels: list[dict[str, Any]]) -> str:
+    """CPU per command of each fleet over its timed rollouts, split between the processes'
+    event loops (main threads) and their other threads (runner calls, fsyncs)."""
+    rows = []
+    for lv in levels:
+        bare = lv.get("bare", {}).get("rollout_cpu", {})
+        cpu = lv["rollout_cpu"]
+        rows.append(
+            [
+                lv["n"],
+                bare.get("loop_cpu_ms_per_command"),
+                bare.get("threads_cpu_ms_per_command"),
+                cpu.get("agents_loop_cpu_ms_per_command"),
+                cpu.get("agents_threads_cpu_ms_per_command"),
+                bare.get("broker_cpu_ms_per_command"),
+                cpu["broker_cpu_ms_per_command"],
+                bare.get("follower_cpu_ms_per_rollout"),
+                cpu["follower_cpu_ms_per_rollout"],
+            ]
+        )
+    head = [
+        "N",
+        "bare loop ms/cmd",
+        "bare threads ms/cmd",
+        "agent loop ms/cmd",
+        "agent threads ms/cmd",
+        "broker ms/cmd (bare)",
+        "broker ms/cmd (agents)",
+        "follower ms/rollout (bare)",
+        "follower ms/rollout (agents)",
+    ]
+    return table(rows, head)
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import Child, cpu_seconds, ensure_topics, loadavg, ratio, summary
+from bench.common import CLK_TCK, Child, cpu_seconds, ensure_topics, loadavg, ratio, summary
 from bench.fanout import JUDGE_INTERVAL_S, OVERRIDE_KEY
 from bench.fanout.broker_probe import between, rss_mb, snapshot
 from bench.fanout.floors import measure_floor, measure_http
@@ -212,6 +212,12 @@ class Fanout:
     def cpu(self) -> float:
         return sum(c.cpu() for c in self.children)
 
+    def loop_cpu(self) -> float:
+        """CPU seconds of the children's main threads (their event loops); the rest of
+        :meth:`cpu` is their other threads' (runner calls and fsyncs in thread pools, the
+        stdin reader)."""
+        return sum(_main_thread_cpu(c.proc.pid) for c in self.children)
+
     def rss_mb(self) -> list[float]:
         """Each agent process's resident memory, MB."""
         return [round(rss_mb(c.proc.pid), 1) for c in self.children]
@@ -325,6 +331,8 @@ async def measure_level(
                 "window_s": cpu["window_s"],
                 "agents_cpu_s": cpu["cpu_s"],
                 "agents_cpu_ms_per_command": cpu["cpu_ms_per_command"],
+                "agents_loop_cpu_ms_per_command": cpu["loop_cpu_ms_per_command"],
+                "agents_threads_cpu_ms_per_command": cpu["threads_cpu_ms_per_command"],
                 "broker_cpu_ms_per_command": cpu["broker_cpu_ms_per_command"],
                 "follower_cpu_ms_per_rollout": cpu["follower_cpu_ms_per_rollout"],
                 "cores": cpu["cores"],
@@ -403,15 +411,19 @@ async def timed_rollouts(
     """``repeats`` rollouts one after another, and the CPU the fleet's processes, the broker
     and this process (the Follower) spent over them."""
     a0, b0, c0 = fan.cpu(), _broker_cpu(broker_pid), time.process_time()
+    m0 = fan.loop_cpu()
     t0 = time.perf_counter()
     runs = [await fan.rollout(i + 1, producer) for i in range(repeats)]
     elapsed = time.perf_counter() - t0
     fleet_cpu = fan.cpu() - a0
+    loop_cpu = fan.loop_cpu() - m0
     commands = repeats * fan.n
     return runs, {
         "window_s": elapsed,
         "cpu_s": fleet_cpu,
         "cpu_ms_per_command": 1e3 * fleet_cpu / commands,
+        "loop_cpu_ms_per_command": 1e3 * loop_cpu / commands,
+        "threads_cpu_ms_per_command": 1e3 * (fleet_cpu - loop_cpu) / commands,
         "broker_cpu_ms_per_command": 1e3 * (_broker_cpu(broker_pid) - b0) / commands,
         "follower_cpu_ms_per_rollout": 1e3 * (time.process_time() - c0) / repeats,
         "cores": os.cpu_count(),
@@ -443,6 +455,16 @@ def _probe_windows(snaps: dict[str, Any], commands: int) -> dict[str, Any]:
     if commits is not None:
         out["offset_commits_per_command"] = commits / max(commands, 1)
     return out
+
+
+def _main_thread_cpu(pid: int) -> float:
+    """User + system CPU seconds of a live process's main thread (``/proc/PID/task/PID``)."""
+    try:
+        stat = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat.rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def _broker_cpu(pid: int | None) -> float:
