@@ -113,7 +113,7 @@ def runai_settings(cores: int, quick: bool) -> list[Setting]:
     """The documented settings to try: readers (CONCURRENCY, default 16) x the bytes each reads
     at once (CHUNK_BYTESIZE, default 2 MiB on a file system); the first is the defaults."""
     concurrency = [2, 4, 16] if quick else sorted({2, 4, 8, 16, 32, cores, 2 * cores})
-    chunks = [2, 16] if quick else [2, 8, 32]
+    chunks = [2, 16]
     out = [Setting("defaults")]
     for c in concurrency:
         for mib in chunks:
@@ -162,12 +162,12 @@ def fastsafetensors_settings(cores: int, quick: bool) -> list[Setting]:
     """The documented knobs to try: copy threads (``max_threads``, default 16) x the bounce
     buffer (``bbuf_size_kb``, default 16 MiB); the first is the defaults."""
     threads = [1, 2, 16] if quick else sorted({1, 2, 4, 8, 16, cores})
-    bbufs = [16] if quick else [4, 16, 64]
+    pairs = [(t, 16) for t in threads]
+    if not quick:  # the bounce buffer's size, at the default thread count
+        pairs += [(16, 4), (16, 64)]
     out = [Setting("defaults")]
-    for t in threads:
-        for mib in bbufs:
-            if (t, mib) == (16, 16):
-                continue
+    for t, mib in pairs:
+        if (t, mib) != (16, 16):
             out.append(
                 Setting(
                     f"max_threads={t}, bbuf_size_kb={mib * 1024}",

@@ -61,7 +61,7 @@ def derive(result: dict[str, Any]) -> None:
             if fastest is None
             else (
                 f"fastest peer: {fastest['name']}, {fastest['gbps']:.2f} GB/s"
-                f" vs ours {_gbps(ours) or 0:.2f} GB/s"
+                f" vs ours {fmt(_gbps(ours), '.2f')} GB/s"
             )
         )
         target(name, ratio(_gbps(ours), _gbps(fastest)), 1.0, why)
@@ -71,7 +71,9 @@ def derive(result: dict[str, Any]) -> None:
         why = (
             "limit not measured"
             if limit is None
-            else (f"{limit['name']}, {_gbps(limit) or 0:.2f} GB/s vs ours {ours or 0:.2f} GB/s")
+            else (
+                f"{limit['name']}, {fmt(_gbps(limit), '.2f')} GB/s vs ours {fmt(ours, '.2f')} GB/s"
+            )
         )
         target(name, ratio(ours, _gbps(limit)), 0.9, why)
 

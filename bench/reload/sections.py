@@ -195,10 +195,6 @@ def tuned_peers(
             return _l(path, targets, sync, s, device=device)
 
         settings = settings_of(cores(), args.sweep != "full")
-        default = settings[0]
-        peers.cached.append((peer_label(dist, "defaults", how), make(default)))
-        if cold:
-            peers.cold.append((peer_label(dist, "defaults", how), make(default)))
         if chosen is not None:
             best = {k: Setting.from_json(v) for k, v in chosen.get(dist, {}).items()}
         else:
@@ -211,14 +207,16 @@ def tuned_peers(
                 sweeps[dist]["cold"] = sweep(candidates, nbytes, path=path, cold=True)
                 best["cold"] = by_label[sweeps[dist]["cold"][0]["setting"]]
         peers.best[dist] = {k: v.as_json() for k, v in best.items()}
-        if "cached" in best:
-            peers.cached.append(
-                (peer_label(dist, f"best: {best['cached'].label}", how), make(best["cached"]))
-            )
-        if cold and "cold" in best:
-            peers.cold.append(
-                (peer_label(dist, f"best: {best['cold'].label}", how), make(best["cold"]))
-            )
+        for state, rows in [("cached", peers.cached), ("cold", peers.cold if cold else None)]:
+            if rows is None:
+                continue
+            top = best.get(state)
+            if top is None or top.label == settings[0].label:  # the defaults won: one row
+                shown = "defaults" if top is None else "defaults, the best of the sweep"
+                rows.append((peer_label(dist, shown, how), make(settings[0])))
+            else:
+                rows.append((peer_label(dist, "defaults", how), make(settings[0])))
+                rows.append((peer_label(dist, f"best: {top.label}", how), make(top)))
     return peers
 
 
