@@ -21,6 +21,10 @@ async def agent_host(cfg: dict[str, Any]) -> None:
     from workers.agent.settings import WorkerSettings
     from workers.runners.fake_runner import FakeRunner
 
+    if cfg.get("what_ifs"):
+        from bench.fanout.whatif import apply_what_ifs
+
+        apply_what_ifs(cfg["what_ifs"])
     if cfg.get("fetch_wait_ms") is not None:
         # A what-if for a product change: the agent's command consumer long-polls longer.
         import workers.agent.loop

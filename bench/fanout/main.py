@@ -29,6 +29,7 @@ from bench.fanout import JUDGE_INTERVAL_S
 from bench.fanout.hosts import agent_host, bare_host, http_host
 from bench.fanout.report import report, targets
 from bench.fanout.scenario import measure_level
+from bench.fanout.whatif import WHAT_IFS
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -108,6 +109,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         action="store_true",
         help="Skip the bare workers (the fair floor: N hand-written aiokafka workers).",
     )
+    p.add_argument(
+        "--what-if",
+        action="append",
+        default=[],
+        choices=sorted(WHAT_IFS),
+        help="After the agents, the same N agents again with one line of product code changed "
+        "in their processes (bench/fanout/whatif.py; repeatable): CPU per command and converge "
+        "against the unchanged agents of the same run. 'none' changes nothing (the noise).",
+    )
     p.add_argument("--agents-child", help=argparse.SUPPRESS)
     p.add_argument("--bare-child", help=argparse.SUPPRESS)
     p.add_argument("--http-child", help=argparse.SUPPRESS)
@@ -186,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "state_dir": str(args.state_dir),
             "agent_fetch_wait_ms": args.agent_fetch_wait_ms,
             "judge": args.judge,
+            "what_ifs": args.what_if,
             "judge_interval_s": JUDGE_INTERVAL_S,
             "broker_props": args.broker_props,
             "broker_nofile": args.broker_nofile,

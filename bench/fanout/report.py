@@ -96,6 +96,8 @@ def report(result: dict[str, Any]) -> str:
     lines.append("CPU bound: N x agent CPU per command / cores, the least a rollout can take here.")
     for t in result["targets"]:
         lines.append(f"target {t['name']}: {t['verdict']} ({t['detail']})")
+    if any("what_if" in lv for lv in result["levels"]):
+        lines += ["", what_if_table(result["levels"])]
     probed = [lv for lv in result["levels"] if "broker_probe" in lv]
     if probed:
         lines += ["", broker_table(probed)]
@@ -141,6 +143,42 @@ def cpu_table(levels: list[dict[str, Any]]) -> str:
         "follower ms/rollout (agents)",
     ]
     return table(rows, head)
+
+
+def what_if_table(levels: list[dict[str, Any]]) -> str:
+    """``--what-if``: the agents with one line of product code changed, against the unchanged
+    agents and the bare workers of the same level."""
+    rows = []
+    for lv in levels:
+        for name, w in lv.get("what_if", {}).items():
+            cpu, r = w["rollout_cpu"], w["ratios"]
+            rows.append(
+                [
+                    lv["n"],
+                    name,
+                    w["kind"],
+                    w["rollouts"]["converge_s"]["p50"] * 1e3,
+                    cpu["cpu_ms_per_command"],
+                    cpu["loop_cpu_ms_per_command"],
+                    r["converge_over_agents"],
+                    r["cpu_over_agents"],
+                    r["converge_over_bare"],
+                    r["cpu_over_bare"],
+                ]
+            )
+    head = [
+        "N",
+        "what-if",
+        "kind",
+        "converge p50 ms",
+        "CPU ms/cmd",
+        "loop CPU ms/cmd",
+        "conv/agents",
+        "CPU/agents",
+        "conv/bare",
+        "CPU/bare",
+    ]
+    return "what-ifs (--what-if, bench/fanout/whatif.py):\n" + table(rows, head)
 
 
 def _ms(seconds: float | None) -> float | None:

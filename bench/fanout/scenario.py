@@ -41,10 +41,12 @@ class Fanout:
         judge: str = "cli",
         start_timeout_s: float = 600.0,
         role: str = "agents",
+        what_ifs: Sequence[str] = (),
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role {role!r} is not one of {ROLES}")
         self.role = role
+        self.what_ifs = list(what_ifs)
         self.start_timeout_s = start_timeout_s
         self.fetch_wait_ms = fetch_wait_ms
         self.judge = judge
@@ -85,8 +87,9 @@ class Fanout:
                 "state_dir": str(state_dir),
                 "heartbeat_s": self.heartbeat_s,
                 "fetch_wait_ms": self.fetch_wait_ms,
+                "what_ifs": self.what_ifs,
             }
-            log = self.log_dir / f"{self.role}-n{self.n}-p{p}.log"
+            log = self.log_dir / f"{self.role}-n{self.n}-p{p}{self._tag}.log"
             self.children.append(await Child.start("bench.fanout", f"{self.role}-child", cfg, log))
         deadline = time.monotonic() + self.start_timeout_s
         hellos = [await c.read(max(1.0, deadline - time.monotonic())) for c in self.children]
@@ -203,11 +206,15 @@ class Fanout:
             await self.rollout(10_000 + i, producer)
         files = []
         for p, c in enumerate(self.children):
-            path = out_dir / f"{self.role}-n{self.n}-p{p}.prof"
+            path = out_dir / f"{self.role}-n{self.n}-p{p}{self._tag}.prof"
             await c.send(f"profile-off {path}")
             await c.read(60)
             files.append(str(path))
         return profile_summary(files, rollouts * self.n)
+
+    @property
+    def _tag(self) -> str:
+        return "".join(f"-{w}" for w in self.what_ifs)
 
     def cpu(self) -> float:
         return sum(c.cpu() for c in self.children)
@@ -341,7 +348,9 @@ async def measure_level(
                 print(
                     f"== N={n}: profiling agents over {args.profile_rollouts} rollouts", flush=True
                 )
-                level["agent_profile"] = await fan.profile(args.profile_rollouts, producer, tmp)
+                level["agent_profile"] = await fan.profile(
+                    args.profile_rollouts, producer, _profile_dir(args, tmp)
+                )
         level["rollouts"] = rollout_summary(runs)
         print(f"== N={n}: idle CPU over {args.idle_s:.0f} s", flush=True)
         await asyncio.sleep(1.0)
@@ -364,6 +373,11 @@ async def measure_level(
         }
     finally:
         await fan.stop()
+    if args.what_if:
+        level["what_if"] = {
+            name: await measure_what_if(bootstrap, broker_pid, level, name, args, tmp)
+            for name in args.what_if
+        }
     if probe:
         level["broker_probe"] = _probe_windows(snaps, commands=args.repeats * n)
     level["loadavg_after"] = loadavg()
@@ -376,6 +390,53 @@ async def measure_bare(
 ) -> dict[str, Any]:
     """The fair floor: N bare workers in the agents' process layout, the same rollouts published
     and followed the same way; converge and CPU per command as for the agents."""
+    return await measure_fleet(bootstrap, broker_pid, n, args, tmp, "bare")
+
+
+async def measure_what_if(
+    bootstrap: str,
+    broker_pid: int | None,
+    level: dict[str, Any],
+    name: str,
+    args: argparse.Namespace,
+    tmp: Path,
+) -> dict[str, Any]:
+    """N agents with the what-if ``name`` applied in their processes, against the level's
+    unchanged agents (and bare workers)."""
+    from bench.fanout.whatif import WHAT_IFS
+
+    n = level["n"]
+    print(f"== N={n}: what-if {name}: starting {n} agents", flush=True)
+    out = await measure_fleet(bootstrap, broker_pid, n, args, tmp, "agents", [name])
+    conv = out["rollouts"]["converge_s"].get("p50")
+    cpu = out["rollout_cpu"]["cpu_ms_per_command"]
+    bare = level.get("bare", {})
+    out.update(
+        kind=WHAT_IFS[name].kind,
+        says=WHAT_IFS[name].says,
+        ratios={
+            "converge_over_agents": ratio(conv, level["rollouts"]["converge_s"].get("p50")),
+            "cpu_over_agents": ratio(cpu, level["rollout_cpu"]["agents_cpu_ms_per_command"]),
+            "converge_over_bare": ratio(
+                conv, bare.get("rollouts", {}).get("converge_s", {}).get("p50")
+            ),
+            "cpu_over_bare": ratio(cpu, bare.get("rollout_cpu", {}).get("cpu_ms_per_command")),
+        },
+    )
+    return out
+
+
+async def measure_fleet(
+    bootstrap: str,
+    broker_pid: int | None,
+    n: int,
+    args: argparse.Namespace,
+    tmp: Path,
+    role: str,
+    what_ifs: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Start N workers of ``role``, one warm-up rollout, the timed rollouts (and the profile at
+    the largest N), stop them: converge and CPU per command."""
     from controlplane.kafka.bus import Producer
 
     fan = Fanout(
@@ -387,7 +448,8 @@ async def measure_bare(
         tmp,
         judge=args.judge,
         start_timeout_s=args.start_timeout_s,
-        role="bare",
+        role=role,
+        what_ifs=what_ifs,
     )
     out: dict[str, Any] = {"loadavg_before": loadavg()}
     try:
@@ -396,9 +458,11 @@ async def measure_bare(
         async with Producer(fan.settings) as producer:
             await fan.rollout(0, producer)  # warm-up
             runs, out["rollout_cpu"] = await timed_rollouts(fan, producer, args.repeats, broker_pid)
-            if args.profile and n == max(args.n):
-                print(f"== N={n}: profiling bare workers over {args.profile_rollouts} rollouts")
-                out["profile"] = await fan.profile(args.profile_rollouts, producer, tmp)
+            if args.profile and n == max(args.n) and not what_ifs:
+                print(f"== N={n}: profiling {role} over {args.profile_rollouts} rollouts")
+                out["profile"] = await fan.profile(
+                    args.profile_rollouts, producer, _profile_dir(args, tmp)
+                )
         out["rollouts"] = rollout_summary(runs)
     finally:
         await fan.stop()
@@ -454,6 +518,15 @@ def _probe_windows(snaps: dict[str, Any], commands: int) -> dict[str, Any]:
     commits = out.get("rollouts", {}).get("requests", {}).get("OffsetCommit")
     if commits is not None:
         out["offset_commits_per_command"] = commits / max(commands, 1)
+    return out
+
+
+def _profile_dir(args: argparse.Namespace, tmp: Path) -> Path:
+    """Where the .prof files go: beside the result file (--out-dir), kept; else a temp dir."""
+    out: Path | None = args.out_dir
+    if out is None:
+        return tmp
+    out.mkdir(parents=True, exist_ok=True)
     return out
 
 
