@@ -262,6 +262,21 @@ def test_each_client_connects_as_its_own_user_with_a_password_file(
             assert not key.endswith(("SASL_PASSWORD", "API_TOKEN_FILE")), (name, key)
 
 
+def test_the_cli_in_the_coordinator_container_connects_as_the_coordinator(
+    services: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``docker compose exec coordinator controlplane ...``: the CLI's own variables in that
+    container reach the same broker, on the same topics, with the same user and files as the
+    coordinator (compose.yaml sets its bootstrap; this override its security)."""
+    env = environment(services["coordinator"])
+    cli = kafka_settings_of("cli", env, monkeypatch)
+    own = kafka_settings_of("coordinator", env, monkeypatch)
+    fields = ("bootstrap_servers", "topic_prefix", "security_protocol", "sasl_mechanism",
+              "sasl_username", "sasl_password_file", "ssl_cafile")  # fmt: skip
+    assert {f: getattr(cli, f) for f in fields} == {f: getattr(own, f) for f in fields}
+    assert cli.security_protocol == "SASL_SSL" and cli.sasl_username == USERS["coordinator"]
+
+
 def kafka_settings_of(
     name: str, env: Mapping[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> KafkaSettings:
