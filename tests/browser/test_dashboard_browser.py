@@ -161,3 +161,23 @@ async def test_an_abort_clicked_on_the_page_rolls_a_progressive_rollout_back(
         assert (body["phase"], body["code"]) == ("rolled_back", "ABORTED_BY_OPERATOR")
         canary = body["waves"][0]["workers"][0]
         assert fleet.runners[canary].history == ["v1", "v2", "v1"]
+
+
+async def test_relative_times_stay_current_between_renders(
+    kafka: KafkaSettings, page: Page
+) -> None:
+    """A row is re-rendered only when what it shows changed; its relative times ("issued 5s
+    ago", "silent since 2m ago") are kept current by the page's clock all the same. A time the
+    page did not render itself, 125 s old, reads "2m ago" without any update."""
+    async with api_of(kafka) as api:
+        await open_dashboard(page, str(api.base_url))
+        issued = await page.script(
+            "const t = document.createElement('time');"
+            "t.id = 'probe'; t.dataset.ago = new Date(Date.now() - 125000).toISOString();"
+            "t.textContent = 'as rendered'; document.body.append(t); return t.dataset.ago"
+        )
+        assert issued
+        await page.until(
+            lambda d: d.find_element("css selector", "#probe").text == "2m ago",
+            "the probe's relative time, kept current",
+        )
