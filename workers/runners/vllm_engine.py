@@ -219,10 +219,7 @@ class InProcessEngine:
             self._cond.wait_for(lambda: not self._stepping)
             aborted = 0
             if mode == "abort" and self._requests:
-                added = [rid for rid, r in self._requests.items() if r.added]
-                if added:
-                    with contextlib.suppress(Exception):
-                        self._llm.llm_engine.abort_request(added)
+                self._release([rid for rid, r in self._requests.items() if r.added])
                 for rid in list(self._requests):
                     self._finish(rid, result=Generation([], None, "abort"))
                 aborted = in_flight
@@ -290,9 +287,20 @@ class InProcessEngine:
                     self._finish(rid, result=generation)
                 if failed is not None or not engine.has_unfinished_requests():
                     why = f"vLLM failed a step: {failed}" if failed else "vLLM dropped it"
-                    for rid in [rid for rid, r in self._requests.items() if r.added]:
+                    lost = [rid for rid, r in self._requests.items() if r.added]
+                    self._release(lost)
+                    for rid in lost:
                         self._finish(rid, error=RunnerError(f"request {rid} lost: {why}"))
                 self._cond.notify_all()
+
+    def _release(self, rids: list[str]) -> None:
+        """vLLM lets go of ``rids`` (``abort_request``), requests failed or ended on our side:
+        left in vLLM's scheduler, each would hold a batch slot and its KV blocks and go on
+        generating for no caller. Best effort (a broken vLLM may refuse it too). Runs between
+        two steps (lock held)."""
+        if rids:
+            with contextlib.suppress(Exception):
+                self._llm.llm_engine.abort_request(rids)
 
     def _step(self) -> list[Any]:
         """One vLLM engine step (the loop's; tests hold it here)."""
