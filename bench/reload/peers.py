@@ -7,11 +7,12 @@ the device's sync), so every row does the same work as the runner's reload:
   of the mapping; the ``copy_`` then moves it into the parameter);
 * runai-model-streamer's ``SafetensorsStreamer`` (reads into its own CPU buffers, yields owned
   tensors), at its defaults and at the best of its documented settings
-  (``RUNAI_STREAMER_CONCURRENCY``, ``RUNAI_STREAMER_CHUNK_BYTESIZE``; docs/src/env-vars.md),
-  which the streamer reads from the environment each time one is created;
+  (``RUNAI_STREAMER_CONCURRENCY``, ``RUNAI_STREAMER_CHUNK_BYTESIZE``: docs/src/env-vars.md;
+  ``RUNAI_STREAMER_FS_STRATEGY``: the library's config header), which each new streamer reads
+  from the environment;
 * fastsafetensors' ``SafeTensorsFileLoader`` with ``nogds=True`` (reads the whole file into one
   buffer on the target device, then hands out views), at its defaults and at the best of its
-  documented knobs (``max_threads``, ``bbuf_size_kb``).
+  documented knobs (``max_threads``, ``bbuf_size_kb``, ``FASTSAFETENSORS_ODIRECT``).
 
 A peer that is not installed, or that fails, yields a row that says why instead of a time: the
 benchmark must run anywhere. The naive ``safe_open`` loop and ``load_file`` +
@@ -110,24 +111,30 @@ RUNAI = "runai-model-streamer"
 
 
 def runai_settings(cores: int, quick: bool) -> list[Setting]:
-    """The documented settings to try: readers (CONCURRENCY, default 16) x the bytes each reads
-    at once (CHUNK_BYTESIZE, default 2 MiB on a file system); the first is the defaults."""
-    concurrency = [2, 4, 16] if quick else sorted({2, 4, 8, 16, 32, cores, 2 * cores})
-    chunks = [2, 16]
+    """The settings to try; the first is the defaults. Documented in docs/src/env-vars.md:
+    readers (``RUNAI_STREAMER_CONCURRENCY``, default 16) and the bytes each reads at once
+    (``RUNAI_STREAMER_CHUNK_BYTESIZE``, default 2 MiB on a file system); in the library's
+    config header: the read strategy (``RUNAI_STREAMER_FS_STRATEGY``, 0.17's default
+    ``io_uring_direct``, which bypasses the page cache: the buffered strategies can use it).
+    Every streamer reads them when it is created, so one process can try them all."""
+    concurrency = [2, 16] if quick else sorted({2, 4, 8, 16, 32, cores, 2 * cores})
+    strategies = ["", "io_uring_buffered,sync_buffered", "sync_buffered"]
+    grid = [(st, c, 2) for st in strategies for c in concurrency] + [
+        (st, 16, 16) for st in strategies
+    ]
     out = [Setting("defaults")]
-    for c in concurrency:
-        for mib in chunks:
-            if (c, mib) == (16, 2):
-                continue  # the defaults, already first
-            out.append(
-                Setting(
-                    f"CONCURRENCY={c}, CHUNK_BYTESIZE={mib} MiB",
-                    env={
-                        "RUNAI_STREAMER_CONCURRENCY": str(c),
-                        "RUNAI_STREAMER_CHUNK_BYTESIZE": str(mib * MB),
-                    },
-                )
-            )
+    for strategy, c, mib in grid:
+        if (strategy, c, mib) == ("", 16, 2):
+            continue  # the defaults, already first
+        env = {
+            "RUNAI_STREAMER_CONCURRENCY": str(c),
+            "RUNAI_STREAMER_CHUNK_BYTESIZE": str(mib * MB),
+        }
+        label = f"CONCURRENCY={c}, CHUNK_BYTESIZE={mib} MiB"
+        if strategy:
+            env["RUNAI_STREAMER_FS_STRATEGY"] = strategy
+            label += f", FS_STRATEGY={strategy.split(',')[0]}"
+        out.append(Setting(label, env=env))
     return out
 
 
@@ -159,21 +166,25 @@ FASTSAFETENSORS = "fastsafetensors"
 
 
 def fastsafetensors_settings(cores: int, quick: bool) -> list[Setting]:
-    """The documented knobs to try: copy threads (``max_threads``, default 16) x the bounce
-    buffer (``bbuf_size_kb``, default 16 MiB); the first is the defaults."""
-    threads = [1, 2, 16] if quick else sorted({1, 2, 4, 8, 16, cores})
-    pairs = [(t, 16) for t in threads]
+    """The documented knobs to try; the first is the defaults: copy threads (``max_threads``,
+    default 16), the bounce buffer (``bbuf_size_kb``, default 16 MiB) and direct I/O
+    (``FASTSAFETENSORS_ODIRECT``, on by default for local file systems: 0 reads through the
+    page cache)."""
+    threads = [2, 16] if quick else sorted({1, 2, 4, 8, 16, cores})
+    grid = [(t, 16, odirect) for t in threads for odirect in ("", "0")]
     if not quick:  # the bounce buffer's size, at the default thread count
-        pairs += [(16, 4), (16, 64)]
+        grid += [(16, 4, ""), (16, 64, "")]
     out = [Setting("defaults")]
-    for t, mib in pairs:
-        if (t, mib) != (16, 16):
-            out.append(
-                Setting(
-                    f"max_threads={t}, bbuf_size_kb={mib * 1024}",
-                    kwargs={"max_threads": t, "bbuf_size_kb": mib * 1024},
-                )
-            )
+    for t, mib, odirect in grid:
+        if (t, mib, odirect) == (16, 16, ""):
+            continue
+        label = f"max_threads={t}, bbuf_size_kb={mib * 1024}"
+        env = {}
+        if odirect:
+            env["FASTSAFETENSORS_ODIRECT"] = odirect
+            label += f", FASTSAFETENSORS_ODIRECT={odirect}"
+        kwargs = {"max_threads": t, "bbuf_size_kb": mib * 1024}
+        out.append(Setting(label, env=env, kwargs=kwargs))
     return out
 
 
@@ -190,6 +201,10 @@ def fastsafetensors_loader(
     from fastsafetensors import SafeTensorsFileLoader
 
     def run() -> None:
+        with environ(setting.env):
+            load()
+
+    def load() -> None:
         loader = SafeTensorsFileLoader(None, device, nogds=True, **setting.kwargs)
         try:
             loader.add_filenames({0: [str(path)]})
