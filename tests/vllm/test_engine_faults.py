@@ -20,6 +20,7 @@ pytest.importorskip("vllm", reason=SKIP_REASON)
 
 from controlplane.wire.errors import RunnerError, WireCode
 from tests.vllm.conftest import ENGINES, LONG, NEW_TOKENS, SHORT, Checkpoints
+from tests.vllm.test_engines import DRAIN_TOKENS, wait_for
 from workers.runners.vllm_engine import InProcessEngine
 from workers.runners.vllm_runner import VllmRunner
 
@@ -102,3 +103,53 @@ def test_a_request_lost_to_a_failed_step_is_aborted_in_vllm_too(
     assert runner.generate(LONG, NEW_TOKENS) == ckpts.want("v1", "long")
     assert held_by_vllm(engine) == (0, 0)
     assert runner.describe().degraded is None
+
+
+# --------------------------------------------------------------------------- a dead loop
+
+
+def test_a_dead_stepping_loop_fails_every_request_pending_and_refuses_the_next(
+    runner: VllmRunner, ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stepping loop itself dies (its bookkeeping raises, outside any step) while two
+    requests are in flight: neither waits for ever, both fail RUNNER_FAILED, a later request
+    is refused at once with that code, vLLM holds nothing of them, and the runner reports
+    itself degraded (RUNNER_FAILED). A new engine (a worker restart) serves again."""
+    engine = in_process(runner)
+    step, finish = engine._step, engine._finish
+    broke = threading.Event()
+
+    def both_in_flight() -> list[Any]:
+        wait_for(lambda: len(engine._requests) >= 2)  # the short one cannot finish alone
+        return step()
+
+    def breaks_once(rid: str, **outcome: Any) -> None:
+        if outcome.get("result") is not None and not broke.is_set():
+            broke.set()
+            raise RuntimeError("the loop's bookkeeping broke (injected)")
+        finish(rid, **outcome)
+
+    monkeypatch.setattr(engine, "_step", both_in_flight)
+    monkeypatch.setattr(engine, "_finish", breaks_once)
+    try:
+        calls = [
+            Call(runner.generate, SHORT, NEW_TOKENS),
+            Call(runner.generate, SHORT, DRAIN_TOKENS),
+        ]
+        for outcome in [call.outcome() for call in calls]:
+            assert isinstance(outcome, RunnerError), outcome
+            assert outcome.code is WireCode.RUNNER_FAILED, outcome
+            assert "stepping loop died (RuntimeError: the loop's bookkeeping" in outcome.message
+        assert broke.is_set()
+        later = Call(runner.generate, SHORT, NEW_TOKENS).outcome()
+        assert isinstance(later, RunnerError) and later.code is WireCode.RUNNER_FAILED, later
+        assert held_by_vllm(engine) == (0, 0)
+        degraded = runner.describe().degraded
+        assert degraded is not None and degraded.code == "RUNNER_FAILED", degraded
+        assert "stepping loop died" in degraded.message
+    finally:
+        monkeypatch.undo()
+        runner.close()  # the worker restarts: a new engine
+        runner.load()
+    assert runner.describe().degraded is None
+    assert runner.generate(SHORT, NEW_TOKENS) == ckpts.want("v1")

@@ -8,9 +8,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import logging
 import os
 import threading
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
@@ -19,6 +21,8 @@ from controlplane.wire.errors import RunnerError, WireCode
 from controlplane.wire.messages import IDENTIFIER
 from workers.runners.vllm_config import CONFIG_SECTIONS
 from workers.runners.vllm_sidecar import Generation, PauseMode, SidecarEngine, is_loopback_url
+
+_log = logging.getLogger(__name__)
 
 #: Set (unless already set) before an in-process engine imports vllm.
 IN_PROCESS_ENV: dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
@@ -102,6 +106,7 @@ class InProcessEngine:
         self._holders = 0  # calls on vLLM running between two steps
         self._stepping = False  # the loop is in vLLM (adding, stepping), outside the lock
         self._closed = False
+        self._stopped: tuple[str, datetime] | None = None  # the loop died: why, and when
         self._loop: threading.Thread | None = None
 
     def start(self) -> bool:
@@ -183,9 +188,13 @@ class InProcessEngine:
         ended it (outputs are final-only)."""
         request = _Request(list(prompt_ids), max_tokens)
         with self._cond:
-            self._cond.wait_for(lambda: self._closed or not self._draining)
+            self._cond.wait_for(
+                lambda: self._closed or self._stopped is not None or not self._draining
+            )
             if self._closed:
                 raise RunnerError("no vLLM engine is loaded", code=WireCode.MODEL_NOT_LOADED)
+            if self._stopped is not None:
+                raise self._refusal(self._stopped[0])
             self._requests[f"fleet-{next(self._ids)}"] = request
             self._cond.notify_all()
         request.done.wait()
@@ -239,7 +248,43 @@ class InProcessEngine:
             request.result, request.error = result, error
             request.done.set()
 
+    def stopped_serving(self) -> tuple[str, datetime] | None:
+        """Why and since when nothing is served (the stepping loop died); None while it runs."""
+        with self._cond:
+            return self._stopped
+
     def _serve(self) -> None:
+        """The stepping loop's thread. Should the loop itself fail (outside a step, which fails
+        only the requests in it), nothing would step again and every caller would wait for
+        ever: instead each request pending fails, and every later one is refused, with
+        RUNNER_FAILED (:meth:`_stop_serving`)."""
+        try:
+            self._serve_steps()
+        except BaseException as exc:  # the thread's end: nothing above it would see it
+            _log.exception("the vLLM stepping loop died; the engine serves no request now")
+            self._stop_serving(f"{type(exc).__name__}: {exc}")
+
+    def _stop_serving(self, why: str) -> None:
+        """The loop is gone: fail every request pending (vLLM lets go of them), refuse later
+        ones. Touches no method the loop may have died in (``_finish``)."""
+        with self._cond:
+            self._stopped = (why, datetime.now(UTC))
+            self._stepping = False  # nothing steps any more: calls between steps may run
+            pending, self._requests = self._requests, {}
+            self._release([rid for rid, r in pending.items() if r.added])
+            for request in pending.values():
+                request.error = self._refusal(why)
+                request.done.set()
+            self._cond.notify_all()
+
+    @staticmethod
+    def _refusal(why: str) -> RunnerError:
+        return RunnerError(
+            f"vLLM's stepping loop died ({why}); this engine serves no request: restart the worker",
+            code=WireCode.RUNNER_FAILED,
+        )
+
+    def _serve_steps(self) -> None:
         """The stepping loop: adds the requests admitted, steps vLLM, hands out what finished."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind

@@ -518,9 +518,25 @@ class VllmRunner:
                 config=config,
                 config_digest=config_digest(config),
                 accepts=accepts,
-                degraded=self._degraded,
+                degraded=self._degraded or self._not_serving(engine),
                 extra=extra,
             )
+
+    def _not_serving(self, engine: Engine | None) -> DegradedInfo | None:
+        """In process, an engine whose stepping loop died serves nothing until the worker
+        restarts (a reload does not bring it back): degraded, RUNNER_FAILED (held: state)."""
+        stopped = engine.stopped_serving() if isinstance(engine, InProcessEngine) else None
+        if stopped is None:
+            return None
+        why, since = stopped
+        version = self._version or self.options.initial_version
+        return DegradedInfo(
+            code=WireCode.RUNNER_FAILED.value,
+            message=f"vLLM's stepping loop died ({why}); no request is served: restart the worker",
+            from_version=version,
+            to_version=version,
+            since=since,
+        )
 
     def generate(self, prompt_ids: list[int], max_tokens: int = 16) -> list[int]:
         """Greedy new token ids for ``prompt_ids`` (EOS ignored); refused while degraded;
