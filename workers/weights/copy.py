@@ -1,13 +1,20 @@
 """The copy engine: a checked plan of tensors, read from open files into their destinations.
 
-No second copy of the model is ever held: host-memory destinations are read straight into,
-device ones through a bounded ring of staging slots or one host tensor at a time.
+No second copy of the model is ever held: host-memory destinations are read straight into
+(chunks the page cache does not hold through one small staging slot per reader, see
+``_DirectReads``), device ones through a bounded ring of staging slots or one host tensor at a
+time.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
+import errno
+import functools
+import mmap
 import os
+import stat
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -118,7 +125,8 @@ class Copier:
     tensor boundaries, so that no reader idles at the end of a tensor waiting for the next one:
 
     * host-memory destinations (CPU tensors, host aliases of device buffers) are read straight
-      into, in ``read_chunk`` chunks;
+      into, in ``read_chunk`` chunks; a chunk the page cache does not hold is read around it
+      (``direct_cold_reads``, see ``_DirectReads``);
     * CUDA destinations are read into a ring of pinned staging slots (``staging_bytes`` in all),
       and each slot is copied to the device asynchronously as soon as its read is in, then reused
       once that copy has finished: reads overlap each other and the host-to-device copies;
@@ -135,8 +143,10 @@ class Copier:
         *,
         threads: int = 1,
         read_chunk: int = DEFAULT_READ_CHUNK_BYTES,
+        direct_cold_reads: bool = True,
     ) -> None:
         self._threads = threads
+        self._direct = _DirectReads(read_chunk) if direct_cold_reads else None
         self._read_chunk = read_chunk
         self._pool: ThreadPoolExecutor | None = None  # started by the first pooled read
         #: Reads submitted and not yet collected, in submission order: the read, the number of
@@ -166,7 +176,7 @@ class Copier:
             if self._threads > 1:
                 self._submit_direct(fd, byte_view(dst.detach()), entry)
                 return
-            read_exact(fd, byte_view(dst.detach()), entry)
+            self._read_host(fd, byte_view(dst.detach()), entry)
         elif dst.device.type == "cuda" and dst.is_contiguous():
             self.copy_staged(fd, entry, dst)
             return
@@ -218,10 +228,15 @@ class Copier:
         for start in range(0, entry.nbytes, chunk):
             while len(self._in_flight) >= self._window:
                 self._collect_oldest()
-            read = pool.submit(read_exact, fd, buf[start : start + chunk], entry, start)
+            read = pool.submit(self._read_host, fd, buf[start : start + chunk], entry, start)
             self._in_flight.append((read, 1 if start + chunk >= entry.nbytes else 0, None))
         while self._in_flight and self._in_flight[0][0].done():
             self._collect_oldest()
+
+    def _read_host(self, fd: int, buf: memoryview, entry: TensorEntry, start: int = 0) -> None:
+        """One chunk into host memory: from the page cache, or around it when it is not there."""
+        if self._direct is None or not self._direct.read(fd, buf, entry, start):
+            read_exact(fd, buf, entry, start)
 
     def _collect_oldest(self) -> None:
         read, completes, then = self._in_flight.popleft()
@@ -285,6 +300,8 @@ class Copier:
             self._pool = None
         self._wait_for_copies()  # no device copy may still read a slot that is freed
         self._slots.clear()
+        if self._direct is not None:
+            self._direct.close()  # after the readers: none is still using a slot or descriptor
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -302,3 +319,181 @@ def read_exact(fd: int, buf: memoryview, entry: TensorEntry, start: int = 0) -> 
                 f"({start + done} of {entry.nbytes} bytes read)"
             )
         done += n
+
+
+#: O_DIRECT reads start, end and land at multiples of this (the page size: a superset of the
+#: logical block sizes and DMA alignments of the disks a worker reads, 512 or 4096).
+DIRECT_ALIGN: Final = 4096
+#: mincore(2) sets the lowest bit of a page's byte when it is resident; the others are undefined.
+_RESIDENT_BIT: Final = bytes(b & 1 for b in range(256))
+
+
+class _DirectReads:
+    """Chunks that are not in the page cache, read from the disk around it (O_DIRECT).
+
+    Why: a buffered read of a cold chunk fills fresh page-cache pages and copies out of them,
+    and on the VMs measured that costs 3-7x the CPU of the copy itself (a page cache that is
+    allocated, charged and, on a ballooned guest, faulted in on the host, 4 KiB at a time;
+    docs/benchmarks.md, section 3). An O_DIRECT read lands the chunk in the reader's own staging
+    slot (at most one per reader, ``read_chunk`` + 8 KiB, reused), which is then copied into
+    place: the same one copy, minus the page cache. Chunks the page cache holds are read from
+    it as before: a re-read checkpoint stays a memcpy.
+
+    Whether a chunk is resident: mincore(2) on a read-only mapping of the file that is never
+    touched, so a file truncated meanwhile raises no SIGBUS (a short read does, as before).
+    Where the kernel does not reveal residency (a file the worker may not write nor owns), it
+    reports every page resident and every read stays buffered, as before; so does a file
+    system without O_DIRECT, and any chunk whose direct read the kernel refuses (EINVAL).
+    O_DIRECT reads are coherent with the page cache (dirty pages are written back first), and
+    the descriptor is the checked file's own, reopened through /proc (same device and inode).
+    """
+
+    def __init__(self, piece: int) -> None:
+        self._piece = piece  # the most one direct read copies (a reader's whole tensor, in pieces)
+        self._files: dict[int, _DirectFile | None] = {}
+        self._slots = threading.local()
+        self._lock = threading.Lock()
+        self._all_slots: list[mmap.mmap] = []
+
+    def read(self, fd: int, buf: memoryview, entry: TensorEntry, start: int) -> bool:
+        """Read ``buf`` from ``fd`` at the entry's ``start`` if its pages are not resident; False
+        (nothing read) where the page cache holds them, or direct reads are not possible."""
+        with self._lock:
+            if fd not in self._files:
+                self._files[fd] = _DirectFile.open(fd)
+            file = self._files[fd]
+        if file is None or file.refused or file.resident(entry.offset + start, len(buf)):
+            return False
+        slot = self._slot()
+        done = 0
+        while done < len(buf):
+            piece = buf[done : done + self._piece]
+            try:
+                got = file.read_into(slot, piece, entry.offset + start + done)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                file.refused = True  # the kernel refuses this file's direct reads: buffered ones
+                got = 0
+            done += got
+            if got < len(piece):  # refused, or the file ends inside: the buffered read names it
+                read_exact(fd, buf[done:], entry, start + done)
+                break
+        return True
+
+    def _slot(self) -> _Slot:
+        """This reader's staging slot: one piece and its alignment, made at its first use."""
+        slot: _Slot | None = getattr(self._slots, "slot", None)
+        if slot is None:
+            memory = mmap.mmap(-1, self._piece + 2 * DIRECT_ALIGN)  # page-aligned, as O_DIRECT
+            with self._lock:
+                self._all_slots.append(memory)
+            slot = self._slots.slot = _Slot(memory)
+        return slot
+
+    def close(self) -> None:
+        with self._lock:
+            for file in self._files.values():
+                if file is not None:
+                    file.close()
+            self._files.clear()
+            for memory in self._all_slots:
+                memory.close()
+            self._all_slots.clear()
+        self._slots = threading.local()
+
+
+class _Slot:
+    def __init__(self, memory: mmap.mmap) -> None:
+        self.memory = memory
+        anchor = ctypes.c_char.from_buffer(memory)
+        self.address = ctypes.addressof(anchor)
+        del anchor  # the address stays valid while ``memory`` is open; the export does not
+
+
+class _DirectFile:
+    """An O_DIRECT descriptor of a checked file and an untouched mapping of it for mincore."""
+
+    def __init__(self, fd: int, direct_fd: int, address: int, size: int) -> None:
+        self.fd = fd
+        self.direct_fd = direct_fd
+        self.address = address
+        self.size = size
+        self.refused = False
+
+    @staticmethod
+    def open(fd: int) -> _DirectFile | None:
+        """None where the platform, the file system or the file does not allow it."""
+        libc = _libc()
+        flag = getattr(os, "O_DIRECT", None)
+        if libc is None or flag is None:
+            return None
+        was = os.fstat(fd)
+        if not stat.S_ISREG(was.st_mode) or was.st_size == 0:
+            return None
+        try:
+            direct_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | flag | os.O_CLOEXEC)
+        except OSError:
+            return None  # no /proc, or no O_DIRECT on this file system
+        now = os.fstat(direct_fd)
+        address = None
+        if (now.st_dev, now.st_ino) == (was.st_dev, was.st_ino):
+            address = libc.mmap(None, was.st_size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if address in (None, ctypes.c_void_p(-1).value):
+            os.close(direct_fd)
+            return None
+        return _DirectFile(fd, direct_fd, address, was.st_size)
+
+    def resident(self, offset: int, nbytes: int) -> bool:
+        """Whether every page of the range is in the page cache (True where mincore cannot
+        tell: beyond the size mapped, or an error)."""
+        if offset + nbytes > self.size:
+            return True
+        first = offset - offset % mmap.PAGESIZE
+        pages = -(-(offset + nbytes - first) // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        libc = _libc()
+        if libc is None or libc.mincore(self.address + first, offset + nbytes - first, vec):
+            return True
+        return b"\x00" not in bytes(vec).translate(_RESIDENT_BIT)
+
+    def read_into(self, slot: _Slot, buf: memoryview, offset: int) -> int:
+        """Read the aligned span around ``offset`` into ``slot``, copy ``buf``'s part of it into
+        ``buf``; the bytes of ``buf`` filled (fewer where the file ends first)."""
+        first = offset - offset % DIRECT_ALIGN
+        end = -(-(offset + len(buf)) // DIRECT_ALIGN) * DIRECT_ALIGN
+        with memoryview(slot.memory) as view:
+            got = os.preadv(self.direct_fd, [view[: end - first]], first)
+        filled = max(0, min(got - (offset - first), len(buf)))
+        if filled:
+            anchor = ctypes.c_char.from_buffer(buf)
+            ctypes.memmove(ctypes.addressof(anchor), slot.address + offset - first, filled)
+            del anchor
+        return filled
+
+    def close(self) -> None:
+        libc = _libc()
+        if libc is not None:
+            libc.munmap(self.address, self.size)
+        os.close(self.direct_fd)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """libc's mmap, munmap and mincore (none on platforms without them)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    except (OSError, AttributeError):
+        return None
+    return libc
