@@ -8,6 +8,7 @@ it on checkpoint v1, serving, as it found it.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -19,10 +20,22 @@ from tests.vllm.conftest import SKIP_REASON
 pytest.importorskip("vllm", reason=SKIP_REASON)
 
 from controlplane.wire.errors import RunnerError, WireCode
+from controlplane.wire.protocol import ReloadWeightsSpec
 from tests.vllm.conftest import ENGINES, LONG, NEW_TOKENS, SHORT, Checkpoints
-from tests.vllm.test_engines import DRAIN_TOKENS, wait_for
+from tests.vllm.test_engines import (
+    DRAIN_TOKENS,
+    HELD_TOKENS,
+    drain_spec,
+    fail_inside_vllm,
+    held_request,
+    hold_until_drain,
+    request,
+    wait_for,
+)
+from workers.demo.tiny_llama import hf_greedy
 from workers.runners.vllm_engine import InProcessEngine
 from workers.runners.vllm_runner import VllmRunner
+from workers.runners.vllm_sidecar import Generation, SidecarEngine
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -153,3 +166,78 @@ def test_a_dead_stepping_loop_fails_every_request_pending_and_refuses_the_next(
         runner.load()
     assert runner.describe().degraded is None
     assert runner.generate(SHORT, NEW_TOKENS) == ckpts.want("v1")
+
+
+# --------------------------------------------------------------------------- a failed restore
+
+
+def fail_reload_and_restore(
+    runner: VllmRunner, ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch
+) -> RunnerError:
+    """A reload v1 -> v2 with drain keep whose load fails inside vLLM (mid-load), and whose
+    restore of v1 fails too (its directory gone): the error (WEIGHTS_CORRUPTED)."""
+    fail_inside_vllm(runner, ckpts, monkeypatch)
+    monkeypatch.setattr(runner, "_loaded_dir", ckpts.root / "vanished-before-the-restore")
+    with pytest.raises(RunnerError) as caught:
+        runner.reload_weights(drain_spec(ckpts.v2, "v2", "keep"), ckpts.v2)
+    assert caught.value.code is WireCode.WEIGHTS_CORRUPTED, caught.value
+    assert "'v1!degraded'" in caught.value.message
+    return caught.value
+
+
+def recover(runner: VllmRunner, ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Patches undone, a good reload of v1: not degraded, serving v1 again."""
+    monkeypatch.undo()
+    runner.reload_weights(ReloadWeightsSpec(path=str(ckpts.v1), version="v1"), ckpts.v1)
+    assert runner.describe().degraded is None and runner.vllm_weight_version() == "v1"
+    assert runner.generate(SHORT, NEW_TOKENS) == ckpts.want("v1")
+
+
+def test_a_failed_restore_aborts_the_requests_a_keep_drain_held_in_process(
+    runner: VllmRunner, ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two requests in flight are frozen by drain keep; the reload and its restore both fail:
+    serving resumes (labelled degraded), but the two frozen requests end aborted (no token from
+    the broken weights) instead of going on on them, and vLLM holds nothing of them; the
+    runner's own generate refuses (WEIGHTS_CORRUPTED). A good reload recovers."""
+    engine = in_process(runner)
+    held = hold_until_drain(runner, monkeypatch, 2)
+    calls = [Call(request, runner, SHORT, DRAIN_TOKENS) for _ in range(2)]
+    try:
+        assert held.wait(120), "two requests were never in flight together"
+        error = fail_reload_and_restore(runner, ckpts, monkeypatch)
+        assert "the requests the drain held were aborted (2)" in error.message, error
+        assert [call.outcome() for call in calls] == [Generation([], None, "abort")] * 2
+        assert not engine._paused and not engine._draining  # serving resumed
+        assert held_by_vllm(engine) == (0, 0)
+        assert runner.vllm_weight_version() == "v1!degraded"
+        refused = Call(runner.generate, SHORT, NEW_TOKENS).outcome()
+        assert isinstance(refused, RunnerError), refused
+        assert refused.code is WireCode.WEIGHTS_CORRUPTED, refused
+    finally:
+        recover(runner, ckpts, monkeypatch)
+
+
+async def test_a_failed_restore_aborts_the_request_a_keep_drain_held_on_a_sidecar(
+    runner: VllmRunner, ckpts: Checkpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sidecar: a request held in flight (vLLM's scheduler frozen), a reload with drain keep,
+    the reload and the restore both fail: vLLM's ``/pause?mode=abort`` on the paused server
+    aborts the held request (its stream ends, finish reason abort, its tokens all v1's), then
+    serving resumes, labelled degraded. A good reload recovers."""
+    if runner.options.mode != "sidecar":
+        pytest.skip("in process: the test above")
+    refs = await asyncio.to_thread(hf_greedy, ckpts.v1, SHORT, HELD_TOKENS)
+    held = await held_request(runner)
+    try:
+        await asyncio.to_thread(fail_reload_and_restore, runner, ckpts, monkeypatch)
+        out = await asyncio.to_thread(held.finish)
+        assert out.finish_reason == "abort", out
+        cut = len(out.token_ids)
+        assert 0 < cut < HELD_TOKENS and out.token_ids == refs[:cut], out
+        assert out.weight_versions == [("v1", 0, cut)], out  # nothing from the broken weights
+        engine = runner._engine
+        assert isinstance(engine, SidecarEngine) and not engine.client.is_paused()
+        assert runner.vllm_weight_version() == "v1!degraded"
+    finally:
+        await asyncio.to_thread(recover, runner, ckpts, monkeypatch)

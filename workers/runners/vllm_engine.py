@@ -227,12 +227,27 @@ class InProcessEngine:
             self._paused = True
             self._cond.wait_for(lambda: not self._stepping)
             aborted = 0
-            if mode == "abort" and self._requests:
-                self._release([rid for rid, r in self._requests.items() if r.added])
-                for rid in list(self._requests):
-                    self._finish(rid, result=Generation([], None, "abort"))
-                aborted = in_flight
+            if mode == "abort":
+                aborted = self._abort_all()
             return in_flight, aborted
+
+    def abort_held(self, timeout_s: float) -> int:
+        """Drained (between :meth:`pause` and :meth:`resume`): end every request the engine
+        still holds as drain mode abort ends them (finish reason ``abort``, vLLM lets go of
+        them), so that none goes on after :meth:`resume`: after a reload that left weights of
+        no version, a request kept frozen (drain mode keep) must not generate on them. Returns
+        how many. ``timeout_s``: unused in process (nothing to wait for)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._stepping)
+            return self._abort_all()
+
+    def _abort_all(self) -> int:
+        """Every request admitted ends now, finish reason ``abort`` (lock held, not stepping)."""
+        self._release([rid for rid, r in self._requests.items() if r.added])
+        aborted = list(self._requests)
+        for rid in aborted:
+            self._finish(rid, result=Generation([], None, "abort"))
+        return len(aborted)
 
     def resume(self) -> None:
         with self._cond:

@@ -392,18 +392,29 @@ class VllmRunner:
                     f"vLLM failed to reload {version!r} ({reason}); restored {from_version!r}",
                     code=WireCode.RUNNER_FAILED,
                 ) from exc
-            # Serving resumes (the drain's exit) on weights of no known version: vLLM's own label
-            # says so, on every output from now on, until a reload succeeds.
+            # Serving resumes (the drain's exit) on weights of no known version: nothing the
+            # drain held goes on on them, and vLLM's own label says so on every output from now
+            # on, until a reload succeeds.
+            held = self._abort_held(engine)
             marker = degraded_label(from_version or version)
             with contextlib.suppress(Exception):
                 engine.set_weight_version(marker)
             raise self._corrupted(
                 f"vLLM failed to reload {version!r} ({reason}) and restoring {from_version!r} "
-                f"failed too; serving resumed under vLLM weight version {marker!r} (no version): "
-                "reload a version to recover",
+                f"failed too; {held}; serving resumed under vLLM weight version {marker!r} "
+                "(no version): reload a version to recover",
                 from_version,
                 version,
             ) from exc
+
+    def _abort_held(self, engine: Engine) -> str:
+        """Abort what the drain holds (drain mode keep froze it, or it queued since) before
+        serving resumes on weights of no version; says what happened, for the error."""
+        try:
+            aborted = engine.abort_held(self.options.request_timeout_s)
+        except Exception as exc:
+            return f"aborting the requests the drain held failed ({failure_reason(exc)})"
+        return f"the requests the drain held were aborted ({aborted})"
 
     def _restore(self, engine: Engine, from_dir: Path, from_version: str | None) -> bool:
         try:

@@ -419,6 +419,13 @@ class SidecarEngine:
             return 0, 0
         return before.drained(after, mode)
 
+    def abort_held(self, timeout_s: float) -> int:
+        """Paused: vLLM's ``/pause?mode=abort`` ends every request it holds (those a ``keep``
+        pause froze, those queued since), each with finish reason ``abort``; vLLM stays paused
+        until :meth:`resume`. After a reload that left weights of no version: nothing it held
+        goes on on them. Returns how many vLLM counted aborted (0 without its metrics)."""
+        return self.pause("abort", timeout_s)[1]
+
     def resume(self) -> None:
         self.client.resume()
 
