@@ -5,7 +5,8 @@
   threads each copying a contiguous slice of the bytes (``copy_`` releases the GIL), for k up to
   the cores (powers of two, and the core count);
 * cold: reading the file's bytes with ``os.preadv`` from k threads (k = queue depth 1..16), each
-  taking the next 8 MiB range into a reused buffer of its own, after dropping the page cache.
+  taking the next 8 MiB range into a reused buffer of its own, after dropping the page cache;
+  buffered, and with O_DIRECT (which the loader and both tunable peers use for cold reads).
 
 Each k is timed once (its sweep is stored); the best is then measured as a row like the others.
 """
@@ -13,6 +14,7 @@ Each k is timed once (its sweep is stored); the best is then measured as a row l
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 import threading
 import time
@@ -127,14 +129,19 @@ def _sliced(slices: list[list[tuple[Any, Any]]]) -> Loader:
     return run
 
 
-def parallel_pread(path: Path, k: int) -> Loader:
-    """The whole file read with ``preadv`` from k threads, 8 MiB ranges taken in file order."""
+def parallel_pread(path: Path, k: int, direct: bool = False) -> Loader:
+    """The whole file read with ``preadv`` from k threads, 8 MiB ranges taken in file order;
+    with ``direct``, through O_DIRECT (page-aligned buffers; the last range rounded up to the
+    buffer and cut short by the end of the file), which skips filling the page cache."""
     size = path.stat().st_size
     ranges = [(off, min(READ_CHUNK, size - off)) for off in range(0, size, READ_CHUNK)]
-    buffers = [bytearray(READ_CHUNK) for _ in range(k)]
+    if direct:
+        ranges = [(off, READ_CHUNK) for off, _ in ranges]
+    buffers = [mmap.mmap(-1, READ_CHUNK) for _ in range(k)]  # page-aligned, as O_DIRECT needs
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
 
     def run() -> None:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, flags)
         counter = itertools.count()  # next() on a count is atomic under the GIL
 
         def work(i: int) -> None:
@@ -145,6 +152,8 @@ def parallel_pread(path: Path, k: int) -> Loader:
                 while got < n:
                     r = os.preadv(fd, [view[got:n]], off + got)
                     if r <= 0:
+                        if off + got >= size:
+                            break  # O_DIRECT's rounded-up last range
                         raise OSError(f"short read at {off + got} of {path}")
                     got += r
 

@@ -138,7 +138,11 @@ def pread_limit(path: Path, nbytes: int, repeats: int, limits: dict[str, Any]) -
     """The cold limit: the file read by k threads with preadv (queue depth k), swept, the best
     measured as a row (page cache dropped before every run)."""
     size = path.stat().st_size
-    candidates = [(f"preadv from {k} threads", parallel_pread(path, k)) for k in QUEUE_DEPTHS]
+    candidates = [
+        (f"preadv{' O_DIRECT' if direct else ''} from {k} threads", parallel_pread(path, k, direct))
+        for direct in (False, True)
+        for k in QUEUE_DEPTHS
+    ]
     points = sweep(candidates, size, path=path, cold=True)
     limits["pread_sweep"] = points
     best = points[0]["setting"]

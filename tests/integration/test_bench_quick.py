@@ -120,7 +120,7 @@ def test_reload_quick(tmp_path: Path, pytestconfig: pytest.Config) -> None:
     assert ("limit: parallel read", True) in rows
     limits = cpu["limits"]
     assert limits["memcpy_best"] and limits["pread_best"] and limits["cores"] >= 1
-    assert len(limits["pread_sweep"]) == 5  # queue depths 1, 2, 4, 8, 16
+    assert len(limits["pread_sweep"]) == 10  # queue depths 1, 2, 4, 8, 16; buffered, O_DIRECT
     for cold in (False, True):
         assert ("peer: safetensors load_file + copy_", cold) in rows
         for dist in ("runai-model-streamer", "fastsafetensors"):
