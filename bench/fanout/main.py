@@ -152,6 +152,9 @@ async def run(args: argparse.Namespace, broker: Broker, result: dict[str, Any]) 
         resource.prlimit(broker.pid, resource.RLIMIT_NOFILE, (args.broker_nofile,) * 2)
     with tempfile.TemporaryDirectory(prefix="bench-fanout-") as tmp_name:
         tmp = Path(tmp_name)
+        if args.out_dir is not None:  # the children's logs are kept beside the results
+            tmp = args.out_dir / f"fanout-logs-{time.strftime('%Y%m%d-%H%M%S')}"
+            tmp.mkdir(parents=True, exist_ok=True)
         levels, failed = [], []
         for n in args.n:
             try:
