@@ -149,8 +149,13 @@ def runai_loader(
 ) -> Loader:
     """``SafetensorsStreamer.stream_file`` to ``device``; each yielded tensor ``copy_``'d into
     the model (on CUDA the streamer's tensors are already on the GPU: a device-to-device copy)."""
+    import logging
+
     import torch
     from runai_model_streamer import SafetensorsStreamer
+
+    # Its INFO lines (ring size, throughput) once per load; torch_xla's logging set-up shows them.
+    logging.getLogger("runai_model_streamer").setLevel(logging.WARNING)
 
     def run() -> None:
         with environ(setting.env), torch.no_grad(), SafetensorsStreamer() as streamer:
