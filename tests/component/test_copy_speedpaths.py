@@ -34,7 +34,7 @@ def direct_supported(path: Path) -> bool:
 
 
 def evict(path: Path) -> bool:
-    """Drop ``path`` from the page cache; whether it is out (tmpfs keeps it)."""
+    """Drop ``path`` from the page cache; whether all of it is out (tmpfs keeps it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -43,7 +43,7 @@ def evict(path: Path) -> bool:
         if file is None:
             return False
         try:
-            return not file.resident(0, os.fstat(fd).st_size)
+            return copy_engine._cached_pages(fd, 0, os.fstat(fd).st_size) == 0
         finally:
             file.close()
     finally:
@@ -100,10 +100,11 @@ def test_a_dropped_file_is_read_directly_and_a_cached_one_from_the_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Residency decides: a reload of a file in the page cache makes no direct read; once the
-    file is evicted, its chunks are read directly (but those the header's read-ahead brought
-    back into the cache)."""
+    file is evicted, a tensor the header's read-ahead did not bring back is read directly.
+    (Small tensors next to the header may be back in the cache, and a buffered read's own
+    read-ahead may bring back what follows it: those are read from the cache.)"""
     path = tmp_path / "m.safetensors"
-    src = {**odd_sizes(), "large": torch.randn(4 * 1024 * 1024 // 4)}  # 4 MiB: 64 chunks
+    src = {**odd_sizes(), "large": torch.randn(4 * 1024 * 1024 // 4)}  # 4 MiB, last in file
     write_safetensors(path, src)
     spy = DirectSpy(monkeypatch, all_cold=False)
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
@@ -112,8 +113,8 @@ def test_a_dropped_file_is_read_directly_and_a_cached_one_from_the_cache(
     if not (direct_supported(path) and evict(path)):
         pytest.skip("this file system keeps the file cached or has no O_DIRECT")
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
-    load(path, dst, read_threads=2, read_chunk_bytes=64 * 1024)
-    assert len(spy.reads) >= 32, "most chunks were cold"
+    load(path, dst, read_threads=1)  # one residency check per tensor: 'large' is cold
+    assert len(spy.reads) >= 1
     assert all(torch.equal(dst[k].view(torch.uint8), src[k].view(torch.uint8)) for k in src)
 
 
@@ -121,8 +122,9 @@ def test_a_dropped_file_is_read_directly_and_a_cached_one_from_the_cache(
 def test_a_file_truncated_mid_copy_is_weights_corrupted_not_sigbus(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forced: bool
 ) -> None:
-    """The residency mapping is made before the cut and never touched: the cut shows as a short
-    direct read, finished by the buffered read that names the byte where the file ends."""
+    """Cut after the direct descriptor is open: the cut shows as a short direct read (nothing is
+    mapped, so nothing can raise SIGBUS), finished by the buffered read that names the byte
+    where the file ends."""
     path = tmp_path / "m.safetensors"
     write_safetensors(path, odd_sizes())
     with open_checkpoint(path) as ckpt:
@@ -130,7 +132,7 @@ def test_a_file_truncated_mid_copy_is_weights_corrupted_not_sigbus(
     cut = big.offset + big.nbytes // 2 + 123
 
     def truncate(done: int, total: int) -> None:
-        if done == 2:  # tiny and odd are in (read, the mapping made); big is next
+        if done == 2:  # tiny and odd are in (the direct descriptor open); big is next
             os.truncate(path, cut)
 
     if forced:
