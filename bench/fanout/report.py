@@ -113,7 +113,9 @@ def report(result: dict[str, Any]) -> str:
 
 def cpu_table(levels: list[dict[str, Any]]) -> str:
     """CPU per command of each fleet over its timed rollouts, split between the processes'
-    event loops (main threads) and their other threads (runner calls, fsyncs)."""
+    event loops (main threads) and their other threads (runner calls, fsyncs); the agents' also
+    less their idle rate over the window (heartbeats and long-polls, which grow with the
+    rollouts' length, not with the commands)."""
     rows = []
     for lv in levels:
         bare = lv.get("bare", {}).get("rollout_cpu", {})
@@ -121,6 +123,8 @@ def cpu_table(levels: list[dict[str, Any]]) -> str:
         rows.append(
             [
                 lv["n"],
+                cpu.get("agents_cpu_ms_per_command_less_idle"),
+                lv["ratios"].get("cpu_less_idle_over_bare"),
                 bare.get("loop_cpu_ms_per_command"),
                 bare.get("threads_cpu_ms_per_command"),
                 cpu.get("agents_loop_cpu_ms_per_command"),
@@ -133,6 +137,8 @@ def cpu_table(levels: list[dict[str, Any]]) -> str:
         )
     head = [
         "N",
+        "agent CPU less idle ms/cmd",
+        "less idle/bare",
         "bare loop ms/cmd",
         "bare threads ms/cmd",
         "agent loop ms/cmd",

@@ -344,6 +344,7 @@ async def measure_level(
                 snaps["after_rollouts"] = await asyncio.to_thread(snapshot, broker_pid)
             level["rollout_cpu"] = {
                 "window_s": cpu["window_s"],
+                "commands": cpu["commands"],
                 "agents_cpu_s": cpu["cpu_s"],
                 "agents_cpu_ms_per_command": cpu["cpu_ms_per_command"],
                 "agents_loop_cpu_ms_per_command": cpu["loop_cpu_ms_per_command"],
@@ -492,6 +493,7 @@ async def timed_rollouts(
     commands = repeats * fan.n
     return runs, {
         "window_s": elapsed,
+        "commands": commands,
         "cpu_s": fleet_cpu,
         "cpu_ms_per_command": 1e3 * fleet_cpu / commands,
         "loop_cpu_ms_per_command": 1e3 * loop_cpu / commands,
@@ -561,7 +563,19 @@ def _derive(level: dict[str, Any]) -> None:
     conv = level["rollouts"]["converge_s"].get("p50")
     http = level.get("http", {})
     bare = level.get("bare", {})
+    cpu = level["rollout_cpu"]
+    # The agents' time-driven CPU (heartbeats, fetch long-polls) at the idle rate, taken out: what
+    # is left is what the commands cost, comparable across rollouts of different lengths (the
+    # bare workers have no heartbeats; their idle fetches are left in).
+    idle_s = level.get("idle", {}).get("agents_pct_core", 0.0) / 100 * cpu["window_s"]
+    cpu["agents_cpu_ms_per_command_less_idle"] = (
+        1e3 * (cpu["agents_cpu_s"] - idle_s) / cpu["commands"]
+    )
     level["ratios"] = {
+        "cpu_less_idle_over_bare": ratio(
+            cpu["agents_cpu_ms_per_command_less_idle"],
+            bare.get("rollout_cpu", {}).get("cpu_ms_per_command"),
+        ),
         "converge_over_floor": ratio(conv, one_pair),
         "converge_over_one_pair": ratio(conv, one_pair),
         "converge_over_bare": ratio(
