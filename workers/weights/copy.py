@@ -331,9 +331,9 @@ class _DirectReads:
     """Chunks that are not in the page cache, read from the disk around it (O_DIRECT).
 
     Why: a buffered read of a cold chunk fills fresh page-cache pages and copies out of them,
-    and on the VMs measured that costs 3-7x the CPU of the copy itself (a page cache that is
-    allocated, charged and, on a ballooned guest, faulted in on the host, 4 KiB at a time;
-    docs/benchmarks.md, section 3). An O_DIRECT read lands the chunk in the reader's own staging
+    and on the VM measured that cost 3-17x the CPU of the same copy from cached pages (0.5-3.4
+    against 0.19 core-s per GiB: fresh pages, which a ballooned guest's host faults in on
+    first touch; docs/benchmarks.md, section 3, "Where the loader's time goes"). An O_DIRECT read lands the chunk in the reader's own staging
     slot (at most one per reader, ``read_chunk`` + 8 KiB, reused), which is then copied into
     place: the same one copy, minus the page cache. Chunks the page cache holds are read from
     it as before: a re-read checkpoint stays a memcpy.
@@ -477,7 +477,7 @@ class _DirectFile:
 
 def _cached_pages(fd: int, offset: int, nbytes: int) -> int | None:
     """How many pages of the range the page cache holds (cachestat(2): one step per folio, a
-    tenth of mincore's cost on large folios); None where the kernel does not say (before 6.5,
+    sixth of mincore's cost per GiB here); None where the kernel does not say (before 6.5,
     or a file the caller neither owns nor may write: EPERM)."""
     syscall = _syscall()
     if syscall is None:
