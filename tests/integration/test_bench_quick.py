@@ -78,6 +78,23 @@ def test_fanout_quick(tmp_path: Path, pytestconfig: pytest.Config) -> None:
         assert number(level["idle"]["agents_pct_core"])
         assert number(level["rollout_cpu"]["agents_cpu_ms_per_command"])
         assert {"converge_over_floor", "converge_over_http_concurrent"} <= level["ratios"].keys()
+        # The fair floor (issue 16): N bare aiokafka workers in the agents' process layout,
+        # judged by the same Follower.
+        bare = level["bare"]
+        assert bare["workers"]["processes"] == level["agents"]["processes"]
+        for key in ("converge_s", "last_ack_s", "ack_s", "publish_s"):
+            assert {"p50", "p99", "max"} <= bare["rollouts"][key].keys(), key
+        assert bare["rollouts"]["ack_s"]["n"] == level["n"] * data["parameters"]["repeats"]
+        assert number(bare["rollout_cpu"]["cpu_ms_per_command"])
+        ratios = {"converge_over_bare", "cpu_over_bare", "cpu_less_idle_over_bare"}
+        assert ratios | {"converge_over_one_pair"} <= level["ratios"].keys()
+        assert number(level["ratios"]["converge_over_bare"])
+    top = max(data["levels"], key=lambda lv: lv["n"])
+    assert number(top["ratios"]["cpu_over_bare"])  # not at N=1: 10 ms CPU ticks can give 0
+    names = [t["name"] for t in data["targets"]]
+    assert any(n.startswith("converge <= 1.5x the bare workers'") for n in names)
+    assert any(n.startswith("agent CPU per command <= 1.5x the bare workers'") for n in names)
+    assert {t["verdict"] for t in data["targets"]} <= {"met", "missed", "n/a", "reported"}
 
 
 @pytest.mark.kafka
