@@ -1,5 +1,6 @@
-"""The copy engine's cold path: chunks the page cache does not hold are read with O_DIRECT into a
-reader's staging slot and copied into place (workers/weights/copy.py, ``_DirectReads``).
+"""The copy engine's cold path (opt-in): chunks the page cache does not hold are read with
+O_DIRECT into a reader's staging slot and copied into place (workers/weights/copy.py,
+``_DirectReads``).
 
 Where the file system has no O_DIRECT (tmpfs on older kernels) the same loads must come out the
 same through the buffered path; the assertions about direct reads are made only where it has.
@@ -22,6 +23,32 @@ from tests.component.conftest import load
 from tests.component.test_loaders import odd_sizes, reader_threads
 from workers.demo.checkpoints import write_safetensors
 from workers.weights.loaders import open_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def direct_cold_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path is opt-in (``FLEET_WORKER_DIRECT_COLD_READS=1``): on for these tests."""
+    monkeypatch.setenv(copy_engine.DIRECT_COLD_READS_ENV, "1")
+
+
+def test_cold_chunks_are_read_through_the_page_cache_unless_the_worker_opts_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By default every chunk is a buffered read, cold or not: workers of one host share what
+    one of them read. Opted in, the same cold chunks are read directly."""
+    path = tmp_path / "m.safetensors"
+    src = odd_sizes()
+    write_safetensors(path, src)
+    spy = DirectSpy(monkeypatch, all_cold=True)
+    monkeypatch.delenv(copy_engine.DIRECT_COLD_READS_ENV)
+    load(path, {k: torch.zeros_like(v) for k, v in src.items()}, read_threads=2)
+    assert spy.reads == []
+    monkeypatch.setenv(copy_engine.DIRECT_COLD_READS_ENV, "1")
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    load(path, dst, read_threads=2)
+    if direct_supported(path):
+        assert spy.reads
+    assert all(torch.equal(dst[k].view(torch.uint8), src[k].view(torch.uint8)) for k in src)
 
 
 def direct_supported(path: Path) -> bool:

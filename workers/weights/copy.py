@@ -1,9 +1,9 @@
 """The copy engine: a checked plan of tensors, read from open files into their destinations.
 
 No second copy of the model is ever held: host-memory destinations are read straight into
-(chunks the page cache does not hold through one small staging slot per reader, see
-``_DirectReads``), device ones through a bounded ring of staging slots or one host tensor at a
-time.
+(where the worker opts in, chunks the page cache does not hold through one small staging slot
+per reader, see ``_DirectReads``), device ones through a bounded ring of staging slots or one
+host tensor at a time.
 """
 
 from __future__ import annotations
@@ -126,8 +126,8 @@ class Copier:
     tensor boundaries, so that no reader idles at the end of a tensor waiting for the next one:
 
     * host-memory destinations (CPU tensors, host aliases of device buffers) are read straight
-      into, in ``read_chunk`` chunks; a chunk the page cache does not hold is read around it
-      (``direct_cold_reads``, see ``_DirectReads``);
+      into, in ``read_chunk`` chunks; opted in, a chunk the page cache does not hold is read
+      around it (``direct_cold_reads``, see ``_DirectReads``);
     * CUDA destinations are read into a ring of pinned staging slots (``staging_bytes`` in all),
       and each slot is copied to the device asynchronously as soon as its read is in, then reused
       once that copy has finished: reads overlap each other and the host-to-device copies;
@@ -144,9 +144,11 @@ class Copier:
         *,
         threads: int = 1,
         read_chunk: int = DEFAULT_READ_CHUNK_BYTES,
-        direct_cold_reads: bool = True,
+        direct_cold_reads: bool | None = None,
     ) -> None:
         self._threads = threads
+        if direct_cold_reads is None:
+            direct_cold_reads = direct_cold_reads_enabled()
         self._direct = _DirectReads(read_chunk) if direct_cold_reads else None
         self._read_chunk = read_chunk
         self._pool: ThreadPoolExecutor | None = None  # started by the first pooled read
@@ -320,6 +322,21 @@ def read_exact(fd: int, buf: memoryview, entry: TensorEntry, start: int = 0) -> 
                 f"({start + done} of {entry.nbytes} bytes read)"
             )
         done += n
+
+
+#: Set to "1" to read chunks the page cache does not hold with O_DIRECT (``_DirectReads``).
+DIRECT_COLD_READS_ENV: Final = "FLEET_WORKER_DIRECT_COLD_READS"
+
+
+def direct_cold_reads_enabled() -> bool:
+    """Whether cold chunks are read around the page cache: off unless the worker's environment
+    says ``FLEET_WORKER_DIRECT_COLD_READS=1``. Off by default because a chunk read directly
+    never enters the page cache: several workers of one host (one per GPU) reloading the same
+    checkpoint would each read it from the disk, where buffered reads fetch it once and share
+    it; so would a worker rolled back to a checkpoint it read before. On a host with one
+    worker, and checkpoints read once, it saves 2-4x the CPU of a cold reload
+    (docs/benchmarks.md, section 3c)."""
+    return os.environ.get(DIRECT_COLD_READS_ENV, "") == "1"
 
 
 #: O_DIRECT reads start, end and land at multiples of this (the page size: a superset of the
