@@ -180,11 +180,11 @@ def settings_of(
     """The Kafka settings of compose service ``name``, from its environment on this machine."""
     service = deployment.services[name]
     env = environment(service)
-    (user,) = [
+    (user,) = {  # the coordinator's container names its file twice: its own, the CLI's
         Path(v).stem
         for v in env.values()
         if v.startswith(f"{CLIENT_SECRETS}/") and v.endswith(".password")
-    ]
+    }
     return kafka_settings_of(
         name, {k: deployment.relocate(v, user) for k, v in env.items()}, monkeypatch
     )
