@@ -498,19 +498,30 @@ STREAMS = 6
 
 
 def stream_all(
-    runner: VllmRunner, count: int, max_tokens: int
+    runner: VllmRunner, count: int, max_tokens: int, *, freeze: bool = False
 ) -> tuple[list[Generation], Callable[[], None]]:
     """``count`` requests streamed at once, one thread each; returns their results (filled as
-    they finish) and a join(). Waits until four of them are streaming tokens."""
+    they finish) and a join(). Waits until four of them are streaming tokens; with ``freeze``,
+    the first token seen freezes vLLM's scheduler (``/pause?mode=keep``, from that stream's own
+    thread) and it waits for that instead: what vLLM holds then stays in flight."""
     results: list[Generation] = []
     errors: list[BaseException] = []
     streaming: set[int] = set()
+    frozen = threading.Event()
+    freezing = threading.Lock()
+    client = SidecarClient(runner.options.base_url)
+
+    def seen(index: int) -> None:
+        streaming.add(index)
+        if freeze and not frozen.is_set():
+            with freezing:
+                if not frozen.is_set():
+                    client.pause("keep", timeout_s=60)
+                    frozen.set()
 
     def one(index: int) -> None:
         try:
-            results.append(
-                request(runner, SHORT, max_tokens, on_tokens=lambda: streaming.add(index))
-            )
+            results.append(request(runner, SHORT, max_tokens, on_tokens=lambda: seen(index)))
         except BaseException as exc:  # the test's result
             errors.append(exc)
 
@@ -523,7 +534,10 @@ def stream_all(
             thread.join(timeout=300)
         assert errors == [], errors
 
-    wait_for(lambda: len(streaming) >= 4 or len(results) == count)
+    if freeze:
+        wait_for(lambda: frozen.is_set() or len(results) == count)
+    else:
+        wait_for(lambda: len(streaming) >= 4 or len(results) == count)
     return results, join
 
 
@@ -535,13 +549,15 @@ def test_an_abort_reload_aborts_the_streams_in_flight_and_counts_them(
     abort comes. Every request vLLM held when the pause landed ends with finish reason abort
     (a v1 prefix; none if it was queued), the rest are one version, and the drain's counts are
     vLLM's: aborted is exactly the responses aborted, in_flight at least that. All requests may
-    have finished before the pause reached vLLM (nothing to abort): tried again, three times
-    at most."""
+    have finished before the pause reached vLLM (nothing to abort; on a quiet machine vLLM
+    streams 480 tokens faster than a reload reaches its pause): tried again, twice as they
+    come, then three times frozen by the first token seen (``stream_all(freeze=True)``), so
+    that vLLM surely holds requests when the reload's drain lands."""
     if runner.options.mode != "sidecar":
         pytest.skip("the in-process engine's counts are exact (the test above)")
-    for attempt in range(1, 4):
+    for attempt in range(1, 6):
         TIMINGS["sidecar_abort_streams_attempts"] = attempt
-        results, join = stream_all(runner, STREAMS, HELD_TOKENS)
+        results, join = stream_all(runner, STREAMS, HELD_TOKENS, freeze=attempt > 2)
         try:
             result = runner.reload_weights(drain_spec(ckpts.v2, "v2", "abort"), ckpts.v2)
         finally:
@@ -561,7 +577,7 @@ def test_an_abort_reload_aborts_the_streams_in_flight_and_counts_them(
             if out.finish_reason != "abort":
                 one_version(out, held_refs)
         return
-    raise AssertionError("every request finished before the reload's pause, three times")
+    raise AssertionError("every request finished before the reload's pause, five times")
 
 
 @pytest.mark.kafka
