@@ -221,6 +221,16 @@ def sidecar_engine(
 ENGINES = {"in_process": in_process_engine, "sidecar": sidecar_engine}
 
 
+@pytest.fixture(scope="module", params=list(ENGINES))
+def runner(
+    request: pytest.FixtureRequest, ckpts: Checkpoints, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmRunner]:
+    """One engine per shape and test module: pytest runs each shape's tests together and stops
+    that engine (and the sidecar's server) before it starts the next."""
+    with ENGINES[request.param](ckpts, tmp_path_factory) as engine:
+        yield engine
+
+
 # --------------------------------------------------------------------------- agent
 
 

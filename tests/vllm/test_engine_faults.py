@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,7 +20,7 @@ pytest.importorskip("vllm", reason=SKIP_REASON)
 
 from controlplane.wire.errors import RunnerError, WireCode
 from controlplane.wire.protocol import ReloadWeightsSpec
-from tests.vllm.conftest import ENGINES, LONG, NEW_TOKENS, SHORT, Checkpoints
+from tests.vllm.conftest import LONG, NEW_TOKENS, SHORT, Checkpoints
 from tests.vllm.test_engines import (
     DRAIN_TOKENS,
     HELD_TOKENS,
@@ -38,14 +37,6 @@ from workers.runners.vllm_runner import VllmRunner
 from workers.runners.vllm_sidecar import Generation, SidecarEngine
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
-
-
-@pytest.fixture(scope="module", params=list(ENGINES))
-def runner(
-    request: pytest.FixtureRequest, ckpts: Checkpoints, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VllmRunner]:
-    with ENGINES[request.param](ckpts, tmp_path_factory) as engine:
-        yield engine
 
 
 def in_process(runner: VllmRunner) -> InProcessEngine:

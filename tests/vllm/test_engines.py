@@ -13,7 +13,7 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,6 @@ from controlplane.wire.messages import DrainPolicy
 from controlplane.wire.protocol import Ack, AckState, ReloadWeightsSpec, UpdateConfigSpec
 from tests.fleet import acks_tail, heartbeats_tail, latest, make_command, settled, terminal
 from tests.vllm.conftest import (
-    ENGINES,
     LONG,
     NEW_TOKENS,
     SHORT,
@@ -46,14 +45,6 @@ from workers.runners.vllm_runner import VllmRunner
 from workers.runners.vllm_sidecar import Generation, SidecarClient, SidecarEngine
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
-
-
-@pytest.fixture(scope="module", params=list(ENGINES))
-def runner(
-    request: pytest.FixtureRequest, ckpts: Checkpoints, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VllmRunner]:
-    with ENGINES[request.param](ckpts, tmp_path_factory) as engine:
-        yield engine
 
 
 async def generate(runner: VllmRunner, prompt: list[int] = SHORT) -> list[int]:
