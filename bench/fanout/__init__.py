@@ -34,7 +34,7 @@ requests, offset commits and fetches, and the same for the bare workers.
     .venv/bin/python -m bench.fanout --quick            # N in 1, 10, 50   (< 2 minutes)
     .venv/bin/python -m bench.fanout                    # N in 1, 10, 100, 500
     .venv/bin/python -m bench.fanout --n 100 --repeats 30 --profile
-    .venv/bin/python -m bench.fanout --n 50 --no-http --what-if none --what-if done-delivery
+    .venv/bin/python -m bench.fanout --n 50 --no-http --what-if none --what-if no-result-beat
 
 ``--what-if NAME`` (:mod:`bench.fanout.whatif`) starts the same N agents again with one line of
 product code changed in their processes: what a step costs, or what a change would save.

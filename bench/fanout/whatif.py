@@ -1,5 +1,5 @@
 """What-ifs for the agent, applied in an agent process only (``--what-if NAME``): each replaces
-one line of product code, as written in :data:`PATCHES`, by recompiling the function from its
+one line of product code, as written in :data:`WHAT_IFS`, by recompiling the function from its
 source. Nothing in ``workers/`` or ``controlplane/`` is edited: a what-if measures what a change
 there would save (CPU per command, converge) against the unchanged agents of the same run.
 
@@ -40,36 +40,6 @@ WHAT_IFS: dict[str, WhatIf] = {
         "the unchanged agents again, after the others: how far two fleets of the same agents "
         "differ in one run (this machine's noise)",
         (),
-    ),
-    "done-delivery": WhatIf(
-        "proposal",
-        "an ack whose delivery is already confirmed (the 2nd and 3rd acks of one request) is "
-        "taken at once: no unless_stopped tasks, no timeout and shield around a done future",
-        (
-            Patch(
-                "workers.agent.outbox",
-                "AckOutbox.publish",
-                "if await self._stop.unless_stopped(deliveries[0].wait(limit)) is None:\n"
-                "    continue  # a stop came: its deadline bounds the waits from now on",
-                "if deliveries[0].done:\n"
-                "    await deliveries[0].wait(limit)\n"
-                "elif await self._stop.unless_stopped(deliveries[0].wait(limit)) is None:\n"
-                "    continue  # a stop came: its deadline bounds the waits from now on",
-            ),
-            Patch(
-                "controlplane.kafka.producer",
-                "Delivery.wait",
-                "try:\n"
-                "    async with asyncio.timeout(timeout_s):\n"
-                "        meta = await asyncio.shield(self._future)",
-                "try:\n"
-                "    if self._future.done():\n"
-                "        meta = self._future.result()\n"
-                "    else:\n"
-                "      async with asyncio.timeout(timeout_s):\n"
-                "        meta = await asyncio.shield(self._future)",
-            ),
-        ),
     ),
     "no-progress-acks": WhatIf(
         "attribution",

@@ -49,8 +49,11 @@ class Delivery:
         a coded BusError when the producer gave up on it (then it was not written)."""
         with translate(f"publishing to {self.topic}"):
             try:
-                async with asyncio.timeout(timeout_s):
-                    meta = await asyncio.shield(self._future)
+                if self._future.done():  # confirmed already (acks sent in one request)
+                    meta = self._future.result()
+                else:
+                    async with asyncio.timeout(timeout_s):
+                        meta = await asyncio.shield(self._future)
             except TimeoutError:
                 raise BusError(
                     f"publishing to {self.topic}: not confirmed within {timeout_s:g} s; "

@@ -141,6 +141,38 @@ async def test_unless_stopped_gives_the_result_or_none_once_stopped() -> None:
     await asyncio.wait_for(stop.sleep(3600.0), 60.0)  # returns at once once stopped
 
 
+async def test_one_stop_ends_every_unless_stopped_wait_and_leaves_no_task_behind() -> None:
+    stop = StopSignal(drain_timeout_s=1.0)
+    never = asyncio.Event()
+    calls = [asyncio.ensure_future(stop.unless_stopped(never.wait())) for _ in range(3)]
+    await asyncio.sleep(0)
+    # This test, and per wait its own task and its call's: the three race one shared stop
+    # future, not a task each.
+    assert len(asyncio.all_tasks()) == 1 + 3 * 2
+    stop.request()
+    assert await asyncio.gather(*calls) == [None, None, None]
+    assert asyncio.all_tasks() == {asyncio.current_task()}  # the calls were cancelled, unwound
+
+
+def test_unless_stopped_works_in_each_event_loop_the_signal_meets() -> None:
+    stop = StopSignal(drain_timeout_s=1.0)
+
+    async def value() -> int:
+        return 7
+
+    assert asyncio.run(stop.unless_stopped(value())) == 7
+    assert asyncio.run(stop.unless_stopped(value())) == 7  # a second loop: a new stop future
+
+    async def stopped_meanwhile() -> object:
+        never = asyncio.Event()
+        waiting = asyncio.ensure_future(stop.unless_stopped(never.wait()))
+        await asyncio.sleep(0)
+        stop.request()
+        return await waiting
+
+    assert asyncio.run(stopped_meanwhile()) is None
+
+
 def test_the_view_says_degraded_before_stopping() -> None:
     view = WorkerView()
     assert view.device == "unknown"

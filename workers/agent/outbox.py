@@ -124,7 +124,9 @@ class AckOutbox:
                             await producer.submit(topic, value, key=key, timeout_s=limit)
                         )
                     queued = True
-                    if await self._stop.unless_stopped(deliveries[0].wait(limit)) is None:
+                    if deliveries[0].done:  # confirmed with an earlier one: never suspends
+                        await deliveries[0].wait(limit)
+                    elif await self._stop.unless_stopped(deliveries[0].wait(limit)) is None:
                         continue  # a stop came: its deadline bounds the waits from now on
                 except BusError as exc:
                     self._failed(exc, began, timed_out=limit)

@@ -56,6 +56,9 @@ class StopSignal:
         self.stopped_at: float | None = None
         self._event = asyncio.Event()
         self._wakeups: list[asyncio.Event] = []
+        # Resolved by request(): what :meth:`unless_stopped` races its call against (one
+        # future for every call, not a task per call; made on first use, in the running loop).
+        self._stopped: asyncio.Future[None] | None = None
 
     def request(self) -> None:
         """Stop (once): set the signal and every wake-up registered with :meth:`add_wakeup`."""
@@ -64,6 +67,8 @@ class StopSignal:
             self._event.set()
             for wakeup in self._wakeups:
                 wakeup.set()
+            if self._stopped is not None and not self._stopped.done():
+                self._stopped.set_result(None)
 
     def is_set(self) -> bool:
         return self._event.is_set()
@@ -104,15 +109,21 @@ class StopSignal:
         if self._event.is_set():
             return await call
         task = asyncio.ensure_future(call)
-        stop = asyncio.ensure_future(self._event.wait())
+        race: set[asyncio.Future[Any]] = {task, self._stop_future()}
         try:
-            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(race, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            stop.cancel()
             if not task.done():
                 task.cancel()
         await asyncio.wait({task})  # when cancelled above: until it has unwound
         return None if task.cancelled() else task.result()
+
+    def _stop_future(self) -> asyncio.Future[None]:
+        """The future request() resolves, of the running loop (a new one for a new loop)."""
+        loop = asyncio.get_running_loop()
+        if self._stopped is None or self._stopped.get_loop() is not loop:
+            self._stopped = loop.create_future()
+        return self._stopped
 
 
 @dataclass
