@@ -245,14 +245,14 @@ def verified_reloads(runner: Any, path: Path) -> list[tuple[str, Callable[[], No
         import model_signing  # noqa: F401
     except ImportError:
         return []
-    import tempfile
 
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
     from workers.weights.oms import SIGN_SHARD_BYTES, load_model_trust, sign_checkpoint
 
-    keys = Path(tempfile.mkdtemp(prefix="bench-reload-keys-"))
+    keys = path.parent.parent / "signing-keys"  # in the run's temporary folder, removed with it
+    keys.mkdir(exist_ok=True)
     key = ec.generate_private_key(ec.SECP256R1())
     (keys / "k.pem").write_bytes(
         key.private_bytes(
