@@ -102,7 +102,10 @@ class Demo:
                     signal.pause()
             return code
         except ControlPlaneError as exc:
-            self.out.print(f"[red]demo failed: {exc.code}: {exc.message}[/]")
+            # Not markup: a message may hold brackets ("[kafka] ...", a path, "[/]").
+            self.out.print(
+                f"demo failed: {exc.code}: {exc.message}", style="red", markup=False, soft_wrap=True
+            )
             return 1
         finally:
             self._shutdown()
