@@ -105,6 +105,7 @@ def report(result: dict[str, Any]) -> str:
         for who, prof in (
             ("bare worker", lv.get("bare", {}).get("profile")),
             ("agent", lv.get("agent_profile")),
+            ("idle agent", lv.get("agent_idle_profile")),
         ):
             if prof:
                 lines += profile_lines(who, lv["n"], prof)
@@ -195,11 +196,12 @@ def profile_lines(who: str, n: int, prof: dict[str, Any]) -> list[str]:
     """One cProfile summary: the top functions by own time, and calls per command."""
     top = [[x["function"], x["calls"], x["tottime_s"], x["cumtime_s"]] for x in prof["top_tottime"]]
     calls = prof.get("calls_per_command", {})
+    per = prof.get("per", "command")
     return [
         f"\n{who} profile at N={n} (CPU time of the event loops, "
-        f"{prof['cpu_ms_per_command']} ms per command):",
+        f"{prof['cpu_ms_per_command']} ms per {per}):",
         table(top, ["function (by tottime)", "calls", "tottime s", "cumtime s"]),
-        "per command, calls and cumulative CPU ms: "
+        f"per {per}, calls and cumulative CPU ms: "
         + ", ".join(
             f"{name} {per:g} ({ms:g} ms)" for name, (per, ms) in calls.items() if per >= 0.01
         ),

@@ -199,9 +199,7 @@ class Fanout:
 
     async def profile(self, rollouts: int, producer: Any, out_dir: Path) -> dict[str, Any]:
         """cProfile of the agent processes' event loops over ``rollouts`` extra rollouts."""
-        for c in self.children:
-            await c.send("profile-on")
-            await c.read(60)
+        await self._profile_on()
         error = None
         try:
             for i in range(rollouts):
@@ -209,16 +207,36 @@ class Fanout:
         except (RuntimeError, TimeoutError) as exc:  # the level's other figures still stand
             error = repr(exc)
             print(f"   profiling stopped: {error}", flush=True)
-        files = []
-        for p, c in enumerate(self.children):
-            path = out_dir / f"{self.role}-n{self.n}-p{p}{self._tag}.prof"
-            await c.send(f"profile-off {path}")
-            await c.read(60)
-            files.append(str(path))
+        files = await self._profile_off(out_dir, "")
         summary = profile_summary(files, rollouts * self.n)
         if error is not None:
             summary["error"] = error  # fewer commands than counted: per-command figures too low
         return summary
+
+    async def profile_idle(self, seconds: float, out_dir: Path) -> dict[str, Any]:
+        """cProfile of the idle processes' event loops over ``seconds``: what an idle agent
+        spends its CPU on (heartbeats, long-polls, the clients' own timers). Its per-"command"
+        figures are per agent-second."""
+        await self._profile_on()
+        await asyncio.sleep(seconds)
+        files = await self._profile_off(out_dir, "-idle")
+        summary = profile_summary(files, max(1, round(seconds * self.n)))
+        summary["per"] = "agent-second"
+        return summary
+
+    async def _profile_on(self) -> None:
+        for c in self.children:
+            await c.send("profile-on")
+            await c.read(60)
+
+    async def _profile_off(self, out_dir: Path, suffix: str) -> list[str]:
+        files = []
+        for p, c in enumerate(self.children):
+            path = out_dir / f"{self.role}-n{self.n}-p{p}{self._tag}{suffix}.prof"
+            await c.send(f"profile-off {path}")
+            await c.read(60)
+            files.append(str(path))
+        return files
 
     @property
     def _tag(self) -> str:
@@ -380,6 +398,11 @@ async def measure_level(
             "broker_pct_core": 100 * (b1 - b0) / (t1 - t0) if broker_pid else None,
             "heartbeat_s": args.heartbeat_s,
         }
+        if args.profile and n == max(args.n):  # after the measured window: profiling inflates it
+            print(f"== N={n}: profiling idle agents over {args.idle_s:.0f} s", flush=True)
+            level["agent_idle_profile"] = await fan.profile_idle(
+                args.idle_s, _profile_dir(args, tmp)
+            )
     finally:
         await fan.stop()
     if args.what_if:
