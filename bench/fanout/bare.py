@@ -7,7 +7,8 @@ with the client settings that matter for what it promises (as in ``controlplane.
   assigned by hand under the worker's own group (``Topics.worker_group``, never joined), read
   ``read_committed``, from the committed offset or else the head of the log; the same fetch
   settings as the agent's consumer (``fetch_max_wait_ms`` 3000, ``max_partition_fetch_bytes``
-  2 MiB, ``getmany`` of at most 16 records with a 0.5 s timeout);
+  2 MiB, the background fetcher polling every 3 s (``consumer_timeout_ms``), ``getmany`` of at
+  most 16 records with a 5 s timeout);
 * acks: ``acks=all``, idempotent, no linger, keyed by worker id (one partition per worker, in
   order), one terminal ``succeeded`` ack per command, awaited until the cluster confirms it;
 * then the next offset is committed (a worker that restarts resumes after what it acked).
@@ -25,10 +26,12 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-#: The agent's consumer settings (``workers.agent.loop``: ``fetch_max_wait_ms=3000``, and the
-#: command loop's ``fetch(timeout_s=0.5, max_records=16)``).
+#: The agent's consumer settings (``workers.agent.loop``: ``fetch_max_wait_ms=3000``,
+#: ``fetcher_poll_ms=3000``, and the command loop's ``fetch(timeout_s=COMMAND_WAIT_S,
+#: max_records=16)``).
 FETCH_MAX_WAIT_MS = 3000
-FETCH_TIMEOUT_MS = 500
+FETCHER_POLL_MS = 3000
+FETCH_TIMEOUT_MS = 5000
 MAX_RECORDS = 16
 MAX_PARTITION_FETCH_BYTES = 2 * 1024 * 1024
 
@@ -55,6 +58,7 @@ class BareWorker:
             auto_offset_reset="earliest",
             max_partition_fetch_bytes=MAX_PARTITION_FETCH_BYTES,
             fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
+            consumer_timeout_ms=FETCHER_POLL_MS,
             isolation_level="read_committed",
         )
         self.producer = AIOKafkaProducer(

@@ -90,6 +90,8 @@ async def bare_host(cfg: dict[str, Any]) -> None:
     _say({"ready": len(workers), "start_s": round(time.perf_counter() - started, 3)})
     await _serve_stdin()
     stop.set()
+    for task in tasks:  # each may be waiting up to FETCH_TIMEOUT_MS for a command
+        task.cancel()
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
     await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)

@@ -55,7 +55,12 @@ class Consumer(ClientLifecycle):
         group_id: str | None = None,
         max_partition_fetch_bytes: int = 2 * 1024 * 1024,
         fetch_max_wait_ms: int = 100,
+        fetcher_poll_ms: int = 200,
     ) -> None:
+        """``fetcher_poll_ms``: how often aiokafka's background fetcher wakes when nothing
+        happens (its ``consumer_timeout_ms``). It wakes anyway when a fetch returns, on a seek,
+        an assignment or a metadata change, so a consumer of partitions assigned by hand (no
+        rebalances to notice) loses nothing with a longer one, and saves CPU while idle."""
         self._consumer = AIOKafkaConsumer(
             **client_options(settings),
             group_id=group_id,
@@ -63,6 +68,7 @@ class Consumer(ClientLifecycle):
             auto_offset_reset="earliest",
             max_partition_fetch_bytes=max_partition_fetch_bytes,
             fetch_max_wait_ms=fetch_max_wait_ms,
+            consumer_timeout_ms=fetcher_poll_ms,
             isolation_level="read_committed",
         )
         self._finish_bootstrap_when_cancelled(self._consumer._client)

@@ -94,6 +94,21 @@ async def test_stop_drains_in_flight_and_sends_a_last_heartbeat(
     assert runner.applied == ["v-drain"]
 
 
+async def test_an_idle_agent_waits_for_commands_without_polling_and_a_stop_ends_the_wait(
+    kafka: KafkaSettings, tmp_path: Path, weights: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The command loop's fetch waits as long as it is allowed (an hour here): a command ends
+    the wait as it lands, twice over, and a stop ends it at once (else the agent would not stop
+    within agent_running's 60 s)."""
+    monkeypatch.setattr(agent_module, "COMMAND_WAIT_S", 3600.0)
+    runner = RecordingRunner()
+    async with acks_tail(kafka) as acks, running_agent(kafka, tmp_path, runner):
+        for version in ("v2", "v3"):
+            await settled(kafka, acks, reload(weights, version))
+    # run() returned: the stop ended the hour-long wait for a third command.
+    assert runner.applied == ["v2", "v3"]
+
+
 async def test_a_quick_command_needs_no_busy_heartbeat_and_its_end_sends_one(
     kafka: KafkaSettings, tmp_path: Path, weights: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -64,6 +64,10 @@ from workers.agent.trust import TrustGate
 from workers.runners.base import Runner
 from workers.weights.paths import resolve_weights_path
 
+#: How long one fetch of commands waits for a record (the broker answers as soon as one lands;
+#: a stop ends the wait at once): how often an idle agent's command loop goes round.
+COMMAND_WAIT_S = 5.0
+
 
 @dataclass(frozen=True)
 class RunSession:
@@ -159,6 +163,8 @@ class Agent:
                     # poll costs no latency, while a short one costs a request per idle worker
                     # every 100 ms (docs/benchmarks.md, idle CPU of the agents).
                     fetch_max_wait_ms=3000,
+                    # Partition 0, assigned by hand: nothing for the fetcher to poll for.
+                    fetcher_poll_ms=3000,
                 ) as consumer,
             ):
                 session = self._session(journal, producer, consumer)
@@ -424,11 +430,18 @@ class Agent:
     async def _command_loop(self, session: RunSession) -> None:
         while not self._stop.is_set():
             try:
-                records = await session.consumer.fetch(timeout_s=0.5, max_records=16)
+                # A long wait for the next command, ended at once by a stop: an idle agent's
+                # loop goes round every COMMAND_WAIT_S, not twice a second (idle CPU, 500 agents
+                # a host in bench.fanout).
+                records = await self._stop.unless_stopped(
+                    session.consumer.fetch(timeout_s=COMMAND_WAIT_S, max_records=16)
+                )
             except BusError as exc:
                 self._fetch_failed(exc)
                 await self._stop.sleep(1.0)
                 continue
+            if records is None:
+                break  # stopped while waiting
             if self._unreachable_since is not None:
                 self._log(
                     logging.WARNING,
