@@ -17,7 +17,7 @@ import os
 import stat
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Final, cast
@@ -35,6 +35,29 @@ READ_WINDOW_CHUNKS_PER_THREAD = 4
 
 #: Called with (tensors copied, tensors to copy): once when copying begins, then after each tensor.
 Progress = Callable[[int, int], None]
+
+
+#: Readers of a reload whose checkpoint is mostly not in the page cache, when the caller did not
+#: choose: a disk wants several reads in flight (kernel readahead gives each reader a few).
+#: Measured on the 2-core VM, 1 GB cold, medians of 3: 1.31 GB/s with 2 readers, 1.88 with 4,
+#: 1.71 with 8; from the page cache 4 readers cost ~6% against 2, so cached reloads keep
+#: :func:`default_read_threads` (docs/benchmarks.md, section 3c).
+COLD_READ_THREADS = 4
+
+
+def readers_for(fds: Iterable[int], readers: int) -> int:
+    """``readers``, or at least :data:`COLD_READ_THREADS` when less than half of the files'
+    pages are in the page cache (cachestat(2), one call per file; where the kernel does not say,
+    ``readers``)."""
+    pages = cached = 0
+    for fd in fds:
+        size = os.fstat(fd).st_size
+        resident = _cached_pages(fd, 0, size)
+        if resident is None:
+            return readers
+        pages += -(-size // mmap.PAGESIZE)
+        cached += resident
+    return max(readers, COLD_READ_THREADS) if 2 * cached < pages else readers
 
 
 def default_read_threads() -> int:

@@ -39,6 +39,7 @@ from workers.weights.copy import (
     copy_plan,
     default_read_threads,
     read_exact,
+    readers_for,
 )
 from workers.weights.oms import (
     ModelTrust,
@@ -305,7 +306,8 @@ class PreparedCheckpoint:
         elif verify_first and (self._changed_files() or not self.bytes_verified):
             self.verify_bytes(cancel)  # the model untouched until these bytes are right
         copy_started = time.perf_counter()
-        copier = Copier(staging_bytes, flush=sync, threads=readers, read_chunk=read_chunk_bytes)
+        copiers = readers if read_threads is not None else readers_for(ckpt.fds.values(), readers)
+        copier = Copier(staging_bytes, flush=sync, threads=copiers, read_chunk=read_chunk_bytes)
         if self.digests is None:
             copy_plan(ckpt, plan, copier, version, from_version, cancel, progress, sync)
         else:
